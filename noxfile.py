@@ -1,0 +1,59 @@
+"""nox sessions. They run in the current interpreter (``venv_backend="none"``): this project's machines
+cannot download interpreters, and torch is installed once (``pip install torch==2.13.0`` on CPU).
+
+    nox -s tests          # CPU suite, Triton kernels through the interpreter
+    nox -s gpu            # same suite on CUDA with compiled Triton, plus GPU-only checks
+    nox -s bench          # kernel + model benchmarks -> bench/results/<device>-*.json
+    nox -s lint           # ruff + mypy
+    nox -s quality        # small quality sweep on SmolLM2 (full sweep: nox -s quality -- --full)
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["tests", "lint"]
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    if session.posargs and "--no-install" in session.posargs:
+        return
+    session.run("python", "-m", "pip", "install", "-q", "-e", f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """CPU test suite (what CI runs)."""
+    _install(session, "test")
+    session.run("python", "-m", "pytest", "-q", *[a for a in session.posargs if a != "--no-install"],
+                env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """The suite on CUDA (compiled Triton), with the heavier Hypothesis profile."""
+    _install(session, "test")
+    session.run("python", "-m", "pytest", "-q", *[a for a in session.posargs if a != "--no-install"],
+                env={"KVPOLICIES_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0", "HYPOTHESIS_PROFILE": "gpu"})
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Kernel and generation benchmarks with pytest-benchmark; JSON under bench/results/."""
+    _install(session, "test")
+    session.run("python", "bench/run.py", *[a for a in session.posargs if a != "--no-install"])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff + mypy."""
+    session.run("ruff", "check", "src", "tests", "bench", "noxfile.py")
+    session.run("mypy", "src")
+
+
+@nox.session(default=False)
+def quality(session: nox.Session) -> None:
+    """Quality under compression on SmolLM2: a quick sweep, or the full one with ``-- --full``."""
+    _install(session, "eval")
+    session.run("python", "-m", "kvmodels.eval", *[a for a in session.posargs if a != "--no-install"])

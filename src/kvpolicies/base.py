@@ -1,0 +1,135 @@
+"""The three policy roles and the statistics they read.
+
+A policy is a frozen dataclass: its fields are its parameters, validated in ``__post_init__`` with
+errors that name the parameter. Policies carry no tensors and no state; the cache
+(``kvmodels.cache.PagedKVCache``) holds the state and asks the policy what to do. See
+``docs/contract.md`` §3–§5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+Role = Literal["eviction", "budget", "merge"]
+ROLES: tuple[Role, ...] = ("eviction", "budget", "merge")
+
+# Decode-time per-slot score updates the attention kernel can fuse (docs/contract.md §2.2).
+ScoreMode = Literal["none", "accumulate", "gumbel", "decay", "replace", "count_low"]
+
+
+def check_range(policy: str, name: str, value: float, lo: float, hi: float, *, lo_open: bool = False,
+                hi_open: bool = False) -> None:
+    """Raise ``ValueError`` naming ``policy.name`` when ``value`` is outside the interval."""
+    bad = (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi)
+    if bad or (isinstance(value, float) and math.isnan(value)):
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        raise ValueError(f"{policy}: parameter {name}={value!r} is out of range {left}{lo}, {hi}{right}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base of every registered policy. Subclasses are frozen dataclasses."""
+
+    name: ClassVar[str] = ""
+    role: ClassVar[Role]
+    description: ClassVar[str] = ""
+
+    def params(self) -> dict[str, Any]:
+        """Parameters that differ from the defaults (what ``spec()`` serialises)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if value != default:
+                out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Prefill statistics a budget policy may read.
+
+    cos_sim: ``[Lc, B]`` float32 — SqueezeAttention's per-layer importance, the mean over prompt tokens
+        of ``cos(h_in, h_in + Attn(LN(h_in)))`` (higher = the layer changes the residual less).
+    """
+
+    cos_sim: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class EvictionPolicy(Policy):
+    """Which tokens a cache layer keeps.
+
+    A policy reduces to (a) how per-slot scores evolve (``score_mode`` at decode, ``prefill_mode`` over
+    the prompt) and (b) which slots are forced (sinks, recent window); ``kvkernels.topk_compact`` then
+    keeps the forced slots plus the top-scoring rest.
+    """
+
+    role: ClassVar[Role] = "eviction"
+    score_mode: ClassVar[ScoreMode] = "none"
+    # Mode used to score the prompt (``kvkernels.prefill_scores``); None = the prompt needs no scores.
+    prefill_mode: ClassVar[ScoreMode | None] = None
+    prefill_compress: ClassVar[bool] = True   # compress the prompt to the budget after prefill
+    decode_evict: ClassVar[bool] = True       # evict during decoding
+
+    def prefill_window(self, prompt_len: int) -> int:
+        """Query rows (the last ``window``) that score the prompt; 0 = all rows."""
+        return 0
+
+    def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(n_sink, n_recent)`` int32 ``[B]`` for per-sequence ``budgets`` ``[B]``.
+
+        ``n_sink + n_recent <= budgets`` always.
+        """
+        zero = torch.zeros_like(budgets, dtype=torch.int32)
+        return zero, zero
+
+    def min_budget(self) -> int:
+        """Smallest per-layer budget this policy can run with."""
+        return 1
+
+    def decode_kwargs(self, step: int, max_new_tokens: int) -> dict[str, Any]:
+        """Extra keyword arguments for the fused score update at decode ``step`` (0-based)."""
+        return {}
+
+    def prefill_kwargs(self, prompt_len: int) -> dict[str, Any]:
+        """Extra keyword arguments for ``prefill_scores`` (decay, temperature, seed…)."""
+        return {}
+
+    def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Transform ``[Hkv, L]`` prompt scores before selection (e.g. SnapKV pooling)."""
+        return scores
+
+
+@dataclass(frozen=True)
+class BudgetPolicy(Policy):
+    """How many tokens each cache layer keeps."""
+
+    role: ClassVar[Role] = "budget"
+    needs_stats: ClassVar[bool] = False
+
+    def allocate(self, budget_tokens: torch.Tensor, n_layers: int, stats: LayerStats | None,
+                 min_budget: int = 1) -> torch.Tensor:
+        """Per-layer budgets ``[n_layers, B]`` int64 from per-layer budgets ``[B]``.
+
+        Each column sums to exactly ``n_layers * budget_tokens[b]`` and each entry is ``>= min_budget``
+        (when ``budget_tokens[b] >= min_budget``).
+        """
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MergePolicy(Policy):
+    """Which cache layers share storage (MiniCache)."""
+
+    role: ClassVar[Role] = "merge"
+
+    def pairs(self, n_layers: int) -> list[tuple[int, int]]:
+        """Adjacent cache-layer pairs ``(l - 1, l)`` to merge; empty = no merging."""
+        return []

@@ -1,0 +1,1 @@
+"""Built-in policies; each module registers one policy."""
