@@ -17,8 +17,6 @@ _EXPORTS = {
     "prefill_scores": "score_update",
     "prefill_scores_ref": "score_update",
     "prefill_scores_triton": "score_update",
-    "score_update_decode": "score_update",
-    "score_update_decode_ref": "score_update",
     "SCORE_MODES": "_modes",
     "update_scores_ref": "_modes",
     "topk_compact": "topk_compact",
