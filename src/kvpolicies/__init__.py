@@ -2,4 +2,32 @@
 
     >>> from kvpolicies import compose
     >>> policy = compose("squeeze", "keyformer", budget=0.2)
+    >>> policy.name
+    'squeeze+keyformer'
+
+Three roles: eviction (which tokens a layer keeps), budget (how many each layer keeps), merge (which
+layers share storage). ``available()`` lists the registered policies; third-party packages add their own
+through the ``kvpolicies.policies`` entry-point group.
 """
+
+from __future__ import annotations
+
+from . import budget, eviction, merge  # noqa: F401  (importing registers the built-in policies)
+from .base import BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, Policy
+from .compose import ComposedPolicy, compose
+from .registry import PolicyInfo, UnknownPolicyError, available, get_policy, register_policy
+
+__all__ = [
+    "BudgetPolicy",
+    "ComposedPolicy",
+    "EvictionPolicy",
+    "LayerStats",
+    "MergePolicy",
+    "Policy",
+    "PolicyInfo",
+    "UnknownPolicyError",
+    "available",
+    "compose",
+    "get_policy",
+    "register_policy",
+]

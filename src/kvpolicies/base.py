@@ -32,6 +32,29 @@ def check_range(policy: str, name: str, value: float, lo: float, hi: float, *, l
         raise ValueError(f"{policy}: parameter {name}={value!r} is out of range {left}{lo}, {hi}{right}")
 
 
+def check_number(policy: str, name: str, value: object) -> None:
+    """Raise ``TypeError`` naming ``policy.name`` unless ``value`` is a real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{policy}: parameter {name} must be a number, got {value!r}")
+
+
+def check_int(policy: str, name: str, value: object, lo: int) -> None:
+    """Raise naming ``policy.name`` unless ``value`` is an int ``>= lo`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{policy}: parameter {name} must be an int, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{policy}: parameter {name}={value!r} is out of range [{lo}, inf)")
+
+
+def fraction_count(budgets: torch.Tensor, fraction: float) -> torch.Tensor:
+    """``floor(fraction * budgets)`` as int32 ``[B]``: how many of a budget's slots a fraction names.
+
+    The ``1e-9`` guard stops binary rounding from losing a slot (``0.29 * 100 = 28.999…``).
+    """
+    counts = torch.floor(budgets.to(torch.float64) * fraction + 1e-9).to(torch.int32)
+    return torch.minimum(counts, budgets.to(torch.int32))
+
+
 @dataclass(frozen=True)
 class Policy:
     """Base of every registered policy. Subclasses are frozen dataclasses."""

@@ -1,1 +1,7 @@
-"""Built-in policies; each module registers one policy."""
+"""Built-in layer-budget policies; each module registers one policy."""
+
+from .pyramid import Pyramid
+from .squeeze import Squeeze, kmeans_1d
+from .uniform import Uniform
+
+__all__ = ["Pyramid", "Squeeze", "Uniform", "kmeans_1d"]

@@ -1,1 +1,13 @@
-"""Built-in policies; each module registers one policy."""
+"""Built-in eviction policies; each module registers one policy."""
+
+from .a2sf import A2SF
+from .full import Full
+from .h2o import H2O
+from .keyformer import Keyformer
+from .scissorhands import Scissorhands
+from .snapkv import SnapKV
+from .streaming import Streaming
+from .tova import TOVA
+from .window import Window
+
+__all__ = ["A2SF", "Full", "H2O", "Keyformer", "Scissorhands", "SnapKV", "Streaming", "TOVA", "Window"]

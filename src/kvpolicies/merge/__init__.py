@@ -1,1 +1,6 @@
-"""Built-in policies; each module registers one policy."""
+"""Built-in merge policies; each module registers one policy."""
+
+from .minicache import MiniCache
+from .none import NoMerge
+
+__all__ = ["MiniCache", "NoMerge"]

@@ -1,0 +1,290 @@
+"""``compose``: pick at most one policy per role by name and get one frozen, serialisable object.
+
+    >>> policy = compose("squeeze", "keyformer", budget=0.2, squeeze={"p": 0.3})
+    >>> policy.name
+    'squeeze+keyformer'
+    >>> compose(policy.spec()) == policy
+    True
+
+The spec (``ComposedPolicy.spec()``) has the same shape as ``compose``'s keywords, so a spec is a call:
+``{"policies": ["squeeze", "keyformer"], "budget": 0.2, "evict_every": 1, "seed": 0, "squeeze": {"p": 0.3}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import ROLES, BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, Policy
+from .registry import _REGISTRY, available, get_policy
+
+# Roles left out of a composition get these; their names are omitted from ``ComposedPolicy.name``.
+DEFAULTS = {"eviction": "full", "budget": "uniform", "merge": "none"}
+_NAME_ORDER = ("budget", "eviction", "merge")      # canonical order of names: "squeeze+keyformer"
+_OPTIONS = ("budget", "evict_every", "seed")       # compose's keywords that are not policy names
+
+
+def _check_budget(budget: object) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget={budget!r} must be a float fraction of the prompt in (0, 1] or an int "
+                        f"number of tokens >= 1")
+    if isinstance(budget, float) and not (0.0 < budget <= 1.0):
+        whole = budget > 1 and budget.is_integer()
+        hint = f"; for {budget:g} tokens pass the int {int(budget)}" if whole else ""
+        raise ValueError(f"budget={budget!r} is out of range: a float budget is a fraction of the prompt in "
+                         f"(0, 1]{hint}")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"budget={budget!r} is out of range: an int budget is a number of tokens >= 1")
+
+
+def _check_count(name: str, value: object, lo: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}={value!r} is out of range: it must be >= {lo}")
+
+
+@dataclass(frozen=True, repr=False)
+class ComposedPolicy:
+    """One eviction, one layer-budget and one merge policy plus the budget they share.
+
+    Build it with ``compose``. Immutable and hashable; ``compose(p.spec()) == p``.
+
+    Attributes
+    ----------
+    eviction, budget_policy, merge : the three role policies.
+    budget : float in (0, 1] (fraction of each prompt) or int >= 1 (tokens per layer); docs/contract.md §4.
+    evict_every : int >= 1 — decode-time eviction runs every ``evict_every`` steps, so a layer holds at most
+        ``budget + evict_every - 1`` tokens between steps.
+    seed : int — seeds stochastic scores (Keyformer's Gumbel noise).
+    """
+
+    eviction: EvictionPolicy
+    budget_policy: BudgetPolicy
+    merge: MergePolicy
+    budget: float | int = 1.0
+    evict_every: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        roles = (("eviction", EvictionPolicy), ("budget_policy", BudgetPolicy), ("merge", MergePolicy))
+        for attr, base in roles:
+            if not isinstance(getattr(self, attr), base):
+                raise TypeError(f"{attr} must be a {base.__name__}, got {getattr(self, attr)!r}")
+        _check_budget(self.budget)
+        _check_count("evict_every", self.evict_every, 1)
+        _check_count("seed", self.seed, None)
+        if self.eviction.name == DEFAULTS["eviction"] and self.budget_policy.name != DEFAULTS["budget"]:
+            name = self.budget_policy.name
+            raise ValueError(f"budget policy {name!r} needs an eviction policy: 'full' keeps every token; "
+                             f"add one, e.g. compose({name!r}, 'h2o')")
+
+    # -- naming and serialisation -------------------------------------------------------------------------
+    def policies(self) -> dict[str, Policy]:
+        """The role policies by role, in canonical order (budget, eviction, merge)."""
+        by_role: dict[str, Policy] = {"budget": self.budget_policy, "eviction": self.eviction,
+                                      "merge": self.merge}
+        return {role: by_role[role] for role in _NAME_ORDER}
+
+    @property
+    def name(self) -> str:
+        """Canonical name: non-default policies joined by ``+`` (budget, eviction, merge), or ``"full"``."""
+        parts = [p.name for role, p in self.policies().items() if p.name != DEFAULTS[role]]
+        return "+".join(parts) or DEFAULTS["eviction"]
+
+    def spec(self) -> dict[str, Any]:
+        """A JSON-able dict that ``compose`` turns back into an equal object."""
+        out: dict[str, Any] = {"policies": self.name.split("+"), "budget": self.budget,
+                               "evict_every": self.evict_every, "seed": self.seed}
+        for p in self.policies().values():
+            if p.params():
+                out[p.name] = p.params()
+        return out
+
+    def to_json(self) -> str:
+        """``json.dumps(self.spec())``; ``compose`` accepts the string back."""
+        return json.dumps(self.spec(), sort_keys=True)
+
+    def __repr__(self) -> str:
+        params = "".join(f", {p.name}={p.params()!r}" for p in self.policies().values() if p.params())
+        return (f"ComposedPolicy({self.name!r}, budget={self.budget!r}, evict_every={self.evict_every}, "
+                f"seed={self.seed}{params})")
+
+    def __str__(self) -> str:
+        parts = []
+        for role, p in self.policies().items():
+            if p.name == DEFAULTS[role] and not (role == "eviction" and self.name == "full"):
+                continue
+            args = ", ".join(f"{k}={v!r}" for k, v in p.params().items())
+            parts.append(f"{p.name}({args})" if args else p.name)
+        return f"{'+'.join(parts)} @ budget={self.budget!r}, evict_every={self.evict_every}, seed={self.seed}"
+
+    # -- budgets ------------------------------------------------------------------------------------------
+    def budget_tokens(self, prompt_lens: torch.Tensor) -> torch.Tensor:
+        """Per-sequence, per-layer token budgets (docs/contract.md §4).
+
+        ``min(prompt_len, ceil(budget * prompt_len))`` for a fraction or ``min(prompt_len, budget)`` for
+        an int, then raised to the eviction policy's ``min_budget`` (so only a prompt shorter than
+        ``min_budget`` gets a budget above its length). ``full`` keeps everything: its budget is the
+        prompt length.
+
+        Parameters
+        ----------
+        prompt_lens : Tensor ``[B]`` int
+
+        Returns
+        -------
+        Tensor ``[B]`` int64 on ``prompt_lens.device``.
+        """
+        if not isinstance(prompt_lens, torch.Tensor) or prompt_lens.dim() != 1:
+            raise ValueError("prompt_lens must be a 1-D integer tensor [B], e.g. torch.tensor([12, 40])")
+        if prompt_lens.is_floating_point() or prompt_lens.dtype == torch.bool:
+            raise TypeError(f"prompt_lens has dtype {prompt_lens.dtype}; pass integer lengths (.long())")
+        lens = prompt_lens.to(torch.int64)
+        if lens.numel() and int(lens.min()) < 0:
+            raise ValueError(f"prompt_lens must be >= 0, got min {int(lens.min())}")
+        if not self.eviction.prefill_compress and not self.eviction.decode_evict:
+            return lens.clone()
+        if isinstance(self.budget, float):
+            # The 1e-9 guard keeps binary rounding from adding a token (0.2 * 5 = 1.0000000000000002).
+            raw = torch.ceil(lens.to(torch.float64) * self.budget - 1e-9).to(torch.int64)
+        else:
+            raw = torch.full_like(lens, self.budget)
+        return torch.clamp(torch.minimum(raw, lens), min=self.eviction.min_budget())
+
+    def layer_budgets(self, budget_tokens: torch.Tensor, n_layers: int,
+                      stats: LayerStats | None = None) -> torch.Tensor:
+        """``[n_layers, B]`` int64 layer budgets from the budget policy, floored at the eviction's min."""
+        return self.budget_policy.allocate(budget_tokens, n_layers, stats, self.eviction.min_budget())
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=3, cutoff=0.5)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _make(name: str, params: Mapping[str, Any]) -> Policy:
+    cls = get_policy(name)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"parameters for {name!r} must be a dict, got {params!r}")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in params:
+        if key not in fields:
+            known = f"its parameters are {fields}" if fields else "it takes no parameters"
+            raise ValueError(f"{name}: unknown parameter {key!r} ({known}){_suggest(str(key), fields)}")
+    return cls(**params)
+
+
+def _expand(item: Any, names: list[tuple[str, dict[str, Any]]], options: dict[str, Any]) -> None:
+    """Add one positional argument of ``compose`` to ``names`` / ``options``."""
+    if isinstance(item, str) and item.lstrip().startswith("{"):
+        try:
+            item = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"could not parse the JSON spec {item!r}: {exc}") from None
+    if isinstance(item, ComposedPolicy):
+        item = item.spec()
+    if isinstance(item, Mapping):
+        spec = dict(item)
+        policies = spec.pop("policies", [])
+        if isinstance(policies, str):
+            policies = [policies]
+        for key, value in spec.items():
+            if key in options:
+                raise ValueError(f"{key!r} is given twice (in the spec and as a keyword)")
+            options[key] = value
+        for p in policies:
+            _expand(p, names, options)
+    elif isinstance(item, str):
+        for part in item.split("+"):
+            if not part.strip():
+                raise ValueError(f"empty policy name in {item!r}; join names with '+', e.g. 'squeeze+h2o'")
+            names.append((part.strip(), {}))
+    elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+        names.append((item[0], dict(item[1])))
+    elif isinstance(item, Policy):
+        names.append((item.name, item.params()))
+    else:
+        raise TypeError(f"compose() takes policy names, 'a+b' strings, (name, params) pairs, Policy objects "
+                        f"or a dict/JSON spec; got {item!r}")
+
+
+def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
+    """Compose eviction, layer-budget and merge policies by name.
+
+    Parameters
+    ----------
+    *policies
+        Any mix of names (``"keyformer"``), ``"squeeze+keyformer"`` strings, ``(name, params)`` pairs,
+        policy objects, or a spec (dict or JSON string, as ``ComposedPolicy.spec()`` returns). Order does
+        not matter; at most one policy per role; missing roles get ``full`` / ``uniform`` / ``none``.
+    budget : float in (0, 1] or int >= 1, default 1.0
+        Fraction of each prompt, or tokens per cache layer (docs/contract.md §4). ``full`` ignores it.
+    evict_every : int >= 1, default 1
+        Run decode-time eviction every ``n`` steps.
+    seed : int, default 0
+        Seed of stochastic scores.
+    **params
+        ``<policy name>={param: value}`` for the policies composed, e.g. ``keyformer={"tau_end": 3.0}``.
+
+    Returns
+    -------
+    ComposedPolicy
+
+    Raises
+    ------
+    KeyError
+        Unknown policy name (the message suggests the closest names).
+    ValueError, TypeError
+        Two policies of one role, an unknown or out-of-range parameter, a bad budget; the message names it.
+    """
+    names: list[tuple[str, dict[str, Any]]] = []
+    options: dict[str, Any] = {}
+    for item in policies:
+        _expand(item, names, options)
+    for key, value in kwargs.items():
+        if key in options:
+            raise ValueError(f"{key!r} is given twice (in the spec and as a keyword)")
+        options[key] = value
+
+    chosen: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name, params in names:
+        role = get_policy(name).role
+        if role in chosen:
+            other = chosen[role][0]
+            what = f"{name!r} is given twice" if other == name else \
+                f"{other!r} and {name!r} are both {role} policies"
+            raise ValueError(f"{what}; compose takes at most one policy per role")
+        chosen[role] = (name, dict(params))
+
+    settings = {k: options.pop(k) for k in _OPTIONS if k in options}
+    composed_names = {n for n, _ in chosen.values()}
+    for key, value in options.items():   # what is left must be parameters of composed policies
+        if key in composed_names:
+            role = get_policy(key).role
+            if not isinstance(value, Mapping):
+                raise TypeError(f"{key}={value!r}: parameters for {key!r} must be a dict, e.g. {key}={{...}}")
+            overlap = set(value) & set(chosen[role][1])
+            if overlap:
+                raise ValueError(f"{key}: parameter(s) {sorted(overlap)} given twice")
+            chosen[role][1].update(value)
+        elif key in _REGISTRY:
+            raise ValueError(f"parameters given for {key!r}, which is not composed; add it, e.g. "
+                             f"compose(..., {key!r}, {key}={{...}})")
+        else:
+            options_known = list(_OPTIONS) + [r.name for r in available()]
+            raise TypeError(f"compose() got an unknown keyword {key!r}; it takes budget=, evict_every=, "
+                            f"seed= or <policy name>={{params}}{_suggest(key, options_known)}")
+
+    built = {role: _make(*chosen.get(role, (DEFAULTS[role], {}))) for role in ROLES}
+    return ComposedPolicy(eviction=built["eviction"], budget_policy=built["budget"],  # type: ignore[arg-type]
+                          merge=built["merge"], budget=settings.get("budget", 1.0),  # type: ignore[arg-type]
+                          evict_every=settings.get("evict_every", 1),
+                          seed=settings.get("seed", 0))

@@ -1,0 +1,59 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+
+Prompt only. The last ``W`` prompt queries (the observation window, 32 by default) vote:
+``s[h, j] = sum_{i in window} A[h, i, j]`` (``prefill_mode="accumulate"``, ``prefill_window = min(W, L)``;
+GQA: mean over the query heads of each KV group). The votes of the prefix ``j < L - W`` are smoothed
+with a 1-D pooling (``pooling="max"`` or ``"avg"``, odd ``kernel``, default 7, stride 1, ``kernel // 2``
+padding; the window's own scores are left alone, they are forced). Keep the window plus the top
+``b - W`` prefix tokens (ties: the earlier token). Decoding appends without evicting
+(``decode_evict = False``, ``score_mode = "none"``), as in the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..base import EvictionPolicy, check_int
+from ..registry import register_policy
+
+
+@register_policy("snapkv", role="eviction")
+@dataclass(frozen=True)
+class SnapKV(EvictionPolicy):
+    """SnapKV: compress the prompt by observation-window votes, smoothed by pooling."""
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    prefill_mode = "accumulate"
+    decode_evict = False
+
+    def __post_init__(self) -> None:
+        check_int("snapkv", "window", self.window, 1)
+        check_int("snapkv", "kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"snapkv: parameter kernel={self.kernel} must be odd (the pooling keeps length)")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"snapkv: parameter pooling={self.pooling!r} is out of range; "
+                             "choose 'max' or 'avg'")
+
+    def prefill_window(self, prompt_len: int) -> int:
+        return min(self.window, prompt_len)
+
+    def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = budgets.to(torch.int32)
+        return torch.zeros_like(b), b.clamp(max=self.window)
+
+    def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Pool the prefix (``[Hkv, L - W]``) of ``[Hkv, L]`` scores; the window part is unchanged."""
+        n_prefix = scores.shape[-1] - self.prefill_window(scores.shape[-1])
+        if n_prefix <= 0:
+            return scores
+        prefix = scores[:, None, :n_prefix]   # [Hkv, 1, L - W]: pooling wants a channel dim
+        pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
+        pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+        return torch.cat([pooled, scores[:, n_prefix:]], dim=-1)

@@ -1,0 +1,152 @@
+"""Layer-budget policies: totals conserved exactly, floors respected, the papers' shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpolicies import LayerStats, available, compose, get_policy
+from kvpolicies.budget import kmeans_1d
+from kvpolicies.budget._rounding import round_budgets
+
+BUDGET = [row.name for row in available("budget")]
+
+
+@st.composite
+def allocations(draw):
+    n_layers = draw(st.integers(1, 12))
+    batch = draw(st.integers(1, 3))
+    min_budget = draw(st.integers(1, 5))
+    budget_tokens = torch.tensor(draw(st.lists(st.integers(0, 60), min_size=batch, max_size=batch)))
+    # Few distinct levels so clusters of equal similarity (and fewer than 3 distinct values) occur.
+    levels = draw(st.lists(st.sampled_from([0.2, 0.5, 0.8, 0.9, 0.95, 0.99]), min_size=1, max_size=4))
+    cos = [[draw(st.sampled_from(levels)) for _ in range(batch)] for _ in range(n_layers)]
+    return n_layers, budget_tokens, min_budget, LayerStats(cos_sim=torch.tensor(cos))
+
+
+def allocate(name, n_layers, budget_tokens, min_budget, stats, **params):
+    return get_policy(name)(**params).allocate(budget_tokens, n_layers, stats, min_budget)
+
+
+@pytest.mark.parametrize("name", BUDGET)
+@given(case=allocations())
+def test_total_conserved_and_floor(name, case):
+    n_layers, budget_tokens, min_budget, stats = case
+    out = allocate(name, n_layers, budget_tokens, min_budget, stats)
+    assert out.dtype == torch.int64 and out.shape == (n_layers, budget_tokens.shape[0])
+    assert torch.equal(out.sum(0), n_layers * budget_tokens)
+    ok = budget_tokens >= min_budget
+    assert (out[:, ok] >= min_budget).all()
+    assert (out >= 0).all()
+
+
+@given(case=allocations(), p=st.sampled_from([0.1, 0.3, 0.6]))
+def test_squeeze_gives_less_to_more_similar_layers(case, p):
+    n_layers, budget_tokens, min_budget, stats = case
+    out = allocate("squeeze", n_layers, budget_tokens, min_budget, stats, p=p)
+    cos = stats.cos_sim
+    for b in range(cos.shape[1]):
+        for i in range(n_layers):
+            for j in range(n_layers):
+                if cos[i, b] > cos[j, b]:
+                    assert out[i, b] <= out[j, b]
+
+
+def test_squeeze_follows_algorithm_1():
+    # Two clear groups of low similarity and one group of three layers near 1 (G3).
+    cos = torch.tensor([[0.3], [0.6], [0.6], [0.98], [0.99], [0.98]])
+    out = allocate("squeeze", 6, torch.tensor([100]), 1, LayerStats(cos), p=0.2)
+    # G3 layers get p * b = 20; the rest share 600 - 3 * 20 = 540 equally: 180.
+    assert out[:, 0].tolist() == [180, 180, 180, 20, 20, 20]
+
+
+def test_squeeze_with_one_distinct_value_is_uniform():
+    out = allocate("squeeze", 4, torch.tensor([10, 7]), 1, LayerStats(torch.full((4, 2), 0.9)))
+    assert out.tolist() == [[10, 7]] * 4
+
+
+def test_squeeze_needs_stats():
+    with pytest.raises(ValueError, match="cos_sim"):
+        allocate("squeeze", 4, torch.tensor([10]), 1, None)
+    with pytest.raises(ValueError, match=r"\[4, 1\]"):
+        allocate("squeeze", 4, torch.tensor([10]), 1, LayerStats(torch.zeros(3, 1)))
+    with pytest.raises(ValueError, match="NaN"):
+        allocate("squeeze", 2, torch.tensor([10]), 1, LayerStats(torch.tensor([[0.5], [float("nan")]])))
+
+
+@given(values=st.lists(st.sampled_from([0.0, 0.1, 0.5, 0.52, 0.9, 1.0]), min_size=1, max_size=10))
+def test_kmeans_clusters_are_contiguous_and_ordered(values):
+    x = torch.tensor(values)
+    labels, centres = kmeans_1d(x, 3)
+    assert centres.numel() == min(3, len(set(values)))
+    assert (centres[1:] > centres[:-1]).all()
+    order = torch.argsort(x, stable=True)
+    assert (labels[order][1:] >= labels[order][:-1]).all(), "1-D clusters are intervals, numbered upwards"
+    assert labels[torch.argmax(x)] == centres.numel() - 1
+
+
+@given(n_layers=st.integers(1, 16), b=st.integers(0, 200), beta=st.sampled_from([1.0, 2.0, 20.0]),
+       min_budget=st.integers(1, 4))
+def test_pyramid_is_monotone(n_layers, b, beta, min_budget):
+    out = allocate("pyramid", n_layers, torch.tensor([b]), min_budget, None, beta=beta)[:, 0]
+    assert (out[1:] <= out[:-1]).all()
+    assert int(out.sum()) == n_layers * b
+    if beta == 1.0:
+        assert int(out.max() - out.min()) <= 1
+
+
+def test_pyramid_shape():
+    out = allocate("pyramid", 5, torch.tensor([100]), 1, None, beta=4.0)[:, 0]
+    # Top layer b / beta = 25, bottom 2b - 25 = 175, linear in between.
+    assert out.tolist() == [175, 137, 100, 63, 25] or out.tolist() == [175, 138, 100, 62, 25]
+
+
+def test_uniform():
+    assert allocate("uniform", 3, torch.tensor([4, 0]), 1, None).tolist() == [[4, 0]] * 3
+
+
+def test_round_budgets_largest_remainder():
+    targets = torch.tensor([[1.5], [1.5], [1.0]], dtype=torch.float64)
+    # Remainders tie between layers 0 and 1; the lower layer gets the spare token.
+    assert round_budgets(targets, torch.tensor([4]), 1)[:, 0].tolist() == [2, 1, 1]
+    # A target under the floor is lifted to it and the others pay.
+    targets = torch.tensor([[0.2], [5.8]], dtype=torch.float64)
+    assert round_budgets(targets, torch.tensor([6]), 2)[:, 0].tolist() == [2, 4]
+
+
+def test_budget_errors():
+    with pytest.raises(TypeError, match="budget_tokens"):
+        allocate("uniform", 3, torch.tensor([1.5]), 1, None)
+    with pytest.raises(ValueError, match="n_layers"):
+        allocate("uniform", 0, torch.tensor([1]), 1, None)
+    with pytest.raises(ValueError, match="p=1.5"):
+        get_policy("squeeze")(p=1.5)
+    with pytest.raises(ValueError, match="beta"):
+        get_policy("pyramid")(beta=0.5)
+
+
+def test_layer_budgets_use_eviction_min_budget():
+    policy = compose("pyramid", "streaming", budget=8, streaming={"sinks": 4})
+    out = policy.layer_budgets(policy.budget_tokens(torch.tensor([100])), 6)
+    assert int(out.sum()) == 48 and int(out.min()) >= 5
+
+
+@given(values=st.lists(st.integers(0, 6), min_size=1, max_size=6))
+def test_kmeans_is_optimal(values):
+    """Against brute force over every labelling of up to 6 values."""
+    import itertools
+
+    def sse(labels) -> float:
+        total = 0.0
+        for c in set(labels):
+            members = [v for v, lab in zip(values, labels) if lab == c]
+            mean = sum(members) / len(members)
+            total += sum((v - mean) ** 2 for v in members)
+        return total
+
+    labels, centres = kmeans_1d(torch.tensor(values, dtype=torch.float64), 3)
+    k = centres.numel()
+    best = min(sse(a) for a in itertools.product(range(k), repeat=len(values)) if len(set(a)) == k)
+    assert sse(labels.tolist()) <= best + 1e-9

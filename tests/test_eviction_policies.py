@@ -1,0 +1,263 @@
+"""Each eviction policy's description keeps exactly the tokens its paper keeps.
+
+A policy describes eviction to the cache by forced slots (``forced``), score rules (``score_mode``,
+``prefill_mode``, ``prefill_window``, ``prefill_kwargs``, ``decode_kwargs``,
+``postprocess_prefill_scores``) and flags (``prefill_compress``, ``decode_evict``); the cache applies
+the score rules with the kernels and keeps forced + top scores (ties: lower slot). ``run_description``
+below does the same densely with ``kvkernels._modes.update_scores_ref``; ``reference_policies.simulate``
+is each paper written out independently. They must agree token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvkernels._modes import update_scores_ref
+from kvpolicies import EvictionPolicy, available, compose, get_policy
+from reference_policies import DEFAULTS, default_decode_noise, default_prefill_noise, group_probs, simulate
+
+EVICTION = [row.name for row in available("eviction")]
+
+
+def select(policy: EvictionPolicy, scores: torch.Tensor, b: int) -> torch.Tensor:
+    """Slots ``[Hkv, b]`` kept by the description: forced + top scores, ties to the lower slot."""
+    n_kv_heads, n = scores.shape
+    if n <= b:
+        return torch.arange(n).expand(n_kv_heads, n)
+    n_sink, n_recent = (int(x[0]) for x in policy.forced(torch.tensor([b], dtype=torch.int32)))
+    assert 0 <= n_sink and 0 <= n_recent and n_sink + n_recent <= b
+    forced = torch.zeros(n, dtype=torch.bool)
+    forced[:n_sink] = True
+    forced[n - n_recent:] = True
+    kept = []
+    for h in range(n_kv_heads):
+        key = torch.where(forced, torch.inf, scores[h].to(torch.float64))
+        order = torch.sort(key, descending=True, stable=True).indices   # stable: lower slot first on ties
+        kept.append(torch.sort(order[:b]).values)
+    return torch.stack(kept)
+
+
+def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps, b: int, *, evict_every: int,
+                    scale: float, prefill_noise, decode_noise, max_new_tokens: int) -> list[torch.Tensor]:
+    """Token ids ``[Hkv, n]`` kept after the prompt and after each step, from the policy's description."""
+    L, n_q_heads, _ = q_prompt.shape
+    n_kv_heads = k_prompt.shape[1]
+    group = n_q_heads // n_kv_heads
+    ids = torch.arange(L).expand(n_kv_heads, L).clone()                # [Hkv, n]
+    scores = torch.zeros(n_kv_heads, L, dtype=torch.float64)
+    if policy.prefill_mode is not None and L:
+        window = policy.prefill_window(L)
+        kw = policy.prefill_kwargs(L)
+        for i in range(L - window if window else 0, L):
+            for h in range(n_kv_heads):
+                noise = None
+                if policy.prefill_mode == "gumbel":
+                    noise = prefill_noise[h * group:(h + 1) * group, i, : i + 1]
+                q_group = q_prompt[i, h * group:(h + 1) * group]                # [G, D]
+                c = group_probs(q_group, k_prompt[: i + 1, h], scale, noise=noise,
+                                temperature=kw.get("temperature", 1.0))
+                scores[h, : i + 1] = update_scores_ref(scores[h, : i + 1], c, policy.prefill_mode,
+                                                       decay=kw.get("decay", 1.0), n_valid=i + 1)
+        scores = policy.postprocess_prefill_scores(scores)
+
+    def compact() -> None:
+        nonlocal ids, scores
+        keep = select(policy, scores, b)
+        ids, scores = ids.gather(1, keep), scores.gather(1, keep)
+
+    if policy.prefill_compress:
+        compact()
+    out = [ids.clone()]
+    all_k = torch.cat([k_prompt, k_steps])
+    for t in range(q_steps.shape[0]):
+        ids = torch.cat([ids, torch.full((n_kv_heads, 1), L + t)], dim=1)
+        scores = torch.cat([scores, torch.zeros(n_kv_heads, 1, dtype=scores.dtype)], dim=1)
+        kw = policy.decode_kwargs(t, max_new_tokens)
+        noise = decode_noise(t, ids.shape[1]) if policy.score_mode == "gumbel" else None
+        for h in range(n_kv_heads):
+            c = group_probs(q_steps[t, h * group:(h + 1) * group], all_k[ids[h], h], scale,
+                            noise=None if noise is None else noise[h * group:(h + 1) * group],
+                            temperature=kw.get("temperature", 1.0))
+            scores[h] = update_scores_ref(scores[h], c, policy.score_mode, decay=kw.get("decay", 1.0),
+                                          n_valid=ids.shape[1])
+        if policy.decode_evict and (t + 1) % evict_every == 0:
+            compact()
+        out.append(ids.clone())
+    return out
+
+
+def _tensor(draw, shape):
+    """Values on a coarse grid (-1.5 .. 1.5 in steps of 0.75) so exact ties happen often."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    return torch.randint(-2, 3, shape, generator=gen).float() * 0.75
+
+
+@st.composite
+def cases(draw, name: str):
+    n_kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2]))
+    head_dim = draw(st.integers(1, 3))
+    L = draw(st.integers(0, 12))
+    T = draw(st.integers(0, 6))
+    q_prompt = _tensor(draw, (L, n_kv_heads * group, head_dim))
+    k_prompt = _tensor(draw, (L, n_kv_heads, head_dim))
+    q_steps = _tensor(draw, (T, n_kv_heads * group, head_dim))
+    k_steps = _tensor(draw, (T, n_kv_heads, head_dim))
+    budget = draw(st.one_of(st.integers(1, 14), st.sampled_from([0.1, 0.25, 0.5, 0.75, 1.0])))
+    evict_every = draw(st.integers(1, 3))
+    params = {}
+    if name in ("h2o", "keyformer", "a2sf", "scissorhands"):
+        params["recent"] = draw(st.sampled_from([0.0, 0.3, 0.5, 1.0]))
+    if name == "streaming":
+        params["sinks"] = draw(st.integers(0, 3))
+    if name == "snapkv":
+        params.update(window=draw(st.integers(1, 5)), kernel=draw(st.sampled_from([1, 3, 5])),
+                      pooling=draw(st.sampled_from(["max", "avg"])))
+    if name == "a2sf":
+        params["decay"] = draw(st.sampled_from([0.5, 0.9, 1.0]))
+    seed = draw(st.integers(0, 3))
+    return q_prompt, k_prompt, q_steps, k_steps, budget, evict_every, params, seed
+
+
+@pytest.mark.parametrize("name", EVICTION)
+def test_every_eviction_policy_has_a_reference(name):
+    assert name in DEFAULTS
+    # The paper defaults written in the reference are the policy's defaults.
+    assert dataclass_defaults(get_policy(name)) == DEFAULTS[name]
+
+
+def dataclass_defaults(cls) -> dict:
+    import dataclasses
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize("name", EVICTION)
+def test_description_matches_reference(name):
+    @given(cases(name))
+    def check(case):
+        q_prompt, k_prompt, q_steps, k_steps, budget, evict_every, params, seed = case
+        composed = compose(name, budget=budget, evict_every=evict_every, seed=seed, **{name: params})
+        L, T = q_prompt.shape[0], q_steps.shape[0]
+        b = int(composed.budget_tokens(torch.tensor([L]))[0])
+        scale = q_prompt.shape[-1] ** -0.5
+        prefill_noise = default_prefill_noise(seed, q_prompt.shape[1], L)
+        decode_noise = default_decode_noise(seed, q_prompt.shape[1])
+        noise = dict(prefill_noise=prefill_noise, decode_noise=decode_noise)
+        ref = simulate(name, params, q_prompt, k_prompt, q_steps, k_steps, budget, seed,
+                       evict_every=evict_every, scale=scale, **noise)
+        got = run_description(composed.eviction, q_prompt, k_prompt, q_steps, k_steps, b,
+                              evict_every=evict_every, scale=scale, max_new_tokens=max(T, 1), **noise)
+        assert len(ref) == len(got) == T + 1
+        for t, (r, g) in enumerate(zip(ref, got)):
+            assert torch.equal(r.kept, g), f"after step {t - 1}: reference {r.kept.tolist()} != {g.tolist()}"
+        # Invariants: counts follow from lengths alone, forced slots survive, order is kept.
+        policy = composed.eviction
+        n_sink, n_recent = (int(x[0]) for x in policy.forced(torch.tensor([b])))
+        for t, r in enumerate(ref):
+            assert (r.kept[:, 1:] > r.kept[:, :-1]).all(), "kept tokens stay in original order"
+            since = t % evict_every if policy.decode_evict else t   # steps since the last compaction
+            at_last = L + t - since                                  # tokens seen at that compaction
+            compacted = policy.prefill_compress if t == since else True
+            n = min(b, at_last) + since if compacted else L + t
+            assert r.kept.shape[1] == n
+            if policy.decode_evict:
+                assert n <= b + evict_every - 1
+            if compacted and at_last > b:   # something was evicted: the forced slots survived it
+                must = set(range(n_sink)) | set(range(at_last - n_recent, L + t))
+                for h in range(r.kept.shape[0]):
+                    assert must <= set(r.kept[h].tolist())
+
+    check()
+
+
+def test_streaming_keeps_sinks_and_recent():
+    q = torch.randn(20, 2, 4)
+    k = torch.randn(20, 1, 4)
+    steps = simulate("streaming", {"sinks": 2}, q, k, torch.randn(3, 2, 4), torch.randn(3, 1, 4), budget=6)
+    assert steps[0].kept.tolist() == [[0, 1, 16, 17, 18, 19]]
+    assert steps[3].kept.tolist() == [[0, 1, 19, 20, 21, 22]]
+    assert simulate("window", None, q, k, q[:0], k[:0], budget=0.25)[0].kept.tolist() == [list(range(15, 20))]
+
+
+def test_h2o_keeps_heavy_hitters():
+    # Every query looks at token 3 only (once it exists), so token 3 is the heavy hitter; token 0 also
+    # collects all the attention of rows 0-2 (1 + 1/2 + 1/3), more than any later token.
+    L, D = 12, 4
+    k = torch.zeros(L, 1, D)
+    k[3, 0, 0] = 10.0
+    q = torch.zeros(L, 1, D)
+    q[:, 0, 0] = 1.0
+    steps = simulate("h2o", {"recent": 0.5}, q, k, q[:0], k[:0], budget=4)
+    assert steps[0].kept.tolist() == [[0, 3, 10, 11]]   # 2 heavy hitters + 2 recent
+
+
+def test_snapkv_pools_only_the_prefix():
+    policy = get_policy("snapkv")(window=2, kernel=3)
+    scores = torch.tensor([[0.0, 5.0, 0.0, 0.0, 9.0, 1.0]])
+    out = policy.postprocess_prefill_scores(scores)
+    # Max pooling with kernel 3 over the first 4 entries; the window (last 2) is untouched.
+    assert out.tolist() == [[5.0, 5.0, 5.0, 0.0, 9.0, 1.0]]
+
+
+def test_keyformer_is_reproducible_with_a_seed():
+    torch.manual_seed(0)
+    q, k = torch.randn(16, 4, 8), torch.randn(16, 2, 8)
+    qs, ks = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    run = lambda seed: [s.kept for s in simulate("keyformer", None, q, k, qs, ks, 6, seed)]
+    assert all(torch.equal(a, b) for a, b in zip(run(7), run(7)))
+    scores = lambda seed: simulate("keyformer", None, q, k, qs, ks, 6, seed)[0].scores
+    assert not torch.equal(scores(1), scores(2)), "the seed must reach the noise"
+
+
+def test_keyformer_large_temperature_gives_uniform_scores():
+    # As tau grows, softmax((x + G) / tau) -> uniform, so prompt token j scores sum_{i >= j} 1 / (i + 1).
+    torch.manual_seed(1)
+    L = 10
+    q, k = torch.randn(L, 2, 4) * 3, torch.randn(L, 1, 4) * 3
+    steps = simulate("keyformer", {"tau_init": 1e7, "tau_end": 1e7}, q, k, q[:0], k[:0], budget=1.0)
+    expected = torch.tensor([sum(1.0 / (i + 1) for i in range(j, L)) for j in range(L)], dtype=torch.float64)
+    torch.testing.assert_close(steps[0].scores[0], expected, rtol=1e-5, atol=1e-6)
+    # ... while tau = 1 does not.
+    steps = simulate("keyformer", None, q, k, q[:0], k[:0], budget=1.0)
+    assert not torch.allclose(steps[0].scores[0], expected, rtol=1e-2)
+
+
+def test_keyformer_temperature_schedule():
+    policy = get_policy("keyformer")(tau_init=1.0, tau_end=3.0)
+    assert policy.prefill_kwargs(10) == {"temperature": 1.0}
+    taus = [policy.decode_kwargs(t, 4)["temperature"] for t in range(4)]
+    assert taus == [1.5, 2.0, 2.5, 3.0]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        policy.decode_kwargs(0, 0)
+
+
+def test_prefill_scores_kernel_matches_description_when_available():
+    """If the prompt scorer exists, it gives the scores the description assumes (non-random modes)."""
+    try:
+        from kvkernels import prefill_scores
+    except (ImportError, AttributeError):
+        pytest.skip("kvkernels.prefill_scores is not written yet")
+    torch.manual_seed(2)
+    L, group = 9, 2
+    q, k = torch.randn(L, 2 * group, 4), torch.randn(L, 2, 4)
+    for name in ("h2o", "keyformer", "a2sf", "snapkv", "scissorhands", "tova"):
+        params = {"window": 3} if name == "snapkv" else {"tau_init": 1.5} if name == "keyformer" else {}
+        policy = get_policy(name)(**params)
+        got = prefill_scores(q, k, scale=0.5, mode=policy.prefill_mode, window=policy.prefill_window(L),
+                             seed=3, **policy.prefill_kwargs(L))
+        # Keyformer: the reference's default prompt noise is the kernels' counter hash (same seed).
+        ref = simulate(name, params, q, k, q[:0], k[:0], budget=1.0, seed=3, scale=0.5)[0].scores
+        # The reference pools SnapKV's scores; pool the kernel's the same way before comparing.
+        torch.testing.assert_close(policy.postprocess_prefill_scores(got).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", EVICTION)
+def test_forced_fits_the_budget(name):
+    policy = get_policy(name)()
+    budgets = torch.arange(policy.min_budget(), 40, dtype=torch.int32)
+    n_sink, n_recent = policy.forced(budgets)
+    assert n_sink.dtype == n_recent.dtype == torch.int32
+    assert (n_sink >= 0).all() and (n_recent >= 0).all() and (n_sink + n_recent <= budgets).all()
