@@ -37,3 +37,7 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
         return getattr(module, name)
     raise AttributeError(f"module 'kvkernels' has no attribute {name!r}")
+
+# The submodule ``topk_compact`` shares its name with the op it defines; bind the op so that
+# ``from kvkernels import topk_compact`` gives the function, not the module.
+from .topk_compact import topk_compact  # noqa: E402

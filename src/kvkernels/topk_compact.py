@@ -1,0 +1,319 @@
+"""Top-k compaction of a paged KV cache layer (docs/contract.md §2.4).
+
+Per (sequence, KV head) keep ``budgets[b]`` slots -- the first ``n_sink[b]`` and last ``n_recent[b]``
+always, the rest by descending score, ties to the lower slot -- move them to the front in their original
+order, and push the pages past ``ceil(budget / S)`` onto the free stack.
+
+The Triton launcher plans the move with torch on the device (one stable sort per row, no host sync) and
+moves the bytes with one Triton kernel per pool tensor; page release is a masked scatter into the free
+stack whose index ``P`` is a write sink, so every shape is static.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvkernels._checks import FLOAT_DTYPES, check_page_table, check_seq_lens, check_shape, check_tensor
+from kvkernels._triton import HAS_TRITON, require_triton, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _move_slots_kernel(
+        x_ptr, src_map_ptr, page_table_ptr, n_move_ptr,
+        stride_xp, stride_xs, stride_xh,
+        stride_mb, stride_mh, stride_tb,
+        n_heads, width,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        """x[page(d), d % S, h, w] = x[page(j), j % S, h, w] with j = src_map[b, h, d], for d < n_move[b].
+
+        One program per (sequence, KV head, chunk of the last dim). It is in-place safe: kept sources are
+        increasing (``j >= d``), so a later tile only reads slots ``>= its first d``, which no earlier tile
+        wrote; inside a tile a row may read a slot another row of the same tile writes, hence the barrier
+        between the tile's loads and its stores (the interpreter runs whole-tile ops in order anyway).
+        Slots already in place (``j == d``, e.g. the sinks) are not touched.
+        """
+        pid = tl.program_id(0)
+        b = pid // n_heads
+        h = pid % n_heads
+        w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        w_mask = w < width
+        n_move = tl.load(n_move_ptr + b)
+        for start in range(0, n_move, BLOCK_N):
+            d = start + tl.arange(0, BLOCK_N)
+            in_range = d < n_move
+            j = tl.load(src_map_ptr + b * stride_mb + h * stride_mh + d, mask=in_range, other=0)
+            rows = in_range & (j != d)
+            table_row = page_table_ptr + b * stride_tb  # page ids go to int64: pool offsets can pass 2**31
+            src_page = tl.load(table_row + j // PAGE_SIZE, mask=rows, other=0).to(tl.int64)
+            dst_page = tl.load(table_row + d // PAGE_SIZE, mask=rows, other=0).to(tl.int64)
+            src = src_page * stride_xp + (j % PAGE_SIZE) * stride_xs + h * stride_xh  # [BLOCK_N]
+            dst = dst_page * stride_xp + (d % PAGE_SIZE) * stride_xs + h * stride_xh  # [BLOCK_N]
+            mask = rows[:, None] & w_mask[None, :]
+            vals = tl.load(x_ptr + src[:, None] + w[None, :], mask=mask)  # [BLOCK_N, BLOCK_W]
+            tl.debug_barrier()
+            tl.store(x_ptr + dst[:, None] + w[None, :], vals, mask=mask)
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------
+
+def _select_ref(scores: Tensor, budget: int, n_sink: int, n_recent: int) -> Tensor:
+    """Logical indices (increasing) of the ``budget`` slots one head keeps out of ``len(scores)``."""
+    idx = torch.arange(scores.numel(), device=scores.device)
+    forced = (idx < n_sink) | (idx >= scores.numel() - n_recent)
+    candidates = idx[~forced]
+    cand_scores = scores[candidates]
+    cand_scores = torch.where(torch.isnan(cand_scores), float("-inf"), cand_scores)  # NaN ranks lowest
+    # A stable descending sort keeps equal scores in slot order: the lower slot wins a tie.
+    order = torch.sort(cand_scores, descending=True, stable=True).indices
+    chosen = candidates[order[: budget - int(forced.sum())]]
+    return torch.sort(torch.cat([idx[forced], chosen])).values
+
+
+def topk_compact_ref(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor] | tuple[Tensor, ...] = (),
+) -> None:
+    """Pure-torch reference of :func:`topk_compact` (same signature, same effect; loops on the host)."""
+    page_size, n_heads = k_pages.shape[1], k_pages.shape[2]
+    pool = [k_pages, v_pages, slot_pos, slot_score, *extra]
+    top = int(n_free[0])
+    for b in range(page_table.shape[0]):
+        length, budget = int(seq_lens[b]), int(budgets[b])
+        if length <= budget:
+            continue
+        n_pages = _ceil_div(length, page_size)
+        slot_page = page_table[b, :n_pages].long().repeat_interleave(page_size)[:length]  # [L]
+        slot_off = torch.arange(length, device=k_pages.device) % page_size  # [L]
+        for h in range(n_heads):
+            keep = _select_ref(slot_score[slot_page, slot_off, h], budget, int(n_sink[b]), int(n_recent[b]))
+            for x in pool:
+                # The right side is an advanced-index gather, i.e. a copy, so overlapping slots are safe.
+                x[slot_page[:budget], slot_off[:budget], h] = x[slot_page[keep], slot_off[keep], h]
+        for col in range(_ceil_div(budget, page_size), n_pages):
+            free_pages[top] = page_table[b, col]
+            top += 1
+            page_table[b, col] = -1
+        seq_lens[b] = budget
+    n_free[0] = top
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton launcher
+# ----------------------------------------------------------------------------------------------------
+
+def _plan_moves(slot_score: Tensor, page_table: Tensor, seq_lens: Tensor, budgets: Tensor, n_sink: Tensor,
+                n_recent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Device-side selection, no host sync.
+
+    Returns ``src_map [B, Hkv, M*S + 1]`` int32 (``src_map[b, h, d]`` = logical slot that moves to slot
+    ``d``), ``n_move [B]`` int32 (slots to move; 0 for sequences within budget) and ``new_lens [B]`` int64.
+    """
+    batch, max_pages = page_table.shape
+    page_size, n_heads = slot_score.shape[1], slot_score.shape[2]
+    max_len = max_pages * page_size
+    lens, budget = seq_lens.long(), budgets.long()
+    compress = lens > budget
+    new_lens = torch.where(compress, budget, lens)
+
+    # Unused table entries hold -1: read page 0 there, the slots are masked as invalid below.
+    scores = slot_score[page_table.long().clamp_min(0)]  # [B, M, S, Hkv]
+    scores = scores.reshape(batch, max_len, n_heads).transpose(1, 2)  # [B, Hkv, M*S]
+    scores = torch.where(torch.isnan(scores), float("-inf"), scores)  # NaN ranks lowest
+
+    j = torch.arange(max_len, device=slot_score.device)
+    valid = j < lens[:, None]  # [B, M*S]
+    forced = valid & ((j < n_sink.long()[:, None]) | (j >= (lens - n_recent.long())[:, None]))
+    normal = (valid & ~forced)[:, None, :].expand(batch, n_heads, max_len)  # [B, Hkv, M*S]
+
+    # Stable descending sort: ties keep slot order, so the lower slot wins. Only non-forced valid slots
+    # compete, for the budget left after the forced ones (a score of +-inf cannot displace a forced slot).
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [B, Hkv, M*S]
+    normal_sorted = normal.gather(-1, order)
+    rank = normal_sorted.cumsum(-1) - 1
+    quota = (budget - n_sink.long() - n_recent.long())[:, None, None]
+    keep = torch.zeros_like(normal).scatter_(-1, order, normal_sorted & (rank < quota))
+    keep |= forced[:, None, :]
+
+    # Kept slot j goes to d = (number of kept slots before j); the rest scatter into the sink column.
+    dest = torch.where(keep, keep.cumsum(-1) - 1, max_len)
+    src_map = torch.zeros(batch, n_heads, max_len + 1, dtype=torch.int32, device=slot_score.device)
+    src_map.scatter_(-1, dest, j.to(torch.int32).expand(batch, n_heads, max_len).contiguous())
+    n_move = torch.where(compress, budget, 0).to(torch.int32)
+    return src_map, n_move, new_lens
+
+
+def _release_pages(page_table: Tensor, seq_lens: Tensor, new_lens: Tensor, free_pages: Tensor, n_free: Tensor,
+                   page_size: int) -> None:
+    """Push pages ``[ceil(new_len/S), ceil(len/S))`` of each sequence on the free stack, in (b, column)
+    order, set their table entries to -1 and store the new lengths. Static shapes, no host sync."""
+    num_pages = free_pages.shape[0] - 1
+    col = torch.arange(page_table.shape[1], device=page_table.device)
+    old_np = _ceil_div(seq_lens.long(), page_size)
+    new_np = _ceil_div(new_lens, page_size)
+    release = (col >= new_np[:, None]) & (col < old_np[:, None])  # [B, M]
+    count = release.sum(1)  # [B]
+    first = n_free + count.cumsum(0) - count  # [B] stack index of each sequence's first released page
+    slot = torch.where(release, first[:, None] + release.cumsum(1) - 1, num_pages)  # sink P when not released
+    free_pages.scatter_(0, slot.flatten(), page_table.flatten())
+    n_free += count.sum()
+    page_table.masked_fill_(release, -1)
+    seq_lens.copy_(new_lens)
+
+
+def topk_compact_triton(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor] | tuple[Tensor, ...] = (),
+) -> None:
+    """Triton launcher of :func:`topk_compact` (no input checks; one move kernel per pool tensor)."""
+    require_triton()
+    batch = page_table.shape[0]
+    num_pages, page_size, n_heads = k_pages.shape[:3]
+    if batch == 0 or num_pages == 0:  # nothing stored (an empty pool means every length is 0)
+        return
+    src_map, n_move, new_lens = _plan_moves(slot_score, page_table, seq_lens, budgets, n_sink, n_recent)
+    for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
+        x4 = x.view(num_pages, page_size, n_heads, -1)  # [P, S, Hkv, W]: W = D for K/V, 1 per-slot tensors
+        width = x4.shape[3]
+        block_w = min(triton.next_power_of_2(width), 64)
+        grid = (batch * n_heads, triton.cdiv(width, block_w))
+        _move_slots_kernel[grid](
+            x4, src_map, page_table, n_move,
+            x4.stride(0), x4.stride(1), x4.stride(2),
+            src_map.stride(0), src_map.stride(1), page_table.stride(0),
+            n_heads, width,
+            PAGE_SIZE=page_size, BLOCK_N=64, BLOCK_W=block_w,
+        )
+    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public op
+# ----------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(
+    "kvkernels::topk_compact",
+    mutates_args=("k_pages", "v_pages", "slot_pos", "slot_score", "page_table", "seq_lens", "free_pages",
+                  "n_free", "extra"),
+)
+def _topk_compact_op(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor],
+) -> None:
+    impl = topk_compact_triton if use_triton(k_pages) else topk_compact_ref
+    impl(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent, free_pages,
+         n_free, extra)
+
+
+@_topk_compact_op.register_fake
+def _(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent, free_pages,
+      n_free, extra) -> None:
+    return None
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
+                  free_pages, n_free, extra) -> None:
+    check_tensor("k_pages", k_pages, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
+    dev = k_pages.device
+    num_pages, page_size, n_heads, _ = k_pages.shape
+    check_tensor("v_pages", v_pages, dtypes=(k_pages.dtype,), device=dev, contiguous=True)
+    check_shape("v_pages", v_pages, k_pages.shape, "same as k_pages")
+    slot_shape = (num_pages, page_size, n_heads)
+    check_tensor("slot_pos", slot_pos, dtypes=(torch.int32,), device=dev, contiguous=True)
+    check_shape("slot_pos", slot_pos, slot_shape, "[P, S, Hkv]")
+    check_tensor("slot_score", slot_score, dtypes=(torch.float32,), device=dev, contiguous=True)
+    check_shape("slot_score", slot_score, slot_shape, "[P, S, Hkv]")
+    check_tensor("page_table", page_table, ndim=2, dtypes=(torch.int32,), device=dev, contiguous=True)
+    batch = page_table.shape[0]
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), device=dev, contiguous=True)
+    check_shape("seq_lens", seq_lens, (batch,), "[B], one length per page_table row")
+    for name, t in (("budgets", budgets), ("n_sink", n_sink), ("n_recent", n_recent)):
+        check_tensor(name, t, dtypes=_INDEX_DTYPES, device=dev, contiguous=True)
+        check_shape(name, t, (batch,), "[B], one entry per sequence")
+    check_tensor("free_pages", free_pages, dtypes=(torch.int32,), device=dev, contiguous=True)
+    check_shape("free_pages", free_pages, (num_pages + 1,), "[P + 1]: the free stack plus a write sink")
+    check_tensor("n_free", n_free, dtypes=(torch.int64,), device=dev)
+    check_shape("n_free", n_free, (1,))
+    for i, x in enumerate(extra):
+        check_tensor(f"extra[{i}]", x, device=dev, contiguous=True)
+        check_shape(f"extra[{i}]", x, slot_shape, "[P, S, Hkv], one value per slot")
+
+    if torch.compiler.is_compiling():  # value checks read the device; compiled steps skip them
+        return
+    if batch and bool((budgets < 1).any()):
+        raise ValueError(f"budgets must be >= 1 for every sequence, got {budgets.tolist()}")
+    if batch and bool(((n_sink < 0) | (n_recent < 0)).any()):
+        raise ValueError(f"n_sink and n_recent must be >= 0, got {n_sink.tolist()} and {n_recent.tolist()}")
+    if batch and bool((n_sink.long() + n_recent.long() > budgets.long()).any()):
+        raise ValueError(f"n_sink + n_recent must be <= budgets (forced slots count inside the budget), got "
+                         f"n_sink={n_sink.tolist()}, n_recent={n_recent.tolist()}, "
+                         f"budgets={budgets.tolist()}; raise the budget or shrink the sink / recent window")
+    check_seq_lens(seq_lens)
+    check_page_table(page_table, seq_lens, num_pages, page_size)
+    if not 0 <= int(n_free[0]) <= num_pages:
+        raise ValueError(f"n_free={int(n_free[0])} must be in [0, {num_pages}] (the free stack holds at most "
+                         f"P pages)")
+
+
+def topk_compact(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+                 seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor,
+                 n_free: Tensor, extra: list[Tensor] | None = None) -> None:
+    """Keep the top ``budgets[b]`` slots of each (sequence, KV head) in one cache layer, in place.
+
+    Per (sequence ``b``, KV head ``h``): nothing changes when ``seq_lens[b] <= budgets[b]``. Otherwise
+    the first ``n_sink[b]`` and last ``n_recent[b]`` slots are kept (forced), plus the highest-scoring
+    other slots up to ``budgets[b]`` in all (ties: the lower slot wins; NaN scores rank lowest). Kept
+    slots move to the front in their original order with K, V, positions, scores and ``extra`` values
+    bit-identical; pages past ``ceil(budgets[b] / S)`` go onto the free stack (in sequence, then
+    page-table column order) and their table entries become -1; ``seq_lens[b]`` becomes ``budgets[b]``.
+
+    Parameters
+    ----------
+    k_pages, v_pages : Tensor ``[P, S, Hkv, D]`` float32 / float16 / bfloat16
+        The paged pool (mutated).
+    slot_pos : Tensor ``[P, S, Hkv]`` int32
+        Original token position per slot (mutated).
+    slot_score : Tensor ``[P, S, Hkv]`` float32
+        Eviction score per slot (mutated).
+    page_table : Tensor ``[B, M]`` int32
+        This layer's page table (mutated: released entries become -1).
+    seq_lens : Tensor ``[B]`` int32
+        Tokens per sequence in this layer (mutated).
+    budgets, n_sink, n_recent : Tensor ``[B]`` int32 or int64
+        Slots to keep, forced leading and trailing slots; ``budgets >= 1`` and
+        ``n_sink + n_recent <= budgets``.
+    free_pages : Tensor ``[P + 1]`` int32
+        Free page stack; index ``P`` is a write sink (mutated).
+    n_free : Tensor ``[1]`` int64
+        Number of valid entries in ``free_pages`` (mutated).
+    extra : list of Tensor ``[P, S, Hkv]``, optional
+        Further per-slot tensors (any dtype) moved with the slots, e.g. MiniCache magnitudes or masks.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On a bad shape, dtype, device or layout, or (eagerly; skipped under ``torch.compile``) on
+        ``budgets < 1``, ``n_sink + n_recent > budgets`` or a page table that points outside the pool.
+        Nothing is written when an error is raised.
+    """
+    extra = list(extra or [])
+    _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
+                  free_pages, n_free, extra)
+    torch.ops.kvkernels.topk_compact(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets,
+                                     n_sink, n_recent, free_pages, n_free, extra)
