@@ -1,0 +1,165 @@
+"""Counter-based Gumbel noise: the same bits in torch and in Triton, for any chunking.
+
+Keyformer perturbs logits with i.i.d. ``Gumbel(0, 1)`` noise. Drawing it from a generator would tie the
+draws to the order and shape of the work, so prefill scores would change with the chunk size and the
+Triton kernel could not reproduce the reference. Instead every noise value is a pure function of
+``(seed, query head, query index, key index)``:
+
+1. ``key = absorb(absorb(SEED_INIT, seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF)`` (host side, once);
+2. ``h = absorb(absorb(absorb(key, head), q_idx), k_idx)``, where
+   ``absorb(h, v) = fmix32(((h ^ v) + 0x9E3779B9) mod 2**32)`` and ``fmix32`` is MurmurHash3's 32-bit
+   finaliser (xor-shift 16, multiply ``0x85EBCA6B``, xor-shift 13, multiply ``0xC2B2AE35``, xor-shift 16);
+   adding the golden-ratio constant keeps ``absorb`` free of the ``fmix32(0) == 0`` fixed point;
+3. ``u = ((h >> 9) + 0.5) / 2**23`` — 23 hash bits, so ``u`` is exact in float32 and lies in
+   ``[2**-24, 1 - 2**-24]``, never 0 or 1;
+4. ``G = -log(-log(u))``.
+
+Torch has no wrapping 32-bit unsigned multiply, so the torch form keeps values in int64 in
+``[0, 2**32)`` and multiplies by splitting the constant into 16-bit halves (no int64 overflow); Triton
+uses native ``uint32`` arithmetic, which wraps. The hash bits agree exactly; ``G`` agrees to the last ulp
+or two of ``log`` (the two ``log`` implementations may round differently).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvkernels._triton import HAS_TRITON, require_triton, tl, triton
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_FMIX_A = 0x85EBCA6B
+_FMIX_B = 0xC2B2AE35
+_SEED_INIT = 0x243F6A88  # first hex digits of pi: any fixed nonzero start
+_U_SCALE = 2.0**-23
+
+IntLike = torch.Tensor | int
+
+
+def _mul32(a: IntLike, c: int) -> IntLike:
+    """``a * c mod 2**32`` for ``a`` in ``[0, 2**32)`` (int or int64 tensor), without int64 overflow."""
+    c_lo, c_hi = c & 0xFFFF, c >> 16
+    return (a * c_lo + (((a * c_hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(h: IntLike) -> IntLike:
+    h = h ^ (h >> 16)
+    h = _mul32(h, _FMIX_A)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _FMIX_B)
+    return h ^ (h >> 16)
+
+
+def _absorb(h: IntLike, v: IntLike) -> IntLike:
+    return _fmix32(((h ^ v) + _GOLDEN) & _MASK32)
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit hash key of a seed (any int; it is taken modulo ``2**64``)."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return int(_absorb(_absorb(_SEED_INIT, s & _MASK32), s >> 32))
+
+
+def hash_u32(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash behind :func:`gumbel_noise_hash`, as int64 values in ``[0, 2**32)``.
+
+    ``head``, ``q_idx`` and ``k_idx`` are non-negative integers (tensors broadcast together).
+    """
+    h = _absorb(seed_key(seed), torch.as_tensor(head, dtype=torch.int64, device=q_idx.device) & _MASK32)
+    h = _absorb(h, q_idx.to(torch.int64) & _MASK32)
+    return torch.as_tensor(_absorb(h, k_idx.to(torch.int64) & _MASK32))  # as_tensor: a no-op, for mypy
+
+
+def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Map 32-bit hash values (int64 in ``[0, 2**32)``) to ``Gumbel(0, 1)`` samples, float32."""
+    u = ((bits >> 9).to(torch.float32) + 0.5) * _U_SCALE  # exact: 23 bits + a half fit a float32
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_noise_hash(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+    """Reproducible ``Gumbel(0, 1)`` noise for the logit of query ``q_idx`` and key ``k_idx``.
+
+    Parameters
+    ----------
+    seed : int
+        Noise seed (taken modulo ``2**64``).
+    head : Tensor or int
+        Query-head index (``>= 0``); integer tensor broadcastable with ``q_idx`` and ``k_idx``.
+    q_idx, k_idx : Tensor
+        Query and key positions (``>= 0``), integer tensors that broadcast together.
+
+    Returns
+    -------
+    Tensor
+        float32, the broadcast shape of ``head``, ``q_idx`` and ``k_idx``, on ``q_idx.device``. Each value
+        depends only on ``(seed, head, q_idx, k_idx)``: see the module docstring for the exact hash, which
+        the Triton helper :func:`gumbel_noise_tl` reproduces bit for bit.
+    """
+    return gumbel_from_bits(hash_u32(seed, head, q_idx, k_idx))
+
+
+def _as_int32(key: int) -> int:
+    """A 32-bit key as the signed int32 with the same bits (what a Triton ``i32`` argument carries)."""
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fmix32_tl(h):
+        h = h ^ (h >> 16)
+        h = h * 0x85EBCA6B
+        h = h ^ (h >> 13)
+        h = h * 0xC2B2AE35
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _absorb_tl(h, v):
+        return _fmix32_tl((h ^ v.to(tl.uint32, bitcast=True)) + 0x9E3779B9)
+
+    @triton.jit
+    def hash_u32_tl(key, head, q_idx, k_idx):
+        """Triton form of :func:`hash_u32`: ``key`` is ``seed_key(seed)`` passed as an int32 (its bits),
+        ``head``/``q_idx``/``k_idx`` int32 scalars or tensors (they broadcast). Returns uint32."""
+        h = tl.to_tensor(key).to(tl.uint32, bitcast=True)
+        h = _absorb_tl(h, tl.to_tensor(head).to(tl.int32))
+        h = _absorb_tl(h, q_idx.to(tl.int32))
+        return _absorb_tl(h, k_idx.to(tl.int32))
+
+    @triton.jit
+    def gumbel_noise_tl(key, head, q_idx, k_idx):
+        """Triton form of :func:`gumbel_noise_hash` (``key`` as in :func:`hash_u32_tl`); float32."""
+        bits = hash_u32_tl(key, head, q_idx, k_idx)
+        u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _noise_kernel(bits_ptr, noise_ptr, q_ptr, k_ptr, n, key, head, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        q_idx = tl.load(q_ptr + offs, mask=ok, other=0)
+        k_idx = tl.load(k_ptr + offs, mask=ok, other=0)
+        tl.store(bits_ptr + offs, hash_u32_tl(key, head, q_idx, k_idx).to(tl.int64), mask=ok)
+        tl.store(noise_ptr + offs, gumbel_noise_tl(key, head, q_idx, k_idx), mask=ok)
+
+
+def gumbel_noise_hash_triton(seed: int, head: int, q_idx: torch.Tensor,
+                             k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluate the Triton helpers elementwise (for tests and for filling noise buffers on the GPU).
+
+    ``q_idx``, ``k_idx``: integer tensors of one shape, values in ``[0, 2**31)``. Returns
+    ``(bits int64, noise float32)`` of that shape, matching :func:`hash_u32` / :func:`gumbel_noise_hash`.
+    """
+    require_triton()
+    if q_idx.shape != k_idx.shape:
+        raise ValueError(f"q_idx {list(q_idx.shape)} and k_idx {list(k_idx.shape)} must have one shape; "
+                         "broadcast them first")
+    q_flat = q_idx.reshape(-1).to(torch.int32).contiguous()
+    k_flat = k_idx.reshape(-1).to(torch.int32).contiguous()
+    bits = torch.empty(q_flat.shape, dtype=torch.int64, device=q_idx.device)
+    noise = torch.empty(q_flat.shape, dtype=torch.float32, device=q_idx.device)
+    n, block = q_flat.numel(), 1024
+    if n:
+        _noise_kernel[(triton.cdiv(n, block),)](bits, noise, q_flat, k_flat, n, _as_int32(seed_key(seed)),
+                                                int(head), BLOCK=block)
+    return bits.view(q_idx.shape), noise.view(q_idx.shape)

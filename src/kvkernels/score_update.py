@@ -1,0 +1,286 @@
+"""Prefill scorer: every prompt token's eviction score under one score mode (docs/contract.md §2.2-§2.3).
+
+For one sequence, query row ``i`` gives key ``j <= i`` the contribution ``c[i, j]`` = mean over the ``G``
+query heads of a KV group of the causal softmax row ``p[i, :i+1]`` (Gumbel-perturbed and tempered for
+``gumbel``). Starting from zero, each processed row applies the mode's update to the keys it sees, in
+order. Because every later row sees every earlier key, the row loop has closed forms:
+
+* ``accumulate`` / ``gumbel``: ``score[j] = sum_i c[i, j]``;
+* ``decay``: ``score[j] = sum_i decay**(L-1-i) * c[i, j]``;
+* ``replace``: ``score[j] = c[L-1, j]`` (only the last row survives);
+* ``count_low``: ``score[j] = -#{i >= j : c[i, j] < 1 / (i + 1)}``;
+* ``none``: zeros.
+
+Neither form ever holds an ``L x L`` matrix: the reference takes ``chunk`` query rows at a time
+(``O(chunk * L)`` per head); the Triton kernels run two passes, (1) per (query head, query block) the
+softmax row max and normaliser, (2) per (KV head, key block) a loop over query blocks and the heads of
+the group that sums that key block's column contributions, so every output element has one owner and
+no atomics are needed. Accumulation is float32 throughout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvkernels._checks import FLOAT_DTYPES, check_choice, check_shape, check_tensor
+from kvkernels._modes import SCORE_MODES
+from kvkernels._noise import _as_int32, gumbel_noise_hash, seed_key
+from kvkernels._triton import HAS_TRITON, INTERPRET, require_triton, tl, triton, use_triton
+
+if HAS_TRITON:
+    from kvkernels._noise import gumbel_noise_tl
+
+    @triton.jit
+    def _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
+                    HAS_ALIBI: tl.constexpr, GUMBEL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """Logits ``[BLOCK_Q, BLOCK_K]`` of query head ``hq``: ``-inf`` where the key is not visible."""
+        x = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+        if HAS_ALIBI:
+            x += tl.load(slopes_ptr + hq) * (keys[None, :] - rows[:, None]).to(tl.float32)
+        if GUMBEL:
+            x = (x + gumbel_noise_tl(noise_key, hq, rows[:, None], keys[None, :])) / temperature
+        visible = (keys[None, :] <= rows[:, None]) & (rows[:, None] < L)
+        return tl.where(visible, x, float("-inf"))
+
+    @triton.jit
+    def _row_stats_kernel(q_ptr, k_ptr, slopes_ptr, m_ptr, l_ptr,
+                          L, first, n_rows, scale, temperature, noise_key,
+                          stride_ql, stride_qh, stride_qd, stride_kl, stride_kh, stride_kd,
+                          G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                          GUMBEL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """Pass 1, one program per (query block, query head): softmax max ``m`` and normaliser ``l``."""
+        qb = tl.program_id(0)
+        hq = tl.program_id(1)
+        hkv = hq // G
+        rows = first + qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + rows[:, None] * stride_ql + hq * stride_qh + d[None, :] * stride_qd,
+                    mask=(rows[:, None] < L) & (d[None, :] < D), other=0.0)
+        # A finite start keeps exp(m_old - m_new) at 0, not NaN, for padding rows that see no key.
+        m = tl.full([BLOCK_Q], -1e30, tl.float32)
+        l = tl.zeros([BLOCK_Q], tl.float32)
+        end = tl.minimum(first + (qb + 1) * BLOCK_Q, L)  # keys past the block's last row are invisible
+        for k_start in range(0, end, BLOCK_K):
+            keys = k_start + tl.arange(0, BLOCK_K)
+            k = tl.load(k_ptr + keys[:, None] * stride_kl + hkv * stride_kh + d[None, :] * stride_kd,
+                        mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0)
+            x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
+                            HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+            m_new = tl.maximum(m, tl.max(x, 1))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), 1)
+            m = m_new
+        out = hq * n_rows + (rows - first)
+        tl.store(m_ptr + out, m, mask=rows < L)
+        tl.store(l_ptr + out, l, mask=rows < L)
+
+    @triton.jit
+    def _column_scores_kernel(q_ptr, k_ptr, slopes_ptr, m_ptr, l_ptr, out_ptr,
+                              L, first, n_rows, scale, temperature, noise_key, log2_decay,
+                              stride_ql, stride_qh, stride_qd, stride_kl, stride_kh, stride_kd,
+                              G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                              GUMBEL: tl.constexpr, DECAY: tl.constexpr, COUNT_LOW: tl.constexpr,
+                              INPUT_PRECISION: tl.constexpr):
+        """Pass 2, one program per (key block, KV head): that block's scores, summed over query rows."""
+        kb = tl.program_id(0)
+        hkv = tl.program_id(1)
+        keys = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        d = tl.arange(0, BLOCK_D)
+        k = tl.load(k_ptr + keys[:, None] * stride_kl + hkv * stride_kh + d[None, :] * stride_kd,
+                    mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0)
+        acc = tl.zeros([BLOCK_K], tl.float32)
+        # Rows before this key block see none of it. Query blocks need no alignment: m and l are per row.
+        for q_start in range(tl.maximum(first, kb * BLOCK_K), L, BLOCK_Q):
+            rows = q_start + tl.arange(0, BLOCK_Q)
+            row_ok = rows < L
+            c = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
+            for g in range(G):
+                hq = hkv * G + g
+                q = tl.load(q_ptr + rows[:, None] * stride_ql + hq * stride_qh + d[None, :] * stride_qd,
+                            mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+                x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
+                                HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+                m = tl.load(m_ptr + hq * n_rows + (rows - first), mask=row_ok, other=0.0)
+                l = tl.load(l_ptr + hq * n_rows + (rows - first), mask=row_ok, other=1.0)
+                c += tl.exp(x - m[:, None]) / l[:, None]
+            c = c / G
+            if COUNT_LOW:
+                visible = (keys[None, :] <= rows[:, None]) & row_ok[:, None]
+                n_valid = (rows + 1).to(tl.float32)
+                threshold = tl.math.div_rn(tl.full([BLOCK_Q], 1.0, tl.float32), n_valid)  # IEEE, as torch
+                acc -= tl.sum((visible & (c < threshold[:, None])).to(tl.float32), 0)
+            elif DECAY:
+                weight = tl.exp2((L - 1 - rows).to(tl.float32) * log2_decay)
+                acc += tl.sum(c * weight[:, None], 0)
+            else:
+                acc += tl.sum(c, 0)
+        tl.store(out_ptr + hkv * L + keys, acc, mask=keys < L)
+
+
+def _rows(L: int, mode: str, window: int) -> int:
+    """The first query row whose update survives: ``L - window`` (0 for ``window == 0``); for
+    ``replace`` only the last row matters."""
+    if mode == "replace":
+        return L - 1
+    return L - window if window else 0
+
+
+def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str, window: int = 0,
+                          decay: float = 1.0, seed: int = 0, temperature: float = 1.0,
+                          alibi_slopes: torch.Tensor | None = None, chunk: int = 256) -> torch.Tensor:
+    """Triton launcher of :func:`prefill_scores` (no input checks; ``chunk`` is unused: the kernels
+    hold ``O(L)`` per head, never ``O(L^2)``)."""
+    require_triton()
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    out = torch.zeros((Hkv, L), dtype=torch.float32, device=q.device)
+    if mode == "none" or L == 0:
+        return out
+    first = _rows(L, mode, window)
+    n_rows = L - first
+    m = torch.empty((Hq, n_rows), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    slopes = alibi_slopes.to(torch.float32).contiguous() if alibi_slopes is not None else m  # m: unused
+    block = 16 if INTERPRET else 64  # small blocks under the interpreter so tests cross block edges
+    common = dict(
+        L=L, first=first, n_rows=n_rows, scale=float(scale), temperature=float(temperature),
+        noise_key=_as_int32(seed_key(seed)),
+        stride_ql=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
+        stride_kl=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),
+        G=Hq // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_Q=block, BLOCK_K=block,
+        HAS_ALIBI=alibi_slopes is not None, GUMBEL=mode == "gumbel",
+        # fp32 inputs: exact fp32 products, not TF32, so scores match the reference closely.
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    _row_stats_kernel[(triton.cdiv(n_rows, block), Hq)](q, k, slopes, m, l, **common)
+    _column_scores_kernel[(triton.cdiv(L, block), Hkv)](
+        q, k, slopes, m, l, out, log2_decay=math.log2(decay), DECAY=mode == "decay",
+        COUNT_LOW=mode == "count_low", **common)
+    return out
+
+
+def prefill_scores_ref(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str, window: int = 0,
+                       decay: float = 1.0, seed: int = 0, temperature: float = 1.0,
+                       alibi_slopes: torch.Tensor | None = None, chunk: int = 256) -> torch.Tensor:
+    """Pure-torch reference of :func:`prefill_scores`: ``chunk`` query rows at a time, closed forms."""
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    scores = torch.zeros((Hkv, L), dtype=torch.float32, device=q.device)
+    if mode == "none" or L == 0:
+        return scores
+    keys = torch.arange(L, device=q.device)
+    k_t = k.float().permute(1, 2, 0)  # [Hkv, D, L]
+    heads = torch.arange(Hq, device=q.device).view(Hkv, G, 1, 1)
+    for start in range(_rows(L, mode, window), L, chunk):
+        rows = torch.arange(start, min(start + chunk, L), device=q.device)  # [C]
+        q_c = q[rows].float().view(len(rows), Hkv, G, D).permute(1, 2, 0, 3)  # [Hkv, G, C, D]
+        x = (q_c @ k_t[:, None]) * scale  # [Hkv, G, C, L]
+        if alibi_slopes is not None:
+            x = x + alibi_slopes.float().view(Hkv, G, 1, 1) * (keys - rows[:, None])
+        if mode == "gumbel":
+            x = (x + gumbel_noise_hash(seed, heads, rows[:, None], keys)) / temperature
+        visible = keys <= rows[:, None]  # [C, L]
+        contrib = torch.softmax(x.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=1)  # [Hkv, C, L]
+        if mode == "count_low":
+            threshold = 1.0 / (rows + 1).to(torch.float32)  # 1 / n_valid, as in _modes.update_scores_ref
+            scores -= (visible & (contrib < threshold[:, None])).sum(dim=1)
+        elif mode == "decay":
+            weight = (decay ** (L - 1 - rows).double()).float()  # [C]
+            scores += (contrib * weight[:, None]).sum(dim=1)
+        else:  # accumulate, gumbel, replace (one row)
+            scores += contrib.sum(dim=1)
+    return scores
+
+
+@torch.library.custom_op("kvkernels::prefill_scores", mutates_args=())
+def _prefill_scores_op(q: torch.Tensor, k: torch.Tensor, scale: float, mode: str, window: int, decay: float,
+                       seed: int, temperature: float, alibi_slopes: torch.Tensor | None,
+                       chunk: int) -> torch.Tensor:
+    impl = prefill_scores_triton if use_triton(q) else prefill_scores_ref
+    return impl(q, k, scale=scale, mode=mode, window=window, decay=decay, seed=seed, temperature=temperature,
+                alibi_slopes=alibi_slopes, chunk=chunk)
+
+
+@_prefill_scores_op.register_fake
+def _(q, k, scale, mode, window, decay, seed, temperature, alibi_slopes, chunk):
+    return q.new_empty((k.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _check_number(name: str, value: object, ok: Callable[[float], bool], need: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not ok(value):
+        raise ValueError(f"{name}={value!r} is out of range; {name} must be {need}")
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} is out of range; {name} must be in [{lo}, {hi}]")
+
+
+def prefill_scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str, window: int = 0,
+                   decay: float = 1.0, seed: int = 0, temperature: float = 1.0,
+                   alibi_slopes: torch.Tensor | None = None, chunk: int = 256) -> torch.Tensor:
+    """Per-KV-head eviction scores of every prompt token of one sequence (causal prefill).
+
+    Parameters
+    ----------
+    q : Tensor
+        ``[L, Hq, D]`` float32 / float16 / bfloat16 queries (after RoPE).
+    k : Tensor
+        ``[L, Hkv, D]`` keys, same dtype and device as ``q``; ``Hq % Hkv == 0`` (GQA group ``G = Hq // Hkv``).
+    scale : float
+        Logit scale, usually ``D ** -0.5``.
+    mode : str
+        One of ``SCORE_MODES`` (contract §2.2): ``none``, ``accumulate``, ``gumbel``, ``decay``,
+        ``replace``, ``count_low``.
+    window : int
+        Score with the last ``window`` query rows only (SnapKV's observation window); ``0`` = all rows.
+        Must be in ``[0, L]``.
+    decay : float
+        Forgetting factor for ``decay``, in ``(0, 1]``.
+    seed : int
+        Gumbel noise seed for ``gumbel`` (``0 <= seed < 2**63``); see ``kvkernels._noise``.
+    temperature : float
+        Gumbel softmax temperature (``> 0``).
+    alibi_slopes : Tensor, optional
+        ``[Hq]`` float32 ALiBi slopes; logits get ``slope[h] * (j - i)`` for key ``j``, query ``i``.
+    chunk : int
+        Query rows per step of the CPU reference (memory ``O(chunk * L)`` per head); results do not
+        depend on it. The Triton path ignores it.
+
+    Returns
+    -------
+    Tensor
+        ``[Hkv, L]`` float32 scores, ``score[h, j]`` for key ``j`` of KV head ``h``, on ``q.device``.
+
+    The op runs the Triton kernels on CUDA tensors and :func:`prefill_scores_ref` on CPU tensors, and is
+    opaque to ``torch.compile``. Inputs are checked here, before any work.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    check_shape("k", k, [L, None, D], "[L, Hkv, D] with the L and D of q")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"k has {Hkv} KV heads but q has {Hq} query heads; Hq must be a positive multiple "
+                         "of Hkv (each KV head serves Hq // Hkv query heads)")
+    check_choice("mode", mode, SCORE_MODES)
+    _check_int("window", window, 0, L)
+    _check_int("chunk", chunk, 1, 2**62)
+    _check_int("seed", seed, 0, 2**63 - 1)
+    _check_number("scale", scale, math.isfinite, "finite")
+    _check_number("temperature", temperature, lambda t: 0 < t < math.inf, "> 0 and finite")
+    _check_number("decay", decay, lambda d: 0 < d <= 1, "in (0, 1]")
+    if alibi_slopes is not None:
+        check_tensor("alibi_slopes", alibi_slopes, ndim=1, dtypes=(torch.float32,), device=q.device)
+        check_shape("alibi_slopes", alibi_slopes, [Hq], "one slope per query head")
+    return _prefill_scores_op(q, k, float(scale), mode, window, float(decay), seed, float(temperature),
+                              alibi_slopes, chunk)

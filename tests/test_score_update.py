@@ -1,0 +1,304 @@
+"""prefill_scores: the chunked reference against a dense row-by-row oracle, the Triton kernels against the
+reference, score-mode properties, the Gumbel noise hash, input checks and torch.compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import conftest
+from kvkernels import SCORE_MODES, update_scores_ref
+from kvkernels._noise import gumbel_noise_hash, gumbel_noise_hash_triton, hash_u32
+from kvkernels.score_update import (
+    _prefill_scores_op,
+    prefill_scores,
+    prefill_scores_ref,
+    prefill_scores_triton,
+)
+
+DEVICE = conftest.test_device()
+ON_CUDA = DEVICE.type == "cuda"
+EULER_GAMMA = 0.5772156649015329
+# Lengths around the 16-row blocks the interpreter uses and around typical page sizes.
+LENGTHS = st.one_of(st.integers(0, 40), st.sampled_from([15, 16, 17, 31, 32, 33, 48, 63, 64, 65]))
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    torch.manual_seed(0)  # the fixed-shape tests draw their data from the global generator
+
+
+def naive_prefill_scores(q, k, *, scale, mode, window=0, decay=1.0, seed=0, temperature=1.0,
+                         alibi_slopes=None):
+    """The contract read literally: dense L x L probabilities, then one ``update_scores_ref`` per row."""
+    L, Hq, _ = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    i = torch.arange(L, device=q.device)[:, None]
+    j = torch.arange(L, device=q.device)[None, :]
+    k_per_q_head = k.float().repeat_interleave(G, dim=1)  # [L, Hq, D]
+    logits = torch.einsum("ihd,jhd->hij", q.float(), k_per_q_head) * scale  # [Hq, L, L]
+    if alibi_slopes is not None:
+        logits = logits + alibi_slopes[:, None, None] * (j - i)
+    if mode == "gumbel":
+        heads = torch.arange(Hq, device=q.device)[:, None, None]
+        logits = (logits + gumbel_noise_hash(seed, heads, i, j)) / temperature
+    probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)  # [Hq, L, L]
+    contrib = probs.view(Hkv, G, L, L).mean(dim=1)  # [Hkv, L, L]
+    scores = torch.zeros(Hkv, L, device=q.device)
+    for row in range(L - window if window else 0, L):
+        seen = slice(0, row + 1)  # only keys that exist at this step are updated
+        scores[:, seen] = update_scores_ref(scores[:, seen], contrib[:, row, seen], mode, decay=decay,
+                                            n_valid=row + 1)
+    return scores
+
+
+@st.composite
+def problems(draw, max_len=None):
+    L = draw(LENGTHS if max_len is None else st.integers(0, max_len))
+    Hkv = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 2, 4]))
+    D = draw(st.sampled_from([4, 8, 16, 24]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(L, Hkv * G, D, generator=gen)
+    k = torch.randn(L, Hkv, D, generator=gen)
+    kwargs = dict(
+        scale=D**-0.5 * draw(st.sampled_from([1.0, 3.0])),
+        mode=draw(st.sampled_from(SCORE_MODES)),
+        window=draw(st.sampled_from([0, 0, 1, L // 2, L])) if L else 0,
+        decay=draw(st.sampled_from([1.0, 0.9, 0.5])),
+        seed=draw(st.integers(0, 2**40)),
+        temperature=draw(st.sampled_from([1.0, 0.5, 2.0])),
+        alibi_slopes=torch.rand(Hkv * G, generator=gen) if draw(st.booleans()) else None,
+    )
+    return q, k, kwargs
+
+
+def assert_scores_close(actual, expected, mode, *, rtol=1e-5, atol=1e-5):
+    if mode == "count_low":  # integer counts: a near-tie flip would be a real difference to look at
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def to_device(q, k, kwargs, dtype=torch.float32):
+    kwargs = dict(kwargs)
+    if kwargs["alibi_slopes"] is not None:
+        kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(DEVICE)
+    return q.to(DEVICE, dtype), k.to(DEVICE, dtype), kwargs
+
+
+# --- the reference ---------------------------------------------------------------------------------
+
+@given(problems(), st.data())
+def test_ref_matches_naive(problem, data):
+    q, k, kwargs = to_device(*problem)
+    L = q.shape[0]
+    expected = naive_prefill_scores(q, k, **kwargs)
+    assert expected.shape == (k.shape[1], L)
+    actual = prefill_scores(q, k, chunk=data.draw(st.integers(1, L + 3)), **kwargs)
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    assert_scores_close(actual, expected, kwargs["mode"])
+
+
+@pytest.mark.parametrize("mode", SCORE_MODES)
+def test_chunking_does_not_change_scores(mode):
+    L, D = 13, 8
+    q, k = torch.randn(L, 4, D, device=DEVICE), torch.randn(L, 2, D, device=DEVICE)
+    run = lambda chunk: prefill_scores(q, k, scale=0.5, mode=mode, window=11, decay=0.7, seed=1, chunk=chunk)
+    whole = run(256)
+    for chunk in range(1, L + 4):
+        assert_scores_close(run(chunk), whole, mode, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "gumbel"])
+@pytest.mark.parametrize("window", [0, 1, 13, 29])
+def test_accumulated_mass_is_one_per_processed_row(mode, window):
+    L, Hkv, G, D = 29, 2, 2, 8
+    q, k = torch.randn(L, Hkv * G, D, device=DEVICE), torch.randn(L, Hkv, D, device=DEVICE)
+    scores = prefill_scores(q, k, scale=D**-0.5, mode=mode, window=window, chunk=5)
+    torch.testing.assert_close(scores.sum(dim=1), torch.full((Hkv,), float(window or L), device=DEVICE))
+    if window:  # keys no processed row can see get nothing
+        assert scores[:, : L - window].ge(0).all() and scores.gt(0).any()
+
+
+def test_uniform_attention_closed_forms():
+    """Zero queries attend uniformly: row i gives every visible key exactly 1 / (i + 1)."""
+    L, Hkv, G, D = 21, 2, 4, 8
+    q, k = torch.zeros(L, Hkv * G, D, device=DEVICE), torch.randn(L, Hkv, D, device=DEVICE)
+    rows = torch.arange(L, dtype=torch.float64, device=DEVICE)
+    c = torch.tril((1.0 / (rows[:, None] + 1)).expand(L, L))  # [i, j]
+    run = lambda mode, **kw: prefill_scores(q, k, scale=1.0, mode=mode, chunk=4, **kw)
+    torch.testing.assert_close(run("accumulate"), c.sum(0).float().expand(Hkv, L))
+    weights = 0.75 ** (L - 1 - rows)
+    torch.testing.assert_close(run("decay", decay=0.75), (weights[:, None] * c).sum(0).float().expand(Hkv, L))
+    torch.testing.assert_close(run("replace"), torch.full((Hkv, L), 1.0 / L, device=DEVICE))
+    # contrib == 1 / n_valid exactly is not "low"
+    assert run("count_low").eq(0).all()
+
+
+def test_count_low_counts_only_existing_keys():
+    """A key is counted at most once per row that can see it: 0 >= score[j] >= -(rows seeing j)."""
+    L, D = 33, 8
+    q, k = torch.randn(L, 2, D, device=DEVICE) * 3, torch.randn(L, 1, D, device=DEVICE) * 3
+    scores = prefill_scores(q, k, scale=1.0, mode="count_low")
+    seen_by = torch.arange(L, 0, -1, device=DEVICE, dtype=torch.float32)  # key j is seen by L - j rows
+    # Counting keys a row cannot see (contrib 0 < 1 / n_valid) would break the lower bound.
+    assert scores.le(0).all() and scores.ge(-seen_by).all()
+    assert scores.lt(0).any()  # peaked attention: some keys are low
+
+
+def test_gumbel_is_seeded():
+    L, Hkv, G, D = 24, 2, 2, 8
+    q, k = torch.randn(L, Hkv * G, D, device=DEVICE), torch.randn(L, Hkv, D, device=DEVICE)
+    run = lambda seed: prefill_scores(q, k, scale=D**-0.5, mode="gumbel", seed=seed, chunk=7)
+    assert torch.equal(run(5), run(5))
+    assert not torch.allclose(run(5), run(6))
+    assert not torch.allclose(run(5), prefill_scores(q, k, scale=D**-0.5, mode="accumulate"))
+
+
+def test_gumbel_high_temperature_approaches_uniform_attention():
+    L, D = 20, 8
+    q, k = torch.randn(L, 4, D, device=DEVICE), torch.randn(L, 2, D, device=DEVICE)
+    rows = torch.arange(L, dtype=torch.float64, device=DEVICE)
+    uniform = torch.tril((1.0 / (rows[:, None] + 1)).expand(L, L)).sum(0).float().expand(2, L)
+    err = lambda t: (prefill_scores(q, k, scale=1.0, mode="gumbel", temperature=t) - uniform).abs().max()
+    assert err(1e6) < 1e-4
+    assert err(1e6) < err(10.0) < err(1.0)
+
+
+# --- the Triton kernels ----------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=8)
+@given(problem=problems(max_len=40))
+def test_triton_matches_ref(dtype, problem):
+    q, k, kwargs = to_device(*problem, dtype=dtype)
+    expected = prefill_scores_ref(q, k, **kwargs)
+    actual = prefill_scores_triton(q, k, **kwargs)
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    # Both upcast to fp32 before the dot, so only summation order differs even for half inputs.
+    assert_scores_close(actual, expected, kwargs["mode"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", SCORE_MODES)
+def test_triton_multi_block_gqa(mode):
+    """Several query and key blocks, a window not aligned to a block, GQA, ALiBi, D not a power of 2."""
+    L, Hkv, G, D = 40, 2, 2, 40
+    q, k = torch.randn(L, Hkv * G, D, device=DEVICE), torch.randn(L, Hkv, D, device=DEVICE)
+    kwargs = dict(scale=D**-0.5, mode=mode, window=27, decay=0.8, seed=11, temperature=1.3,
+                  alibi_slopes=torch.rand(Hkv * G, device=DEVICE))
+    assert_scores_close(prefill_scores_triton(q, k, **kwargs), prefill_scores_ref(q, k, **kwargs), mode,
+                        rtol=1e-4)
+
+
+# --- the noise hash --------------------------------------------------------------------------------
+
+def _hash_python(seed, head, q_idx, k_idx):
+    """The documented hash with Python big ints (no 16-bit split), as an independent oracle."""
+    def fmix(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) % 2**32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) % 2**32
+        return h ^ (h >> 16)
+
+    absorb = lambda h, v: fmix(((h ^ v) + 0x9E3779B9) % 2**32)
+    s = seed % 2**64
+    h = absorb(absorb(0x243F6A88, s % 2**32), s >> 32)
+    for v in (head, q_idx, k_idx):
+        h = absorb(h, v)
+    return h
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 63), st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1))
+def test_hash_matches_python_oracle(seed, head, q_idx, k_idx):
+    bits = hash_u32(seed, head, torch.tensor([q_idx]), torch.tensor([k_idx]))
+    assert int(bits[0]) == _hash_python(seed, head, q_idx, k_idx)
+
+
+def test_noise_is_deterministic_and_gumbel_distributed():
+    heads = torch.arange(4).view(4, 1, 1)
+    q_idx, k_idx = torch.arange(256).view(256, 1), torch.arange(256)
+    g = gumbel_noise_hash(7, heads, q_idx, k_idx)  # [4, 256, 256]: 262k draws
+    assert g.shape == (4, 256, 256) and g.dtype == torch.float32
+    assert torch.equal(g, gumbel_noise_hash(7, heads, q_idx, k_idx))
+    assert torch.isfinite(g).all()
+    # Gumbel(0, 1): mean = Euler-Mascheroni, variance = pi^2 / 6; standard errors ~2.5e-3 and ~9e-3.
+    assert abs(g.mean().item() - EULER_GAMMA) < 0.01
+    assert abs(g.var().item() - math.pi**2 / 6) < 0.03
+    # P(G <= 0) = exp(-1)
+    assert abs(g.le(0).float().mean().item() - math.exp(-1)) < 0.005
+    # neighbouring counters are not correlated
+    assert abs(torch.corrcoef(torch.stack([g[:, :, :-1].flatten(), g[:, :, 1:].flatten()]))[0, 1]) < 0.01
+    assert not torch.equal(g, gumbel_noise_hash(8, heads, q_idx, k_idx))
+    assert not torch.equal(g[0], g[1])
+
+
+@pytest.mark.interpret
+def test_triton_hash_reproduces_torch_bits():
+    gen = torch.Generator().manual_seed(0)
+    q_idx = torch.randint(0, 2**31 - 1, (3000,), generator=gen).to(DEVICE)
+    k_idx = torch.cat([torch.arange(1000), torch.randint(0, 2**31 - 1, (2000,), generator=gen)]).to(DEVICE)
+    for seed, head in [(0, 0), (1, 1), (2**40 + 3, 17), (2**64 - 1, 5)]:
+        bits, noise = gumbel_noise_hash_triton(seed, head, q_idx, k_idx)
+        assert torch.equal(bits, hash_u32(seed, head, q_idx, k_idx))
+        torch.testing.assert_close(noise, gumbel_noise_hash(seed, head, q_idx, k_idx), rtol=1e-6, atol=1e-6)
+
+
+# --- input checks, the op --------------------------------------------------------------------------
+
+def _good():
+    return dict(q=torch.randn(6, 4, 8), k=torch.randn(6, 2, 8), scale=0.3, mode="accumulate")
+
+
+@pytest.mark.parametrize("change, error, names", [
+    (dict(q=torch.randn(6, 4)), ValueError, "q"),
+    (dict(q=torch.randn(6, 4, 8).int()), TypeError, "q"),
+    (dict(k=torch.randn(6, 2, 8).double()), TypeError, "k"),
+    (dict(k=torch.randn(5, 2, 8)), ValueError, "k"),
+    (dict(k=torch.randn(6, 2, 7)), ValueError, "k"),
+    (dict(k=torch.randn(6, 3, 8)), ValueError, "Hkv"),
+    (dict(mode="h2o"), ValueError, "mode"),
+    (dict(window=7), ValueError, "window"),
+    (dict(window=-1), ValueError, "window"),
+    (dict(window=2.0), TypeError, "window"),
+    (dict(chunk=0), ValueError, "chunk"),
+    (dict(seed=-1), ValueError, "seed"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(decay=0.0), ValueError, "decay"),
+    (dict(decay=1.5), ValueError, "decay"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale="0.3"), TypeError, "scale"),
+    (dict(alibi_slopes=torch.rand(2)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.rand(4).double()), TypeError, "alibi_slopes"),
+])
+def test_bad_input_names_the_argument(change, error, names):
+    args = _good() | change
+    with pytest.raises(error, match=names):
+        prefill_scores(args.pop("q"), args.pop("k"), **args)
+
+
+def test_op_schema_and_fake():
+    q, k = torch.randn(9, 4, 8), torch.randn(9, 2, 8)
+    torch.library.opcheck(_prefill_scores_op, (q, k, 0.3, "count_low", 4, 0.9, 3, 1.0, torch.rand(4), 4))
+    torch.library.opcheck(_prefill_scores_op, (q, k, 0.3, "gumbel", 0, 1.0, 3, 2.0, None, 256))
+
+
+@pytest.mark.slow
+def test_compiles_fullgraph():
+    def score(q, k):
+        return prefill_scores(q * 2.0, k, scale=0.25, mode="decay", decay=0.9, chunk=8).softmax(-1)
+
+    q, k = torch.randn(20, 4, 8), torch.randn(20, 2, 8)
+    compiled = torch.compile(score, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k), score(q, k))
