@@ -1,0 +1,526 @@
+"""Ragged paged decode attention with a fused per-slot score update (docs/contract.md §2.1–§2.2).
+
+One query token per sequence attends over that sequence's valid slots in the paged pool. Layout of this
+file: the Triton kernels, their launcher ``paged_decode_attention_triton``, the torch reference
+``paged_decode_attention_ref`` (same signature), and the public op ``paged_decode_attention``.
+
+Kernel design
+-------------
+* ``_decode_partial_kernel``: one program per (sequence, KV head, split). It loads the ``G`` query heads of
+  the group once and streams its split's K/V tiles through an online softmax, so each K/V byte is read
+  once per group, not once per query head. It writes a partial (max, sum, unnormalised output) per query
+  head and split.
+* ``_decode_reduce_kernel``: one program per (sequence, KV head, split). Every program combines the
+  splits' (max, sum) into the global softmax normaliser (a few floats); split 0 also combines the partial
+  outputs and writes ``out``; each program then finishes the score update for its own split's slots.
+
+Why the score update is finished in the reduce step: a slot's contribution is the mean over the group of
+``exp(x_g - max_g) / sum_g``, and the normaliser of head ``g`` is only known once every split is done.
+The per-head factors differ, so a split cannot pre-combine its G logits into one number. The partial
+kernel therefore keeps the fp32 logits of the group in a scratch ``[B, Hq, Lmax]`` (written once, read
+once) and the reduce kernel turns them into probabilities. That costs ``8 * G`` bytes per slot and KV
+head on top of ``4 * D`` bytes of 16-bit K and V (about 6% at G=4, D=128), where recomputing the logits
+would re-read K (50%). With ``score_mode="none"`` no scratch is allocated or touched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvkernels import _checks
+from kvkernels._modes import SCORE_MODES, update_scores_ref
+from kvkernels._triton import HAS_TRITON, INTERPRET, require_triton, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - the CPU path never needs triton
+    triton = None
+    tl = None
+
+# Running max starts finite so that a block with no visible slot gives exp(-inf - m) = 0 rather than NaN;
+# no real logit gets near it.
+_NEG_BIG = -1e30
+_MODE_IDS = {name: i for i, name in enumerate(SCORE_MODES)}  # none=0 accumulate=1 gumbel=2 decay=3 ...
+
+
+if HAS_TRITON:
+    _NEG_BIG_C = tl.constexpr(_NEG_BIG)  # jit code may only read globals that are constexpr
+
+    @triton.jit
+    def _decode_partial_kernel(
+        q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr,
+        alibi_ptr, slot_pos_ptr, q_pos_ptr, k_scale_ptr, v_scale_ptr, slot_mask_ptr, noise_ptr, temp_ptr,
+        m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr,
+        scale, mask_bit, max_pages, noise_len, logits_len, num_splits, chunk,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, HAS_KSCALE: tl.constexpr, HAS_VSCALE: tl.constexpr, HAS_MASK: tl.constexpr,
+        KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_ok = offs_g < G  # BLOCK_G >= 16 pads small groups so tl.dot has a legal shape
+        d_ok = offs_d < D  # BLOCK_D is D rounded up to a power of two
+        q_rows = (b * HKV + kvh) * G + offs_g  # [BLOCK_G] row of q / out / stats for each head of the group
+
+        seq_len = tl.load(seq_lens_ptr + b)
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+
+        q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [BLOCK_G, BLOCK_D]
+        if HAS_ALIBI:
+            slopes = tl.load(alibi_ptr + kvh * G + offs_g, mask=g_ok, other=0.0)  # [BLOCK_G]
+            q_pos = tl.load(q_pos_ptr + b)
+        if GUMBEL:
+            tau = 1.0
+            if HAS_TEMP:
+                tau = tl.load(temp_ptr)
+
+        m_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        gm_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
+        gl_i = tl.zeros([BLOCK_G], tl.float32)
+        n_vis = tl.zeros([BLOCK_N], tl.int32)
+
+        for n0 in range(start, end, BLOCK_N):
+            slots = n0 + offs_n  # [BLOCK_N] logical slot index within the sequence
+            in_seq = slots < end
+            page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
+            row = (page * S + slots % S) * HKV + kvh  # [BLOCK_N] index into [P, S, Hkv] tensors
+            kv_mask = in_seq[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D] tile
+            x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+            if HAS_KSCALE:
+                x = x * tl.load(k_scale_ptr + row, mask=in_seq, other=1.0)[None, :]
+            if HAS_ALIBI:
+                pos = tl.load(slot_pos_ptr + row, mask=in_seq, other=0)
+                x = x + slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]
+            visible = in_seq
+            if HAS_MASK:
+                bits = tl.load(slot_mask_ptr + row, mask=in_seq, other=0).to(tl.int32)
+                visible = visible & ((bits & mask_bit) != 0)
+            x = tl.where(visible[None, :], x, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(x, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(x - m_new[:, None])  # [BLOCK_G, BLOCK_N], 0 on invisible slots
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + row[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D] tile
+            if HAS_VSCALE:
+                p = p * tl.load(v_scale_ptr + row, mask=in_seq, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+            if KEEP_LOGITS:
+                tl.store(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], x,
+                         mask=g_ok[:, None] & in_seq[None, :])
+                n_vis += visible.to(tl.int32)
+                if GUMBEL:
+                    noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :],
+                                    mask=g_ok[:, None] & in_seq[None, :], other=0.0)
+                    y = (x + noise) / tau  # stays -inf on invisible slots
+                    gm_new = tl.maximum(gm_i, tl.max(y, axis=1))
+                    gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
+                    gm_i = gm_new
+
+        stat = q_rows * num_splits + split  # [BLOCK_G] index into [B, Hq, splits]
+        tl.store(m_ptr + stat, m_i, mask=g_ok)
+        tl.store(l_ptr + stat, l_i, mask=g_ok)
+        tl.store(acc_ptr + stat[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        if KEEP_LOGITS:
+            tl.store(nvis_ptr + (b * HKV + kvh) * num_splits + split, tl.sum(n_vis, axis=0))
+            if GUMBEL:
+                tl.store(gm_ptr + stat, gm_i, mask=g_ok)
+                tl.store(gl_ptr + stat, gl_i, mask=g_ok)
+
+    @triton.jit
+    def _combine_stats(m_ptr, l_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS: tl.constexpr):
+        """Global (max, 1 / sum) per query head from the per-split partials; 1/sum = 0 for an empty row."""
+        offs_s = tl.arange(0, BLOCK_SPLITS)
+        idx = q_rows[:, None] * num_splits + offs_s[None, :]  # [BLOCK_G, BLOCK_SPLITS]
+        ok = g_ok[:, None] & (offs_s[None, :] < num_splits)
+        m = tl.load(m_ptr + idx, mask=ok, other=_NEG_BIG_C)
+        l = tl.load(l_ptr + idx, mask=ok, other=0.0)
+        m_max = tl.max(m, axis=1)
+        l_sum = tl.sum(l * tl.exp(m - m_max[:, None]), axis=1)
+        inv_l = tl.where(l_sum > 0, 1.0 / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+        return m_max, inv_l
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr, noise_ptr, temp_ptr,
+        score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr,
+        mask_bit, decay, max_pages, noise_len, logits_len, num_splits, chunk,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_TEMP: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        q_rows = (b * HKV + kvh) * G + offs_g  # [BLOCK_G]
+        m_max, inv_l = _combine_stats(m_ptr, l_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS)
+
+        if split == 0:
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for s in range(num_splits):
+                m_s = tl.load(m_ptr + q_rows * num_splits + s, mask=g_ok, other=_NEG_BIG_C)
+                part = tl.load(acc_ptr + (q_rows * num_splits + s)[:, None] * D + offs_d[None, :],
+                               mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+                acc += tl.exp(m_s - m_max)[:, None] * part
+            out = acc * inv_l[:, None]  # an empty sequence has inv_l = 0: a zero row
+            tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=g_ok[:, None] & d_ok[None, :])
+
+        if SCORE_MODE != 0:
+            if SCORE_MODE == 2:  # gumbel: the score uses its own (noised, tempered) normaliser
+                gm_max, inv_gl = _combine_stats(gm_ptr, gl_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS)
+                tau = 1.0
+                if HAS_TEMP:
+                    tau = tl.load(temp_ptr)
+            if SCORE_MODE == 5:  # count_low: threshold 1 / (visible slots of this KV head)
+                offs_s = tl.arange(0, BLOCK_SPLITS)
+                n_valid = tl.sum(tl.load(nvis_ptr + (b * HKV + kvh) * num_splits + offs_s,
+                                         mask=offs_s < num_splits, other=0), axis=0)
+                threshold = 1.0 / tl.maximum(n_valid, 1).to(tl.float32)
+
+            offs_n = tl.arange(0, BLOCK_N)
+            seq_len = tl.load(seq_lens_ptr + b)
+            start = split * chunk
+            end = tl.minimum(start + chunk, seq_len)
+            for n0 in range(start, end, BLOCK_N):
+                slots = n0 + offs_n
+                in_seq = slots < end
+                lmask = g_ok[:, None] & in_seq[None, :]
+                x = tl.load(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], mask=lmask,
+                            other=float("-inf"))  # [BLOCK_G, BLOCK_N]
+                if SCORE_MODE == 2:
+                    noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask,
+                                    other=0.0)
+                    p = tl.exp((x + noise) / tau - gm_max[:, None]) * inv_gl[:, None]
+                else:
+                    p = tl.exp(x - m_max[:, None]) * inv_l[:, None]
+                contrib = tl.sum(p, axis=0) / G  # [BLOCK_N] mean over the group's query heads
+
+                page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
+                row = (page * S + slots % S) * HKV + kvh
+                visible = in_seq
+                if HAS_MASK:
+                    bits = tl.load(slot_mask_ptr + row, mask=in_seq, other=0).to(tl.int32)
+                    visible = visible & ((bits & mask_bit) != 0)
+                old = tl.load(score_ptr + row, mask=visible, other=0.0)
+                if SCORE_MODE <= 2:  # accumulate (1), gumbel (2)
+                    new = old + contrib
+                elif SCORE_MODE == 3:  # decay
+                    new = decay * old + contrib
+                elif SCORE_MODE == 4:  # replace
+                    new = contrib
+                else:  # count_low
+                    new = old - (contrib < threshold).to(tl.float32)
+                tl.store(score_ptr + row, new, mask=visible)
+
+
+def _pick_num_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """Enough (sequence, KV head, split) programs to fill the GPU twice, each split >= 256 slots."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    want = math.ceil(2 * sms / max(1, batch * n_kv_heads))
+    return max(1, min(want, math.ceil(max_len / max(256, block_n)), 64))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, *, scale: float, alibi_slopes: torch.Tensor | None = None,
+    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
+    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
+    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+) -> torch.Tensor:
+    """Triton launcher for :func:`paged_decode_attention` (same arguments; inputs assumed checked)."""
+    require_triton()
+    batch, n_q_heads, head_dim = q.shape
+    page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = n_q_heads // n_kv_heads
+    max_pages = page_table.shape[1]
+    max_len = max_pages * page_size  # static: the scratch shape never depends on the lengths' values
+
+    block_n = 16 if INTERPRET else 64  # the interpreter is fastest on small tiles; 64 keeps HBM busy
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits <= 0:
+        num_splits = _pick_num_splits(batch, n_kv_heads, max_len, block_n, q.device)
+    # Split boundaries are multiples of BLOCK_N so only the last block of a split is partial.
+    chunk = max(block_n, math.ceil(max(1, max_len) / num_splits / block_n) * block_n)
+
+    mode_id = _MODE_IDS[score_mode]
+    keep_logits = mode_id != 0 and score is not None
+    gumbel = mode_id == _MODE_IDS["gumbel"]
+    dev, f32 = q.device, torch.float32
+    m = torch.empty(batch, n_q_heads, num_splits, device=dev, dtype=f32)  # per-split running max
+    l = torch.empty_like(m)  # per-split sum of exp
+    acc = torch.empty(batch, n_q_heads, num_splits, head_dim, device=dev, dtype=f32)  # unnormalised out
+    out = torch.empty_like(q)
+    dummy = m  # stands in for absent optional tensors; constexpr flags keep the kernels from reading it
+    logits = torch.empty(batch, n_q_heads, max_len, device=dev, dtype=f32) if keep_logits else dummy
+    nvis = (torch.empty(batch, n_kv_heads, num_splits, device=dev, dtype=torch.int32) if keep_logits
+            else dummy)  # visible slots per split, for count_low's 1 / n_valid
+    gm = torch.empty_like(m) if gumbel else dummy
+    gl = torch.empty_like(m) if gumbel else dummy
+    noise = gumbel_noise if gumbel and gumbel_noise is not None else dummy
+    noise_len = noise.shape[-1]
+
+    def opt(t: torch.Tensor | None) -> torch.Tensor:
+        return dummy if t is None else t
+
+    consts = dict(HKV=n_kv_heads, G=group, D=head_dim, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d,
+                  BLOCK_N=block_n)
+    grid = (batch, n_kv_heads, num_splits)
+    _decode_partial_kernel[grid](
+        q, k_pages, v_pages, page_table, seq_lens,
+        opt(alibi_slopes), opt(slot_pos), opt(q_pos), opt(k_scale), opt(v_scale), opt(slot_mask), noise,
+        opt(temperature),
+        m, l, acc, gm, gl, nvis, logits,
+        float(scale), int(mask_bit), max_pages, noise_len, max_len, num_splits, chunk,
+        HAS_ALIBI=alibi_slopes is not None, HAS_KSCALE=k_scale is not None, HAS_VSCALE=v_scale is not None,
+        HAS_MASK=slot_mask is not None, KEEP_LOGITS=keep_logits, GUMBEL=gumbel,
+        HAS_TEMP=temperature is not None,
+        # fp32 caches get exact fp32 products (no TF32) so they match the fp32 reference.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, **consts,
+    )
+    _decode_reduce_kernel[grid](
+        out, m, l, acc, gm, gl, nvis, logits, noise, opt(temperature),
+        opt(score) if keep_logits else dummy, page_table, seq_lens, opt(slot_mask),
+        int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id if keep_logits else 0,
+        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, num_warps=4, **consts,
+    )
+    return out
+
+
+def _masked_softmax(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim restricted to ``visible``; a row with nothing visible is all zeros."""
+    p = torch.softmax(x.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.where(visible, p, torch.zeros_like(p))  # all-masked rows came out NaN
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, *, scale: float, alibi_slopes: torch.Tensor | None = None,
+    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
+    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
+    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+) -> torch.Tensor:
+    """Pure-torch reference for :func:`paged_decode_attention`: one sequence at a time, in fp32.
+
+    ``num_splits`` is accepted for signature parity and ignored (the result does not depend on it).
+    """
+    batch, n_q_heads, _ = q.shape
+    page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = n_q_heads // n_kv_heads
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        slots = torch.arange(n, device=q.device)
+        pages = page_table[b, slots // page_size].long()  # [n]
+        offs = slots % page_size  # [n]
+        k = k_pages[pages, offs].float()  # [n, Hkv, D]
+        v = v_pages[pages, offs].float()  # [n, Hkv, D]
+        if k_scale is not None:
+            k = k * k_scale[pages, offs][..., None]
+        if v_scale is not None:
+            v = v * v_scale[pages, offs][..., None]
+        visible = torch.ones(n, n_kv_heads, dtype=torch.bool, device=q.device)  # [n, Hkv]
+        if slot_mask is not None:
+            visible = (slot_mask[pages, offs] & mask_bit) != 0
+
+        # Query head h reads KV head h // group.
+        k_q = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v_q = v.repeat_interleave(group, dim=1)  # [n, Hq, D]
+        visible_q = visible.repeat_interleave(group, dim=1).T  # [Hq, n]
+        x = scale * torch.einsum("hd,nhd->hn", q[b].float(), k_q)  # [Hq, n]
+        if alibi_slopes is not None:
+            assert slot_pos is not None and q_pos is not None  # the public wrapper checked the pairing
+            key_pos = slot_pos[pages, offs].repeat_interleave(group, dim=1).T  # [Hq, n]
+            x = x + alibi_slopes[:, None].float() * (key_pos - q_pos[b]).float()
+        p = _masked_softmax(x, visible_q)  # [Hq, n]
+        out[b] = torch.einsum("hn,nhd->hd", p, v_q).to(q.dtype)
+
+        if score_mode == "none" or score is None:
+            continue
+        if score_mode == "gumbel":
+            assert gumbel_noise is not None
+            tau = 1.0 if temperature is None else temperature.float()
+            p = _masked_softmax((x + gumbel_noise[b, :, :n]) / tau, visible_q)
+        contrib = p.view(n_kv_heads, group, n).mean(dim=1)  # [Hkv, n]
+        old = score[pages, offs].T  # [Hkv, n]
+        n_valid = visible.sum(dim=0)[:, None]  # [Hkv, 1]
+        new = update_scores_ref(old, contrib, score_mode, decay=decay, n_valid=n_valid)
+        score[pages, offs] = torch.where(visible.T, new, old).T
+    return out
+
+
+@torch.library.custom_op("kvkernels::paged_decode_attention", mutates_args=("score",))
+def _paged_decode_attention_op(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, alibi_slopes: torch.Tensor | None = None,
+    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
+    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
+    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+) -> torch.Tensor:
+    """The registered op (no input checks): Triton on CUDA tensors, the reference elsewhere.
+
+    Same arguments as the public function, except that the tensors cannot be keyword-only in an op schema.
+    """
+    impl = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
+    return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi_slopes=alibi_slopes,
+                slot_pos=slot_pos, q_pos=q_pos, score=score, score_mode=score_mode, decay=decay,
+                gumbel_noise=gumbel_noise, temperature=temperature, k_scale=k_scale, v_scale=v_scale,
+                slot_mask=slot_mask, mask_bit=mask_bit, num_splits=num_splits)
+
+
+@_paged_decode_attention_op.register_fake
+def _(q, *args, **kwargs):
+    return torch.empty_like(q)  # [B, Hq, D]; score's in-place update needs no fake output
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi_slopes, slot_pos, q_pos, score,
+                  score_mode, gumbel_noise, temperature, k_scale, v_scale, slot_mask, mask_bit,
+                  num_splits) -> None:
+    """Metadata checks (no device sync): ranks, shapes, dtypes, devices, contiguity, argument pairing."""
+    ck = _checks.check_tensor
+    ck("q", q, ndim=3, dtypes=_checks.FLOAT_DTYPES, contiguous=True)
+    dev = q.device
+    batch, n_q_heads, head_dim = q.shape
+    ck("k_pages", k_pages, ndim=4, dtypes=(q.dtype,), device=dev, contiguous=True)
+    num_pages, page_size, n_kv_heads, kd = k_pages.shape
+    if kd != head_dim:
+        raise ValueError(f"k_pages head dim is {kd} but q has head dim {head_dim}; they must match")
+    if n_kv_heads == 0 or n_q_heads % n_kv_heads != 0:
+        raise ValueError(f"q has {n_q_heads} heads, which is not a multiple of the {n_kv_heads} KV heads of "
+                         "k_pages; GQA needs Hq = G * Hkv")
+    ck("v_pages", v_pages, ndim=4, dtypes=(q.dtype,), device=dev, contiguous=True)
+    _checks.check_shape("v_pages", v_pages, tuple(k_pages.shape), "same as k_pages")
+    ck("page_table", page_table, ndim=2, dtypes=(torch.int32,), device=dev, contiguous=True)
+    _checks.check_shape("page_table", page_table, (batch, None), "[B, M]")
+    ck("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev, contiguous=True)
+    _checks.check_shape("seq_lens", seq_lens, (batch,), "[B]")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale}")
+    _checks.check_choice("score_mode", score_mode, SCORE_MODES)
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 picks a heuristic), got {num_splits}")
+    if not 1 <= mask_bit <= 255:
+        raise ValueError(f"mask_bit must be in [1, 255] (a bit of the uint8 slot_mask), got {mask_bit}")
+
+    slot_shape = (num_pages, page_size, n_kv_heads)
+    per_slot = {"slot_pos": (slot_pos, torch.int32), "score": (score, torch.float32),
+                "k_scale": (k_scale, torch.float32), "v_scale": (v_scale, torch.float32),
+                "slot_mask": (slot_mask, torch.uint8)}
+    for name, (t, dtype) in per_slot.items():
+        if t is not None:
+            ck(name, t, ndim=3, dtypes=(dtype,), device=dev, contiguous=True)
+            _checks.check_shape(name, t, slot_shape, "[P, S, Hkv] of the pool")
+    if alibi_slopes is not None:
+        ck("alibi_slopes", alibi_slopes, ndim=1, dtypes=(torch.float32,), device=dev, contiguous=True)
+        _checks.check_shape("alibi_slopes", alibi_slopes, (n_q_heads,), "[Hq]")
+        if slot_pos is None or q_pos is None:
+            raise ValueError("alibi_slopes needs slot_pos ([P, S, Hkv] int32) and q_pos ([B] int32)")
+    if q_pos is not None:
+        ck("q_pos", q_pos, ndim=1, dtypes=(torch.int32,), device=dev, contiguous=True)
+        _checks.check_shape("q_pos", q_pos, (batch,), "[B]")
+    if score_mode != "none" and score is None:
+        raise ValueError(f"score_mode={score_mode!r} updates scores in place: pass score "
+                         "([P, S, Hkv] float32)")
+    if score_mode == "gumbel":
+        if gumbel_noise is None:
+            raise ValueError("score_mode='gumbel' needs gumbel_noise ([B, Hq, Lmax] float32)")
+        ck("gumbel_noise", gumbel_noise, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
+        _checks.check_shape("gumbel_noise", gumbel_noise, (batch, n_q_heads, None), "[B, Hq, Lmax]")
+        if gumbel_noise.shape[2] < page_table.shape[1] * page_size:
+            raise ValueError(f"gumbel_noise has {gumbel_noise.shape[2]} slots per head but the page table "
+                             f"covers {page_table.shape[1] * page_size}; allocate [B, Hq, M * S]")
+    if temperature is not None:
+        ck("temperature", temperature, ndim=1, dtypes=(torch.float32,), device=dev, contiguous=True)
+        _checks.check_shape("temperature", temperature, (1,), "a 1-element tensor")
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, *, scale: float, alibi_slopes: torch.Tensor | None = None,
+    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
+    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
+    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over a ragged paged KV cache.
+
+    Parameters
+    ----------
+    q : [B, Hq, D] float32 / float16 / bfloat16
+        Queries of the current step.
+    k_pages, v_pages : [P, S, Hkv, D], same dtype as ``q``
+        The page pool (keys after RoPE, values). ``Hq`` must be a multiple of ``Hkv``.
+    page_table : [B, M] int32
+        Pool page of each sequence's ``i``-th page; entries at or past ``ceil(seq_lens / S)`` are never read.
+    seq_lens : [B] int32
+        Valid slots per sequence (0 gives a zero output row).
+    scale : float
+        Logit multiplier, usually ``D ** -0.5``.
+    alibi_slopes : [Hq] float32, optional
+        Adds ``slope[h] * (slot_pos - q_pos)`` to the logits; needs ``slot_pos`` [P, S, Hkv] int32 (original
+        positions) and ``q_pos`` [B] int32.
+    score : [P, S, Hkv] float32, optional
+        Per-slot scores, updated in place according to ``score_mode`` (docs/contract.md §2.2) for visible
+        valid slots only.
+    score_mode : str
+        One of ``SCORE_MODES``; ``decay`` is lambda for ``"decay"``.
+    gumbel_noise : [B, Hq, Lmax] float32, optional
+        Noise for ``"gumbel"``, indexed by logical slot (``Lmax >= M * S``); ``temperature`` is a [1]
+        float32 tensor (None means 1.0).
+    k_scale, v_scale : [P, S, Hkv] float32, optional
+        Per-slot magnitudes (MiniCache restore): keys are ``k_pages * k_scale``, values likewise.
+    slot_mask : [P, S, Hkv] uint8, optional
+        A slot is visible only if ``slot_mask & mask_bit != 0``; invisible slots get no probability, no
+        score update and do not count in ``n_valid``.
+    num_splits : int
+        Split-K factor for the Triton kernel; 0 picks one from the shape and the device.
+
+    Returns
+    -------
+    out : [B, Hq, D], dtype of ``q``
+    """
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi_slopes=alibi_slopes,
+                  slot_pos=slot_pos, q_pos=q_pos, score=score, score_mode=score_mode,
+                  gumbel_noise=gumbel_noise, temperature=temperature, k_scale=k_scale, v_scale=v_scale,
+                  slot_mask=slot_mask, mask_bit=mask_bit, num_splits=num_splits)
+    if not torch.compiler.is_compiling():  # value checks read device memory (a sync): eager only
+        _checks.check_seq_lens(seq_lens)
+        _checks.check_page_table(page_table, seq_lens, k_pages.shape[0], k_pages.shape[1])
+    return _paged_decode_attention_op(
+        q, k_pages, v_pages, page_table, seq_lens, scale=float(scale), alibi_slopes=alibi_slopes,
+        slot_pos=slot_pos, q_pos=q_pos, score=score, score_mode=score_mode, decay=float(decay),
+        gumbel_noise=gumbel_noise, temperature=temperature, k_scale=k_scale, v_scale=v_scale,
+        slot_mask=slot_mask, mask_bit=int(mask_bit), num_splits=int(num_splits))
