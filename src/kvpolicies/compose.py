@@ -125,6 +125,16 @@ class ComposedPolicy:
             parts.append(f"{p.name}({args})" if args else p.name)
         return f"{'+'.join(parts)} @ budget={self.budget!r}, evict_every={self.evict_every}, seed={self.seed}"
 
+    def hf_cache(self, model: Any, **kw: Any) -> Any:
+        """A ``transformers`` cache driven by this policy, for ``model.generate(..., past_key_values=...)``.
+
+        Delegates to ``kvpolicies.hf.hf_cache(self, model, **kw)`` (keywords ``max_new_tokens``, ``seed``);
+        imported here, on use, because ``transformers`` is an optional extra (docs/hf.md).
+        """
+        from kvpolicies.hf import hf_cache
+
+        return hf_cache(self, model, **kw)
+
     # -- budgets ------------------------------------------------------------------------------------------
     def budget_tokens(self, prompt_lens: torch.Tensor) -> torch.Tensor:
         """Per-sequence, per-layer token budgets (docs/contract.md §4).

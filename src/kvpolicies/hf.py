@@ -1,0 +1,874 @@
+"""Hugging Face ``transformers`` bridge: drive any ``AutoModelForCausalLM`` with a composed policy.
+
+This is the only module of the library that imports ``transformers`` (an optional extra,
+``pip install kvpolicies[hf]``); the core packages never import it.
+
+    >>> cache = hf_cache(compose("h2o", budget=0.25), model, max_new_tokens=64)
+    >>> out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)
+    >>> with compressed(model, compose("squeeze", "keyformer", budget=0.2)) as caches:
+    ...     out = model.generate(**inputs, max_new_tokens=64)      # a fresh cache per call
+    >>> caches[-1].report()
+
+How it works (docs/hf.md has the full story):
+
+* :class:`PolicyCache` is a ``transformers.Cache`` whose layers (:class:`PolicyLayer`, a ``DynamicLayer``)
+  hold **compacted** K/V ``[B, Hkv, N, D]`` plus, per slot, the original absolute position ``[B, Hkv, N]``,
+  the policy score ``[B, Hkv, N]`` and a validity mask ``[B, N]`` (ragged per-sequence kept lengths, left
+  padding). Heads of a layer keep the same number of tokens but may keep different ones (per-KV-head
+  selection, never expanded to query heads).
+* Hooks installed on the model (idempotently, inert for any other cache) feed the cache what ``update()``
+  alone does not see: the 2-D padding mask and positions (base-model pre-hook), the queries (projection
+  hooks; the queries are rebuilt with the model's own rotary code and checked against the keys), the
+  residual stream around each attention (SqueezeAttention's cos-sim), and they replace each layer's
+  attention mask by the cache's per-layer mask, because after compression layers differ in length.
+* MPT's attention indexes ALiBi by the physical cache slot, which is wrong once tokens are evicted, so for
+  MPT the bridge runs its own attention (same math, bias from each slot's original position).
+* Scores follow ``docs/contract.md`` §2.2: prefill scores come from ``kvkernels.prefill_scores`` (queries
+  and keys, never eager attention weights, so ``sdpa`` works); a decode step adds the mean over the GQA
+  group of the softmax row of the new query. Selection is the contract's ``topk_compact`` rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import sys
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, DynamicLayer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("kvpolicies.hf needs transformers: pip install 'kvpolicies[hf]'") from exc
+
+from kvkernels._modes import update_scores_ref
+from kvmodels.cache import PagedKVCache
+from kvpolicies.base import LayerStats
+
+__all__ = [
+    "PolicyCache",
+    "PolicyLayer",
+    "HFCacheReport",
+    "hf_cache",
+    "compressed",
+    "UnsupportedModelError",
+]
+
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or its attention implementation) cannot be driven by a policy cache."""
+
+
+# ----------------------------------------------------------------------------------------
+# Model adapters: how to find the attention modules and rebuild their queries
+# ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Family:
+    kind: str  # "llama" (attention interface + rotary embeddings), "gptj" or "mpt"
+    # Modules typed Any: their attributes (q_proj, head_dim, ...) are the family's, unknown to nn.Module.
+    layers: list[Any]  # decoder layers, in order
+    attns: list[Any]  # their attention modules
+    base: Any  # the module whose forward receives input_ids / attention_mask
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    base = getattr(model, "base_model", model)
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
+    for name in ("layers", "h", "blocks"):
+        mods = getattr(base, name, None)
+        if isinstance(mods, torch.nn.ModuleList) and len(mods) == n:
+            return base, mods
+    raise UnsupportedModelError(
+        f"{type(model).__name__}: could not find its {n} decoder layers (looked for base_model.layers / .h / "
+        ".blocks); kvpolicies.hf supports Llama-style, GPT-J and MPT decoders"
+    )
+
+
+def _family(model: torch.nn.Module) -> _Family:
+    """Identify the model family, or raise an error that says what to change."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model; kvpolicies.hf "
+            "supports decoder-only causal LMs (AutoModelForCausalLM)"
+        )
+    layer_types = getattr(config, "layer_types", None)
+    if (
+        (layer_types and any(t != "full_attention" for t in layer_types))
+        or getattr(config, "sliding_window", None) is not None
+        and getattr(config, "use_sliding_window", True)
+    ):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} uses sliding-window / hybrid attention layers "
+            f"(layer_types={layer_types}, sliding_window={getattr(config, 'sliding_window', None)}); "
+            "a policy cache needs full attention in every layer. Set config.sliding_window=None if the model "
+            "allows it"
+        )
+    base, layers = _decoder_layers(model)
+    attns = []
+    for layer in layers:
+        attn = next(
+            (getattr(layer, n) for n in ("self_attn", "attn", "attention") if hasattr(layer, n)), None
+        )
+        if attn is None:
+            raise UnsupportedModelError(f"{type(layer).__name__} has no self_attn / attn module")
+        attns.append(attn)
+    cls = type(attns[0]).__name__
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if cls == "MptAttention":
+        h = attns[0].n_heads
+        return _Family("mpt", list(layers), attns, base, h, h, attns[0].head_dim)
+    if cls == "GPTJAttention":
+        h = attns[0].num_attention_heads
+        return _Family("gptj", list(layers), attns, base, h, h, attns[0].head_dim)
+    if cls.endswith("FlashAttention2") or "flash" in impl or impl == "flex_attention":
+        raise UnsupportedModelError(
+            f"attention implementation {impl!r} ({cls}) cannot take the per-layer masks of a compressed "
+            "cache; load the model with attn_implementation='sdpa' (or 'eager')"
+        )
+    a = attns[0]
+    modeling = sys.modules[type(a).__module__]
+    if not all(hasattr(a, n) for n in ("q_proj", "k_proj", "layer_idx")) or not hasattr(
+        modeling, "apply_rotary_pos_emb"
+    ):
+        raise UnsupportedModelError(
+            f"{cls}: kvpolicies.hf supports Llama-style attention (q_proj/k_proj/v_proj with rotary "
+            "position_embeddings, e.g. Llama, Mistral, Qwen2, SmolLM), GPT-J and MPT; use kvmodels for others"
+        )
+    if impl not in ("sdpa", "eager"):
+        raise UnsupportedModelError(
+            f"attention implementation {impl!r} is not supported; load the model "
+            "with attn_implementation='sdpa' (or 'eager')"
+        )
+    return _Family(
+        "llama",
+        list(layers),
+        attns,
+        base,
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        a.head_dim,
+    )
+
+
+def _llama_rope(
+    attn: torch.nn.Module, proj_out: torch.Tensor, norm: str, n_heads: int, ctx: dict[str, Any]
+) -> torch.Tensor:
+    """Rotated heads ``[B, H, L, D]`` from a q_proj/k_proj output ``[B, L, H*D]``, as the model does it."""
+    x = proj_out.view(*proj_out.shape[:2], n_heads, attn.head_dim)  # [B, L, H, D]
+    if hasattr(attn, norm):  # Qwen3-style per-head q_norm / k_norm before RoPE
+        x = getattr(attn, norm)(x)
+    x = x.transpose(1, 2)  # [B, H, L, D]
+    cos, sin = ctx["position_embeddings"]
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+
+def _gptj_rope(attn: torch.nn.Module, proj_out: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+    x = proj_out.view(*proj_out.shape[:2], attn.num_attention_heads, attn.head_dim)  # [B, L, H, D]
+    position_ids = ctx["position_ids"]
+    embed = attn._get_embed_positions(position_ids)
+    sincos = torch.gather(embed, 1, position_ids.unsqueeze(-1).repeat(1, 1, embed.shape[-1])).to(x.dtype)
+    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+    rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    if attn.rotary_dim is not None:
+        x = torch.cat([rope(x[..., : attn.rotary_dim], sin, cos), x[..., attn.rotary_dim :]], dim=-1)
+    else:
+        x = rope(x, sin, cos)
+    return x.permute(0, 2, 1, 3)  # [B, H, L, D]
+
+
+# ----------------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HFCacheReport:
+    """What a :class:`PolicyCache` holds now.
+
+    tokens_per_layer: ``[Lc, B]`` int64 — kept (valid) tokens per layer and sequence (padding excluded).
+    bytes_per_layer: ``[Lc]`` int64 — bytes of the K/V tensors each layer physically holds.
+    total_bytes / peak_bytes: sum over layers now / the largest total seen.
+    layer_budgets: ``[Lc, B]`` int64 or None before the prompt was compressed.
+    """
+
+    tokens_per_layer: torch.Tensor
+    bytes_per_layer: torch.Tensor
+    total_bytes: int
+    peak_bytes: int
+    layer_budgets: torch.Tensor | None
+
+
+class PolicyLayer(DynamicLayer):
+    """One model layer's compacted cache.
+
+    keys, values: ``[B, Hkv, N, D]``; ``positions``: ``[B, Hkv, N]`` int64 original absolute positions;
+    ``scores``: ``[B, Hkv, N]`` float32; ``valid``: ``[B, N]`` bool (the same for every head of a layer).
+    """
+
+    def __init__(self, owner: PolicyCache, layer_idx: int) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)
+        self.layer_idx = layer_idx
+        self.positions: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = self._owner()
+        assert owner is not None
+        if owner._fresh:
+            raise RuntimeError(
+                "this PolicyCache was not prepared by the kvpolicies hooks; create it with "
+                "kvpolicies.hf.hf_cache(policy, model) and pass it as past_key_values"
+            )
+        keys, values = super().update(key_states, value_states)
+        B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
+        step = owner._step
+        new_pos = step.positions[:, None, :].expand(B, hkv, q_len)  # [B, Hkv, q]
+        new_scores = torch.zeros(B, hkv, q_len, dtype=torch.float32, device=key_states.device)
+        if self.positions is None:
+            self.positions, self.scores, self.valid = new_pos.clone(), new_scores, step.valid.clone()
+        else:
+            self.positions = torch.cat([self.positions, new_pos], dim=-1)
+            self.scores = torch.cat([self.scores, new_scores], dim=-1)
+            self.valid = torch.cat([self.valid, step.valid], dim=-1)
+        owner._score_layer(self, key_states, kwargs.get("query"))
+        return keys, values
+
+    def kept_tokens(self) -> torch.Tensor:
+        """``[B]`` int64 valid tokens held per sequence."""
+        if self.valid is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self.valid.sum(-1)
+
+    def nbytes(self) -> int:
+        if not self.is_initialized or self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def compact(self, budgets: torch.Tensor, n_sink: torch.Tensor, n_recent: torch.Tensor) -> None:
+        """Keep, per (sequence, KV head), the forced slots plus the top scores up to ``budgets[b]`` tokens.
+
+        budgets, n_sink, n_recent: ``[B]`` int. Sequences at or under budget keep everything. Kept slots
+        move to the front in their original order; the tensors shrink to the longest kept row.
+        Ties between equal scores go to the earlier token (docs/contract.md §2.4).
+        """
+        if self.valid is None:
+            return
+        dev = self.valid.device
+        budgets, n_sink, n_recent = (t.to(dev, torch.int64) for t in (budgets, n_sink, n_recent))
+        count = self.valid.sum(-1)  # [B]
+        logical = self.valid.cumsum(-1) - 1  # [B, N] index among the valid slots
+        forced = self.valid & ((logical < n_sink[:, None]) | (logical >= (count - n_recent)[:, None]))
+        # [B, Hkv, N]; NaN ranks lowest, as in kvkernels' topk_compact
+        prio = torch.where(self.scores.isnan(), -math.inf, self.scores)
+        prio = torch.where(forced[:, None, :], torch.full_like(prio, math.inf), prio)
+        # Stable descending sort: among equal priorities the lower slot (earlier token) comes first.
+        order = torch.sort(prio, dim=-1, descending=True, stable=True).indices  # [B, Hkv, N]
+        # Then padding behind every real slot (a stable sort on validity keeps the score order), so a real
+        # token scored -inf or NaN still ranks above padding.
+        invalid = (~self.valid)[:, None, :].expand_as(order).gather(-1, order)  # [B, Hkv, N]
+        order = order.gather(-1, torch.sort(invalid.to(torch.uint8), dim=-1, stable=True).indices)
+        keep_n = torch.minimum(count, budgets)  # [B]
+        new_n = int(keep_n.max()) if keep_n.numel() else 0
+        rank = torch.arange(order.shape[-1], device=dev)
+        chosen = rank[None, None, :] < keep_n[:, None, None]  # [B, 1, N]
+        # Kept slots back in original order; unchosen ranks sort to the end.
+        slot = torch.where(chosen, order, torch.full_like(order, order.shape[-1]))
+        slot = torch.sort(slot, dim=-1).values[..., :new_n]  # [B, Hkv, new_n]
+        valid = torch.arange(new_n, device=dev)[None, :] < keep_n[:, None]  # [B, new_n]
+        idx = slot.clamp_max(order.shape[-1] - 1)
+        gather4 = idx[..., None].expand(*idx.shape, self.keys.shape[-1])  # [B, Hkv, new_n, D]
+        self.keys = torch.gather(self.keys, 2, gather4)
+        self.values = torch.gather(self.values, 2, gather4)
+        self.positions = torch.gather(self.positions, 2, idx)
+        self.scores = torch.gather(self.scores, 2, idx)
+        self.valid = valid
+
+    # Beam search / contrastive search reorder or crop the batch; keep the side tensors in step.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PolicyCache does not support beam search; use greedy or sampling")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PolicyCache cannot be cropped (assisted decoding is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("PolicyCache does not support num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PolicyCache does not support batch selection")
+
+
+@dataclasses.dataclass
+class _StepInputs:
+    valid: torch.Tensor  # [B, q] bool: which new tokens are real (not padding)
+    positions: torch.Tensor  # [B, q] int64 absolute positions of the new tokens
+
+
+class PolicyCache(Cache):
+    """A ``transformers`` cache driven by a composed policy. Build it with :func:`hf_cache`.
+
+    After ``generate`` (or any forward passes), :meth:`report` gives kept tokens and bytes per layer.
+    """
+
+    layers: list[PolicyLayer]  # type: ignore[assignment]  # only PolicyLayers, unlike the base class
+    _step: Any  # _StepInputs of the forward in flight (set before any layer reads it)
+
+    def __init__(
+        self, policy: Any, model: torch.nn.Module, *, max_new_tokens: int | None = None, seed: int = 0
+    ) -> None:
+        from kvpolicies import ComposedPolicy
+
+        if not isinstance(policy, ComposedPolicy):
+            raise TypeError(
+                f"policy must be a kvpolicies.ComposedPolicy (build one with kvpolicies.compose(...)), "
+                f"got {type(policy).__name__}"
+            )
+        self._family = _install(model)
+        n = len(self._family.layers)
+        super().__init__(layers=[PolicyLayer(self, i) for i in range(n)])
+        self.policy = policy
+        self.eviction = policy.eviction
+        if policy.merge.pairs(n):
+            raise NotImplementedError(
+                f"{policy.name}: layer merging (MiniCache) is not supported by the "
+                "transformers bridge yet; use kvmodels, or compose without a merge policy"
+            )
+        self.seed = seed
+        # The in-house cache is the one authority on noise seeds: a pool-less PagedKVCache (one 1-slot page)
+        # gives the prefill seeds (``prefill_seed(l, b)``) and the decode generator's seed, so the bridge and
+        # kvmodels draw identical Gumbel noise for the same policy and seed.
+        self._seeds = PagedKVCache(
+            n_layers=n, n_kv_heads=1, head_dim=1, n_q_heads=1, max_batch=1, max_tokens=1, page_size=1,
+            num_pages=1, policy=policy, seed=seed,
+        )
+        self.max_new_tokens = max_new_tokens
+        self.needs_queries = self.eviction.prefill_mode is not None or self.eviction.score_mode != "none"
+        self._fresh = True  # no forward seen yet
+        self._prefilled = False  # the prompt went through
+        self._compressed = False  # the prompt was compressed to the layer budgets
+        self._decode_step = 0
+        self._step = None
+        self._next_pos: torch.Tensor | None = None
+        self._seen = 0  # logical length (padded prompt + generated), what generate expects
+        self._cos_sum: torch.Tensor | None = None  # [Lc, B] sum of cos-sims over prompt tokens
+        self.prompt_lens: torch.Tensor | None = None
+        self.layer_budgets: torch.Tensor | None = None
+        self.peak_bytes = 0
+        self._noise: torch.Tensor | None = None  # [Lc, B, Hq, width] this decode step's Gumbel noise
+        self._gumbel: torch.Generator | None = None
+
+    # --- what transformers asks --------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # The logical length: generate derives input slicing and (without a mask) positions from it.
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        # Sized like an uncompressed cache so the model's own mask matches its 2-D attention mask; the hooks
+        # then replace each layer's mask by one sized to that layer's compacted K/V.
+        return self._seen + query_length, 0
+
+    # --- driven by the hooks -----------------------------------------------------------------------
+    def _begin_forward(
+        self, batch: int, q_len: int, device: torch.device, attention_mask: Any, position_ids: Any
+    ) -> None:
+        if self._fresh:
+            self._fresh = False
+        elif not self._compressed:
+            self._finish_prefill()
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                "PolicyCache needs a 2-D attention_mask [batch, past + new tokens] (or none), got "
+                f"shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask is None:
+            valid = torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        else:
+            valid = attention_mask[:, -q_len:].to(device=device, dtype=torch.bool)
+            if valid.shape[1] < q_len:
+                raise ValueError(f"attention_mask covers {valid.shape[1]} tokens but the input has {q_len}")
+        if position_ids is not None:
+            positions = position_ids.to(device=device, dtype=torch.int64).expand(batch, q_len)
+        elif self._next_pos is None:
+            positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        else:
+            positions = self._next_pos[:, None] + torch.arange(q_len, device=device)[None, :]
+        if self._next_pos is None and not valid.any(-1).all():
+            b = int((~valid.any(-1)).nonzero()[0, 0])
+            raise ValueError(f"sequence {b} of the batch is all padding; drop it before generate")
+        self._next_pos = torch.where(valid, positions, positions.new_full((), -1)).amax(-1) + 1
+        self._step = _StepInputs(valid, positions)
+        if self._prefilled and self.eviction.score_mode == "gumbel":
+            self._draw_noise(device)
+        if not self._prefilled:
+            self.prompt_lens = valid.sum(-1)
+            self._cos_sum = torch.zeros(len(self.layers), batch, dtype=torch.float64)
+
+    def _draw_noise(self, device: torch.device) -> None:
+        """This step's Gumbel(0, 1) noise ``[Lc, B, Hq, width]``, indexed by logical slot.
+
+        Drawn as ``kvmodels.cache.PagedKVCache.prepare_decode`` draws it: a generator seeded with the
+        in-house cache's noise seed, one ``exponential_`` draw per step over ``[Lc, B, Hq, width]`` with
+        ``width`` the longest layer after this step's append, in the same order, so a keyformer run keeps
+        the same tokens as the in-house model (tests/test_hf_bridge.py checks the two draws are equal).
+        """
+        if self._gumbel is None:
+            self._gumbel = torch.Generator(device=device)
+            self._gumbel.manual_seed(self._seeds._noise_seed)
+        lens = torch.stack([layer.kept_tokens() for layer in self.layers])  # [Lc, B] before this step
+        width = int(lens.max()) + 1
+        noise = torch.empty(len(self.layers), lens.shape[1], self._family.n_q_heads, width, device=device)
+        self._noise = noise.exponential_(generator=self._gumbel).clamp_min_(1e-30).log_().neg_()
+
+    def _end_forward(self, q_len: int) -> None:
+        self._seen += q_len
+        if not self._prefilled:
+            self._prefilled = True
+        else:
+            step = self._decode_step
+            self._decode_step += 1
+            every = int(getattr(self.policy, "evict_every", 1) or 1)
+            if self.eviction.decode_evict and (step + 1) % every == 0:
+                self._evict()
+        self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
+
+    def _finish_prefill(self) -> None:
+        """Layer budgets from the prompt statistics, then compress every layer (docs/contract.md §5)."""
+        self._compressed = True
+        n = len(self.layers)
+        budget_tokens = self.policy.budget_tokens(self.prompt_lens.cpu()).to(torch.int64)  # [B]
+        cos = (self._cos_sum / self.prompt_lens.cpu().to(torch.float64).clamp_min(1)).to(torch.float32)
+        budgets = torch.as_tensor(self.policy.layer_budgets(budget_tokens, n, LayerStats(cos_sim=cos)))
+        self.layer_budgets = budgets.to(torch.int64).cpu()
+        for row in self.layer_budgets:
+            n_sink, n_recent = self.eviction.forced(row)
+            if bool((n_sink + n_recent > row).any()):
+                raise ValueError(
+                    f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
+                    f"than the layer budgets {self.layer_budgets.tolist()} allow; raise the budget"
+                )
+        if self.eviction.prefill_compress:
+            self._evict()
+
+    def _evict(self) -> None:
+        for l, layer in enumerate(self.layers):
+            budgets = self.layer_budgets[l]
+            n_sink, n_recent = self.eviction.forced(budgets)
+            layer.compact(budgets, n_sink, n_recent)
+
+    def _record_cos(self, layer_idx: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
+        cos = F.cosine_similarity(h_in.float(), (h_in + attn_out).float(), dim=-1)  # [B, q]
+        valid = self._step.valid
+        self._cos_sum[layer_idx] += (cos * valid).sum(-1).double().cpu()
+
+    def _layer_mask(
+        self, layer: PolicyLayer, q_len: int, kind: str, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The attention mask for ``layer`` once ``q_len`` new tokens are appended.
+
+        ``[B, 1, q, N + q]``: a bool "may attend" mask (``sdpa``), an additive float mask (``eager``), or a
+        bool "masked out" mask (MPT). ``None`` when every slot is visible to a single query (no padding).
+        """
+        valid_new = self._step.valid
+        old = layer.valid if layer.valid is not None else valid_new[:, :0]
+        n_old = old.shape[1]
+        if q_len == 1 and bool(old.all()) and kind != "mpt":
+            return None
+        B = valid_new.shape[0]
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=old.device).tril()  # [q, q]
+        allowed = torch.cat(
+            [old[:, None, :].expand(B, q_len, n_old), causal[None] & valid_new[:, None, :]], dim=-1
+        )  # [B, q, N + q]
+        # A padding query attends to itself only, so no row is empty (an empty row gives NaN in sdpa).
+        allowed[:, torch.arange(q_len), n_old + torch.arange(q_len)] = True
+        allowed = allowed[:, None]  # [B, 1, q, N + q]
+        if kind == "sdpa":
+            return allowed
+        if kind == "mpt":
+            return ~allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=old.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    # --- scores --------------------------------------------------------------------------------------
+    def _score_layer(self, layer: PolicyLayer, new_keys: torch.Tensor, query: torch.Tensor | None) -> None:
+        if not self.needs_queries:
+            return
+        fam, l = self._family, layer.layer_idx
+        ctx = _CTX[id(self)] if id(self) in _CTX else {}
+        if query is None:
+            query = _rebuild_query(fam, l, ctx, new_keys, check=not self._prefilled)
+        scale, slopes = _scale_and_slopes(fam, l, ctx)
+        if not self._prefilled:
+            if self.eviction.prefill_mode is not None:
+                self._prefill_scores(layer, query, new_keys, scale, slopes)
+        elif self.eviction.score_mode != "none":
+            self._decode_scores(layer, query, scale, slopes)
+
+    def _prefill_scores(
+        self, layer: PolicyLayer, q: torch.Tensor, k: torch.Tensor, scale: float, slopes: torch.Tensor | None
+    ) -> None:
+        import kvkernels
+
+        ev = self.eviction
+        for b in range(q.shape[0]):
+            idx = self._step.valid[b].nonzero().squeeze(-1)  # real (unpadded) prompt tokens
+            L = int(idx.numel())
+            qb = q[b][:, idx].transpose(0, 1).contiguous()  # [L, Hq, D]
+            kb = k[b][:, idx].transpose(0, 1).contiguous()  # [L, Hkv, D]
+            kw = dict(ev.prefill_kwargs(L))
+            # The in-house cache's seed for (layer, sequence), so both draw the same prefill noise.
+            kw.setdefault("seed", self._seeds.prefill_seed(layer.layer_idx, b))
+            s = kvkernels.prefill_scores(
+                qb,
+                kb,
+                scale=scale,
+                mode=ev.prefill_mode,
+                window=ev.prefill_window(L),
+                alibi_slopes=slopes,
+                **kw,
+            )  # [Hkv, L]
+            s = ev.postprocess_prefill_scores(s)
+            layer.scores[b][:, idx] = s.to(torch.float32)
+
+    def _decode_scores(
+        self, layer: PolicyLayer, q: torch.Tensor, scale: float, slopes: torch.Tensor | None
+    ) -> None:
+        """One decode step's per-slot score update (docs/contract.md §2.2), query row by query row."""
+        ev = self.eviction
+        kw = ev.decode_kwargs(self._decode_step, self._max_new_tokens())
+        decay = float(kw.get("decay", 1.0))
+        tau = kw.get("temperature", 1.0)
+        tau = float(tau.item() if isinstance(tau, torch.Tensor) else tau)
+        B, hq, q_len, D = q.shape
+        keys = layer.keys.float()  # [B, Hkv, N, D]
+        hkv, N = keys.shape[1], keys.shape[2]
+        G = hq // hkv
+        n_old = N - q_len
+        for i in range(q_len):
+            visible = layer.valid.clone()
+            visible[:, n_old + i + 1 :] = False  # causal within the new chunk
+            qi = q[:, :, i].float().view(B, hkv, G, D)  # [B, Hkv, G, D]
+            x = scale * torch.einsum("bhgd,bhnd->bhgn", qi, keys)  # [B, Hkv, G, N]
+            if slopes is not None:  # ALiBi from original positions
+                rel = (layer.positions - self._step.positions[:, i, None, None]).float()  # [B, Hkv, N]
+                x = x + slopes.view(1, hkv, G, 1) * rel[:, :, None, :]
+            if ev.score_mode == "gumbel":
+                logical = (visible.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, N]
+                noise = torch.gather(
+                    self._noise[layer.layer_idx], 2, logical[:, None, :].expand(B, hq, N)
+                )  # [B, Hq, N]
+                x = (x + noise.view(B, hkv, G, N)) / tau
+            x = x.masked_fill(~visible[:, None, None, :], -math.inf)
+            contrib = torch.softmax(x, dim=-1).mean(2)  # [B, Hkv, N]
+            n_valid = visible.sum(-1)[:, None, None]
+            new = update_scores_ref(layer.scores, contrib, ev.score_mode, decay=decay, n_valid=n_valid)
+            layer.scores = torch.where(visible[:, None, :], new, layer.scores)
+
+    def _max_new_tokens(self) -> int:
+        if self.max_new_tokens is None:
+            raise ValueError(
+                f"{self.policy.name}: the policy's decode schedule needs max_new_tokens; pass "
+                "hf_cache(policy, model, max_new_tokens=...) or use kvpolicies.hf.compressed(...)"
+            )
+        return int(self.max_new_tokens)
+
+    # --- reporting -----------------------------------------------------------------------------------
+    def report(self) -> HFCacheReport:
+        """Kept tokens per layer and sequence, bytes per layer, total and peak bytes, layer budgets."""
+        if self._prefilled and not self._compressed:
+            self._finish_prefill()
+        tokens = torch.stack([layer.kept_tokens().cpu() for layer in self.layers])
+        nbytes = torch.tensor([layer.nbytes() for layer in self.layers], dtype=torch.int64)
+        total = int(nbytes.sum())
+        self.peak_bytes = max(self.peak_bytes, total)
+        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, self.layer_budgets)
+
+    def kept_positions(self, layer_idx: int, b: int) -> torch.Tensor:
+        """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``."""
+        layer = self.layers[layer_idx]
+        return layer.positions[b][:, layer.valid[b]]
+
+
+def _scale_and_slopes(fam: _Family, l: int, ctx: dict[str, Any]) -> tuple[float, torch.Tensor | None]:
+    attn = fam.attns[l]
+    if fam.kind == "mpt":
+        return float(attn.softmax_scale), ctx.get("slopes")
+    if fam.kind == "gptj":
+        return 1.0 / float(attn.scale_attn), None
+    return float(attn.scaling), None
+
+
+def _rebuild_query(
+    fam: _Family, l: int, ctx: dict[str, Any], new_keys: torch.Tensor, check: bool
+) -> torch.Tensor:
+    """The rotated queries ``[B, Hq, q, D]`` of layer ``l`` from its captured projection outputs."""
+    attn = fam.attns[l]
+    q_out, k_out = ctx.pop(("q", l), None), ctx.pop(("k", l), None)
+    if q_out is None:
+        raise RuntimeError(
+            f"layer {l}: the query projection was not captured; was the model called with "
+            "this cache outside its forward?"
+        )
+    if fam.kind == "gptj":
+        rebuild = functools.partial(_gptj_rope, attn, ctx=ctx)
+        q, k = rebuild(q_out), (rebuild(k_out) if check else None)
+    else:
+        q = _llama_rope(attn, q_out, "q_norm", fam.n_q_heads, ctx)
+        k = _llama_rope(attn, k_out, "k_norm", fam.n_kv_heads, ctx) if check else None
+    # The queries are rebuilt outside the model's forward; prove the recipe on the keys it cached.
+    if check and (
+        k is None or k.shape != new_keys.shape or not torch.allclose(k, new_keys, rtol=1e-4, atol=1e-5)
+    ):
+        raise UnsupportedModelError(
+            f"{type(attn).__name__} (layer {l}) computes its keys differently from the Llama/GPT-J recipe "
+            "the bridge uses to rebuild queries for attention-mass scores; use a policy without attention "
+            "scores (window, streaming, full) or the kvmodels implementation"
+        )
+    return q
+
+
+# ----------------------------------------------------------------------------------------
+# Hooks (installed once per model, inert unless the call carries a PolicyCache)
+# ----------------------------------------------------------------------------------------
+_CTX: dict[int, dict[str, Any]] = {}  # id(cache) -> per-forward captures (queries, rotary inputs, slopes)
+_ACTIVE: list[PolicyCache] = []  # the cache of the forward now running (forwards do not nest)
+
+
+def _cache_from(kwargs: dict[str, Any]) -> PolicyCache | None:
+    for name in ("past_key_values", "layer_past"):
+        c = kwargs.get(name)
+        if isinstance(c, PolicyCache):
+            return c
+    return None
+
+
+def _base_pre(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    cache = _cache_from(kwargs)
+    if cache is None:
+        return
+    if kwargs.get("use_cache") is False:
+        # generate then re-feeds the whole sequence every step and the cache would hold it many times over.
+        raise ValueError(
+            "a PolicyCache needs use_cache=True; pass generate(..., use_cache=True) (MPT configs "
+            "default to use_cache=False)"
+        )
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if x is None:
+        x = kwargs["inputs_embeds"]
+    batch, q_len = x.shape[0], x.shape[1]
+    cache._begin_forward(batch, q_len, x.device, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+    _CTX[id(cache)] = {"q_len": q_len}
+    _ACTIVE.append(cache)
+
+
+def _base_post(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    cache = _cache_from(kwargs)
+    if cache is None:
+        return
+    ctx = _CTX.pop(id(cache), {})
+    if _ACTIVE and _ACTIVE[-1] is cache:
+        _ACTIVE.pop()
+    cache._end_forward(ctx.get("q_len", 0))
+
+
+def _layer_pre(l: int, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    if not _ACTIVE:
+        return
+    cache = _ACTIVE[-1]
+    if not cache._prefilled and cache.eviction is not None:
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        _CTX[id(cache)][("h_in", l)] = h
+
+
+def _attn_pre(
+    fam: _Family, l: int, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]] | None:
+    cache = _cache_from(kwargs)
+    if cache is None:
+        return None
+    ctx = _CTX[id(cache)]
+    ctx["position_embeddings"] = kwargs.get("position_embeddings")
+    ctx["position_ids"] = kwargs.get("position_ids")
+    if cache._prefilled and fam.kind != "mpt":
+        layer = cache.layers[l]
+        kind = "eager" if fam.kind == "gptj" else module.config._attn_implementation
+        dtype = (
+            torch.float32 if fam.kind == "gptj" else args[0].dtype if args else kwargs["hidden_states"].dtype
+        )
+        kwargs["attention_mask"] = cache._layer_mask(layer, ctx["q_len"], kind, dtype)
+    return args, kwargs
+
+
+def _attn_post(l: int, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    cache = _cache_from(kwargs)
+    if cache is None or cache._prefilled:
+        return
+    h_in = _CTX[id(cache)].pop(("h_in", l), None)
+    if h_in is not None:
+        cache._record_cos(l, h_in, output[0])
+
+
+def _proj_hook(which: str, l: int, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+    if _ACTIVE and _ACTIVE[-1].needs_queries:
+        _CTX[id(_ACTIVE[-1])][(which, l)] = output
+
+
+def _mpt_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_bias: torch.Tensor,
+    past_key_values: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MPT attention over a compacted cache: ALiBi from each slot's original position."""
+    if not isinstance(past_key_values, PolicyCache):
+        return self._kvp_forward(hidden_states, position_bias, past_key_values, attention_mask, **kwargs)
+    cache = past_key_values
+    B, q_len = hidden_states.shape[:2]
+    qkv = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    q, k, v = (t.reshape(B, q_len, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+    # position_bias is [H, 1, S] = slope * (j - (S - 1)): the slope is minus its second-to-last entry.
+    slopes = -position_bias[:, 0, -2].float()  # [H]
+    ctx = _CTX[id(cache)]
+    ctx["slopes"] = slopes
+    layer = cache.layers[self.layer_idx]
+    mask = cache._layer_mask(layer, q_len, "mpt", q.dtype)  # [B, 1, q, N + q], True = masked out
+    k, v = cache.update(k, v, self.layer_idx, query=q)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # [B, H, q, N + q]
+    # Bias relative to the last query of the chunk (a per-row constant away from the true distance, which
+    # softmax ignores) so that an uncompressed cache reproduces the stock module's numbers.
+    rel = layer.positions[:, :, None, :] - cache._step.positions[:, -1, None, None, None]  # [B, H, 1, N + q]
+    scores = scores + slopes.view(1, -1, 1, 1) * rel.to(slopes.dtype)
+    scores = scores.masked_fill(mask, torch.finfo(q.dtype).min)
+    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    weights = F.dropout(weights, p=self.attn_dropout_p, training=self.training)
+    ctx_states = torch.matmul(weights, v).permute(0, 2, 1, 3).reshape(B, q_len, -1)
+    return self.out_proj(ctx_states), weights
+
+
+def _install(model: torch.nn.Module) -> _Family:
+    """Install the bridge hooks on ``model`` once; later calls return the cached family."""
+    fam = getattr(model, "_kvpolicies_family", None)
+    if fam is not None:
+        return fam
+    fam = _family(model)
+    handles = [
+        fam.base.register_forward_pre_hook(_base_pre, with_kwargs=True),
+        fam.base.register_forward_hook(_base_post, with_kwargs=True),
+    ]
+    for l, (layer, attn) in enumerate(zip(fam.layers, fam.attns)):
+        handles.append(layer.register_forward_pre_hook(functools.partial(_layer_pre, l), with_kwargs=True))
+        handles.append(attn.register_forward_pre_hook(functools.partial(_attn_pre, fam, l), with_kwargs=True))
+        handles.append(attn.register_forward_hook(functools.partial(_attn_post, l), with_kwargs=True))
+        if fam.kind == "mpt":
+            attn._kvp_forward = attn.forward
+            attn.forward = types.MethodType(_mpt_forward, attn)
+        else:
+            handles.append(attn.q_proj.register_forward_hook(functools.partial(_proj_hook, "q", l)))
+            handles.append(attn.k_proj.register_forward_hook(functools.partial(_proj_hook, "k", l)))
+    model._kvpolicies_family = fam
+    model._kvpolicies_handles = handles
+    return fam
+
+
+def _uninstall(model: torch.nn.Module) -> None:
+    fam = getattr(model, "_kvpolicies_family", None)
+    if fam is None:
+        return
+    for h in model._kvpolicies_handles:
+        h.remove()
+    if fam.kind == "mpt":
+        for attn in fam.attns:
+            del attn.forward
+            del attn._kvp_forward
+    del model._kvpolicies_family
+    del model._kvpolicies_handles
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------
+def hf_cache(
+    policy: Any, model: torch.nn.Module, *, max_new_tokens: int | None = None, seed: int = 0
+) -> PolicyCache:
+    """A fresh ``transformers`` cache that ``policy`` drives, for one ``generate`` call on ``model``.
+
+    Parameters
+    ----------
+    policy : ComposedPolicy
+        From ``kvpolicies.compose(...)``.
+    model : transformers.PreTrainedModel
+        A decoder-only causal LM: Llama-style attention (``sdpa`` or ``eager``), GPT-J or MPT.
+    max_new_tokens : int, optional
+        Needed by policies whose decode schedule depends on the generation length (Keyformer's
+        temperature); defaults to ``model.generation_config.max_new_tokens``.
+    seed : int
+        Seeds, with ``policy.seed``, the Gumbel noise of stochastic scores (Keyformer), exactly as
+        ``kvmodels.generate(..., seed=seed)`` does, so both keep the same tokens.
+
+    Returns
+    -------
+    PolicyCache
+        Pass it as ``model.generate(..., past_key_values=cache)``; one cache per generate call.
+
+    Raises
+    ------
+    UnsupportedModelError
+        For model families or attention implementations the bridge cannot drive, naming what to change.
+    """
+    if max_new_tokens is None:
+        max_new_tokens = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
+    return PolicyCache(policy, model, max_new_tokens=max_new_tokens, seed=seed)
+
+
+@contextlib.contextmanager
+def compressed(model: torch.nn.Module, policy: Any, *, seed: int = 0) -> Iterator[list[PolicyCache]]:
+    """Within the block, ``model.generate`` uses a fresh :class:`PolicyCache` per call.
+
+    Yields the list of caches created so far (the last one is the latest call's), for ``report()``.
+    The hooks and the patched ``generate`` are removed on exit.
+    """
+    caches: list[PolicyCache] = []
+    installed_here = getattr(model, "_kvpolicies_family", None) is None
+    _install(model)
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("past_key_values") is None:
+            max_new = kwargs.get("max_new_tokens")
+            gc = kwargs.get("generation_config")
+            if max_new is None and gc is not None:
+                max_new = gc.max_new_tokens
+            kwargs["past_key_values"] = hf_cache(policy, model, max_new_tokens=max_new, seed=seed)
+            kwargs.setdefault("use_cache", True)
+            caches.append(kwargs["past_key_values"])
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    try:
+        yield caches
+    finally:
+        del model.generate
+        if installed_here:
+            _uninstall(model)
+
