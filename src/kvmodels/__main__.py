@@ -1,0 +1,3 @@
+from kvmodels.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,876 @@
+"""A paged, ragged KV cache driven by a composed policy (docs/contract.md §1, §4–§6).
+
+One page pool serves every cache layer. A sequence's layer owns whole pages, listed in its row of the
+layer's page table; eviction compacts the kept tokens to the front and returns the pages past the budget to
+a free stack, so a smaller budget really holds less memory. Every tensor is allocated once, so a compiled
+decode step (``append`` + ``attend``) never sees a new shape, and ``append``/``attend`` are pure tensor
+code (no ``.item()``, no branching on tensor values).
+
+Lengths never depend on scores (only on prompt lengths, budgets and the step), so the cache mirrors them on
+the host: ``prepare_decode`` checks the free-page count without a device sync and raises before anything is
+written.
+
+Layout of the pool: pages ``0 .. num_pages - 1`` are real pages handed out by the free stack; page
+``num_pages`` is a *trash page* that rows without a sequence (finished, or beyond the batch) write into, so
+``append`` needs no branch for them. ``free_pages[num_pages + 1]`` is the kernels' write sink.
+
+MiniCache (a ``merge`` policy, e.g. ``compose("h2o", "minicache")``): each merged pair of cache layers
+``(a, b)`` becomes ONE storage region, owned by layer ``a``'s page table; layer ``b`` reads ``a``'s pages and
+holds none of its own. See :meth:`PagedKVCache.finish_prefill` for how the region is built and
+docs/contract.md §5 for the accounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvkernels._checks import check_shape, check_tensor
+
+# From the submodules: importing ``kvkernels.topk_compact`` binds the package attribute of that name to the
+# submodule, which hides the package's lazily exported function of the same name.
+from kvkernels.merge import _retained_mask, magnitude_direction_merge, merge_restore
+from kvkernels.paged_attention import paged_decode_attention
+from kvkernels.score_update import prefill_scores
+from kvkernels.topk_compact import topk_compact
+from kvpolicies.base import LayerStats
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def noise_seed(policy_seed: int, seed: int) -> int:
+    """Seed of a cache's Gumbel noise from the policy's seed and the cache's (e.g. a generation's) seed.
+
+    The decode generator is seeded with it and :meth:`PagedKVCache.prefill_seed` derives the prompt-scoring
+    seeds from it; ``kvpolicies.hf`` uses the same function so both draw identical noise.
+    """
+    return (int(policy_seed) * 1_000_003 + int(seed)) % 2**62
+
+
+def draw_gumbel_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill ``out`` (float32, any shape) in place with Gumbel(0, 1) noise from ``generator``; return it.
+
+    ``-log(Exp(1))``: one ``exponential_`` draw over ``out`` in its memory order, so the same generator state
+    and the same shape give the same noise everywhere it is drawn.
+    """
+    return out.exponential_(generator=generator).clamp_min_(1e-30).log_().neg_()
+
+
+def _angle(x_a: torch.Tensor, x_b: torch.Tensor) -> torch.Tensor:
+    """``[N, H]`` float32 angle between ``x_a`` and ``x_b`` ``[N, H, D]``; 0 where either is the zero vector
+    (``magnitude_direction_merge`` restores those exactly)."""
+    a, b = x_a.float(), x_b.float()
+    na, nb = a.norm(dim=-1), b.norm(dim=-1)
+    cos = (a * b).sum(-1) / (na * nb).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.where((na == 0) | (nb == 0), 0.0, torch.acos(cos.clamp(-1.0, 1.0)))
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """Memory held by a :class:`PagedKVCache`, from its host mirror (no device sync).
+
+    Attributes
+    ----------
+    page_size, page_bytes:
+        Slots per page and bytes per page (K and V of every KV head plus the int32 position and the float32
+        score of each (slot, head); with MiniCache also the four float32 magnitudes and the uint8 visibility
+        mask of each (slot, head), which the pool then holds for every page).
+    num_pages:
+        Pages in the pool (not counting the trash page).
+    bytes_per_layer:
+        ``[Lc]`` bytes of the pages each cache layer holds now.
+    total_bytes:
+        Sum of ``bytes_per_layer``.
+    peak_bytes:
+        Largest ``total_bytes`` since ``start`` (prefill holds the full prompt before compression).
+    full_cache_bytes, full_cache_peak_bytes:
+        What an uncompressed cache with the same pages would hold now / at its peak: every token seen by
+        every active sequence in every cache layer.
+    tokens_per_layer:
+        ``[Lc][B]`` slots each layer stores for each sequence of the batch (0 for finished sequences).
+    layer_budgets:
+        ``[Lc][B]`` per-layer slot budgets (``None`` before ``finish_prefill``).
+    merged_pairs:
+        MiniCache pairs ``(a, b)``. A pair's shared region is listed under ``a`` (its bytes, its slots --
+        shared slots once, each layer's private slots -- and the pair's budget ``B_a + B_b``); ``b`` lists 0
+        of each, so every column still sums to what the cache holds and the budgets still sum to
+        ``Lc * budget_tokens``.
+    """
+
+    page_size: int
+    page_bytes: int
+    num_pages: int
+    bytes_per_layer: tuple[int, ...]
+    total_bytes: int
+    peak_bytes: int
+    full_cache_bytes: int
+    full_cache_peak_bytes: int
+    tokens_per_layer: tuple[tuple[int, ...], ...]
+    layer_budgets: tuple[tuple[int, ...], ...] | None
+    merged_pairs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.total_bytes // self.page_bytes
+
+    def __str__(self) -> str:
+        mib = 1 / 2**20
+        lines = [f"{'layer':>5} {'MiB':>10} {'tokens per sequence':<30} {'budgets':<30}"]
+        for l, nbytes in enumerate(self.bytes_per_layer):
+            toks = " ".join(str(t) for t in self.tokens_per_layer[l])
+            budgets = "-" if self.layer_budgets is None else " ".join(str(t) for t in self.layer_budgets[l])
+            lines.append(f"{l:>5} {nbytes * mib:>10.3f} {toks:<30} {budgets:<30}")
+        ratio = self.total_bytes / self.full_cache_bytes if self.full_cache_bytes else float("nan")
+        lines += [
+            f"total {self.total_bytes * mib:.3f} MiB in {self.pages_in_use}/{self.num_pages} pages of "
+            f"{self.page_size} slots ({self.page_bytes} B each)",
+            f"peak  {self.peak_bytes * mib:.3f} MiB",
+            f"full cache {self.full_cache_bytes * mib:.3f} MiB now, "
+            f"{self.full_cache_peak_bytes * mib:.3f} MiB peak; held/full = {ratio:.3f}",
+        ]
+        if self.merged_pairs:
+            lines.append(f"merged pairs (stored under the first layer): {list(self.merged_pairs)}")
+        return "\n".join(lines)
+
+
+class PagedKVCache:
+    """Paged, ragged, policy-driven KV cache shared by all cache layers of one model.
+
+    Parameters
+    ----------
+    n_layers:
+        ``Lc``, number of cache (KV) layers; the model maps its layers onto these.
+    n_kv_heads, head_dim, n_q_heads:
+        ``Hkv``, ``D``, ``Hq`` (``Hq`` must be a multiple of ``Hkv``).
+    max_batch:
+        Most sequences one batch may hold.
+    max_tokens:
+        Longest ``prompt + new tokens`` one sequence may reach.
+    page_size:
+        ``S``, slots per page.
+    num_pages:
+        Pages in the pool; ``None`` gives enough for ``max_batch`` uncompressed sequences of ``max_tokens``.
+    dtype, device:
+        Of the K/V pages.
+    policy:
+        A ``kvpolicies.ComposedPolicy`` (``compose(...)``).
+    seed:
+        Seeds, together with ``policy.seed``, the Gumbel noise of score modes that draw it (decode: a
+        ``torch.Generator`` reset by ``start``; prefill: ``prefill_scores(seed=prefill_seed(l, b))``).
+
+    Attributes
+    ----------
+    k_pages, v_pages:
+        ``[P + 1, S, Hkv, D]`` ``dtype`` (the last page is the trash page).
+    slot_pos:
+        ``[P + 1, S, Hkv]`` int32 original position of each kept token.
+    slot_score:
+        ``[P + 1, S, Hkv]`` float32 eviction scores.
+    free_pages, n_free:
+        ``[P + 2]`` int32 stack of free page ids and ``[1]`` int64 its height.
+    page_table, seq_lens:
+        ``[Lc, max_batch, M]`` int32 and ``[Lc, max_batch]`` int32 (``M = ceil(max_tokens / S)``).
+    active:
+        ``[max_batch]`` bool, rows holding an unfinished sequence.
+    gumbel_noise, temperature:
+        ``[Lc, max_batch, Hq, M * S]`` float32 noise of the current step and ``[1]`` float32 tau (only
+        allocated for the ``gumbel`` score mode).
+    merged_pairs:
+        MiniCache pairs ``(a, b)`` of cache layers (``policy.merge.pairs(Lc)``; empty without merging).
+    k_mag, v_mag:
+        ``[2, P + 1, S, Hkv]`` float32 per-slot magnitudes of a merged region (member 0 = layer ``a``, 1 =
+        layer ``b``; 1.0 on private slots). Only allocated with merging; ``M`` then covers ``2 * max_tokens``
+        slots, since a region holds the private tokens of both layers.
+    slot_mask:
+        ``[P + 1, S, Hkv]`` uint8 visibility of a region's slots: bit 1 = layer ``a``, bit 2 = layer ``b``.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
+                 max_tokens: int, page_size: int = 16, num_pages: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
+                 seed: int = 0):
+        from kvpolicies import ComposedPolicy, compose
+
+        if policy is None:
+            policy = compose("full")
+        if not isinstance(policy, ComposedPolicy):
+            raise TypeError(f"policy must be a kvpolicies.ComposedPolicy (build one with "
+                            f"kvpolicies.compose(...)), got {type(policy).__name__}")
+        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                            ("n_q_heads", n_q_heads), ("max_batch", max_batch), ("max_tokens", max_tokens),
+                            ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if n_q_heads % n_kv_heads:
+            raise ValueError(f"n_q_heads={n_q_heads} must be a multiple of n_kv_heads={n_kv_heads} "
+                             "(GQA groups)")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.merged_pairs = [(int(a), int(b)) for a, b in policy.merge.pairs(n_layers)]
+        members = [l for pair in self.merged_pairs for l in pair]
+        if len(set(members)) != len(members) or any(not 0 <= l < n_layers for l in members):
+            raise ValueError(f"merge policy {policy.merge.name!r} gave pairs {self.merged_pairs} for "
+                             f"{n_layers} cache layers; pairs must be disjoint and in range")
+        # Layer l stores its tokens in the region of layer _storage[l], as member _member[l] (its slot_mask
+        # bit is 1 << member); _width[l] = slots it adds per decode step (2 for a pair's region, 0 for the
+        # layer that reads it).
+        self._storage, self._member = list(range(n_layers)), [0] * n_layers
+        self._width = np.ones(n_layers, dtype=np.int64)
+        for a, b in self.merged_pairs:
+            self._storage[b], self._member[b] = a, 1
+            self._width[a], self._width[b] = 2, 0
+        # The same as Python bools, which a compiled step branches on (it would trace a numpy array).
+        self._merged = tuple(l in members for l in range(n_layers))
+
+        self.policy = policy
+        self.eviction = policy.eviction
+        self.n_layers, self.n_kv_heads, self.n_q_heads = n_layers, n_kv_heads, n_q_heads
+        self.head_dim = head_dim
+        self.max_batch, self.max_tokens, self.page_size = max_batch, max_tokens, page_size
+        # A region holds up to both layers' tokens: 2 * max_tokens slots.
+        self.max_pages = _ceil_div(max_tokens * int(self._width.max()), page_size)  # M
+        if num_pages is None:  # a region never needs more pages than its two layers would
+            num_pages = n_layers * max_batch * _ceil_div(max_tokens, page_size)
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
+        self.num_pages = num_pages
+        self.dtype, self.device = dtype, torch.device(device)
+        self.seed = seed
+        # Gumbel noise depends on both the policy's seed and the cache's (e.g. a generation's sampling seed).
+        self._noise_seed = noise_seed(policy.seed, seed)
+        self.trash_page = num_pages
+
+        P, S, H, D, M = num_pages + 1, page_size, n_kv_heads, head_dim, self.max_pages
+        dev = self.device
+        self.k_pages = torch.zeros(P, S, H, D, dtype=dtype, device=dev)
+        self.v_pages = torch.zeros(P, S, H, D, dtype=dtype, device=dev)
+        self.slot_pos = torch.zeros(P, S, H, dtype=torch.int32, device=dev)
+        self.slot_score = torch.zeros(P, S, H, dtype=torch.float32, device=dev)
+        self.free_pages = torch.zeros(P + 1, dtype=torch.int32, device=dev)
+        self.n_free = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.page_table = torch.full((n_layers, max_batch, M), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=dev)
+        self.active = torch.zeros(max_batch, dtype=torch.bool, device=dev)
+        self.budgets = torch.ones(n_layers, max_batch, dtype=torch.int32, device=dev)
+        self.n_sink = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=dev)
+        self.n_recent = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=dev)
+        self.cos_sim = torch.zeros(n_layers, max_batch, dtype=torch.float32, device=dev)
+        self.k_mag = self.v_mag = self.slot_mask = None
+        extra_bytes = 0
+        if self.merged_pairs:
+            self.k_mag = torch.ones(2, P, S, H, dtype=torch.float32, device=dev)
+            self.v_mag = torch.ones(2, P, S, H, dtype=torch.float32, device=dev)
+            self.slot_mask = torch.zeros(P, S, H, dtype=torch.uint8, device=dev)
+            extra_bytes = 4 * 4 + 1
+
+        self.score_mode = self.eviction.score_mode
+        self.gumbel = self.score_mode == "gumbel"
+        self.gumbel_noise: torch.Tensor | None = None
+        if self.gumbel:
+            self.gumbel_noise = torch.zeros(n_layers, max_batch, n_q_heads, M * S, dtype=torch.float32,
+                                            device=dev)
+        self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
+        self.decay = 1.0
+        self.page_bytes = S * H * (2 * D * self.k_pages.element_size() + 4 + 4 + extra_bytes)
+
+        self.batch_size = 0
+        self._state = "idle"
+        self._reset_pool()
+
+    # ------------------------------------------------------------------ host bookkeeping
+    def _reset_pool(self) -> None:
+        """Every page free, every row empty (in place: a compiled step keeps its buffers)."""
+        P = self.num_pages
+        # Popping from the top of the stack hands out low page ids first.
+        self.free_pages[:P].copy_(torch.arange(P - 1, -1, -1, dtype=torch.int32, device=self.device))
+        self.free_pages[P:].fill_(-1)
+        self.n_free.fill_(P)
+        self.page_table.fill_(-1)
+        self.seq_lens.zero_()
+        self.active.zero_()
+        self.budgets.fill_(1)
+        self.n_sink.zero_()
+        self.n_recent.zero_()
+        self.cos_sim.zero_()
+        self.slot_score.zero_()
+        # Host mirror: lengths after the current step's append, free pages, tokens seen per sequence.
+        self._lens = np.zeros((self.n_layers, self.max_batch), dtype=np.int64)
+        self._free = P
+        self._seen = np.zeros(self.max_batch, dtype=np.int64)
+        self._active = np.zeros(self.max_batch, dtype=bool)
+        self._prefilled = np.zeros((self.n_layers, self.max_batch), dtype=bool)
+        self._budgets: np.ndarray | None = None
+        self._peak_pages = 0
+        self._full_peak_pages = 0
+
+    def _pages_held(self) -> np.ndarray:
+        return _ceil_div(self._lens, self.page_size)  # [Lc, B]
+
+    def _track_peak(self) -> None:
+        self._peak_pages = max(self._peak_pages, int(self._pages_held().sum()))
+        full = self.n_layers * int(_ceil_div(self._seen[self._active], self.page_size).sum())
+        self._full_peak_pages = max(self._full_peak_pages, full)
+
+    def _out_of_pages(self, need: int, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"cache out of pages: {what} needs {need} more pages but only {self._free} of {self.num_pages} "
+            f"are free (page_size={self.page_size}); raise num_pages or lower max_batch/budget")
+
+    def _check_layer(self, l: int) -> None:
+        if not isinstance(l, int) or not 0 <= l < self.n_layers:
+            raise ValueError(f"layer l={l!r} is out of range [0, {self.n_layers}) cache layers")
+
+    # ------------------------------------------------------------------ batch lifecycle
+    def start(self, prompt_lens: list[int], max_new_tokens: int) -> None:
+        """Begin a new batch, dropping whatever the cache held.
+
+        Parameters
+        ----------
+        prompt_lens:
+            Prompt length of each sequence (``1 <= len(prompt_lens) <= max_batch``, each ``>= 1``).
+        max_new_tokens:
+            Decode steps the batch may run; ``prompt_len + max_new_tokens <= max_tokens``.
+        """
+        prompt_lens = [int(x) for x in prompt_lens]
+        n = len(prompt_lens)
+        if not 1 <= n <= self.max_batch:
+            raise ValueError(f"prompt_lens has {n} sequences; the cache was built for 1..max_batch="
+                             f"{self.max_batch} (raise max_batch)")
+        if min(prompt_lens) < 1:
+            raise ValueError(f"prompt_lens must all be >= 1, got {prompt_lens}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        longest = max(prompt_lens) + max_new_tokens
+        if longest > self.max_tokens:
+            raise ValueError(f"prompt of {max(prompt_lens)} tokens + max_new_tokens={max_new_tokens} = "
+                             f"{longest} exceeds max_tokens={self.max_tokens}; raise max_tokens or shorten "
+                             "the prompt")
+        prompt_pages = self.n_layers * sum(_ceil_div(L, self.page_size) for L in prompt_lens)
+        if prompt_pages > self.num_pages:
+            self._free = self.num_pages
+            raise self._out_of_pages(prompt_pages, f"prefill of {n} prompts in {self.n_layers} layers")
+        lens_t = torch.tensor(prompt_lens, dtype=torch.int64)
+        budget_tokens = torch.as_tensor(self.policy.budget_tokens(lens_t)).to(torch.int64).cpu()
+        if budget_tokens.shape != (n,) or bool((budget_tokens < 1).any()):
+            raise ValueError(f"policy {self.policy.name!r} (budget={self.policy.budget!r}) gave per-sequence "
+                             f"budgets {budget_tokens.tolist()} for prompt_lens={prompt_lens}; each must be "
+                             ">= 1")
+
+        self._reset_pool()
+        self.batch_size = n
+        self.prompt_lens = prompt_lens
+        self.max_new_tokens = max_new_tokens
+        self.budget_tokens = budget_tokens
+        self.active[:n] = True
+        self._active[:n] = True
+        self._seen[:n] = prompt_lens
+        self._step = 0
+        self._state = "prefill"
+        if self.gumbel:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(self._noise_seed)
+        kw = self.eviction.decode_kwargs(0, max(1, max_new_tokens))
+        unknown = set(kw) - {"temperature", "decay"}
+        if unknown:
+            raise ValueError(f"eviction policy {self.eviction.name!r} returned decode_kwargs "
+                             f"{sorted(unknown)} the cache does not know; supported: temperature, decay")
+        # decay is a constant of the policy, so it is a Python float baked into the compiled step.
+        self.decay = float(kw.get("decay", 1.0))
+
+    def prefill_layer(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor, *, scale: float,
+                      alibi_slopes: torch.Tensor | None = None) -> None:
+        """Store one sequence's prompt K/V for cache layer ``l`` and score it if the policy needs scores.
+
+        Parameters
+        ----------
+        q:
+            ``[L, Hq, D]`` prompt queries (after RoPE), used only for scoring.
+        k, v:
+            ``[L, Hkv, D]`` prompt keys (after RoPE) and values, ``dtype`` of the cache.
+        positions:
+            ``[L]`` int absolute positions of the prompt tokens.
+        scale, alibi_slopes:
+            Logit scale and optional ``[Hq]`` float32 ALiBi slopes, as used by the model.
+        """
+        if self._state != "prefill":
+            raise RuntimeError(f"prefill_layer called in state {self._state!r}; call start(...) first and "
+                               "prefill before finish_prefill()")
+        self._check_layer(l)
+        if not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")
+        if self._prefilled[l, b]:
+            raise RuntimeError(f"layer {l} of sequence {b} is already prefilled; start a new batch to "
+                               "refill it")
+        L, H, D = self.prompt_lens[b], self.n_kv_heads, self.head_dim
+        dev = self.device
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t, ndim=3, dtypes=(self.dtype,), device=dev)
+        check_shape("q", q, [L, self.n_q_heads, D], f"prompt_lens[{b}] x n_q_heads x head_dim")
+        check_shape("k", k, [L, H, D], f"prompt_lens[{b}] x n_kv_heads x head_dim")
+        check_shape("v", v, [L, H, D], f"prompt_lens[{b}] x n_kv_heads x head_dim")
+        check_tensor("positions", positions, ndim=1, dtypes=_INT_DTYPES, device=dev)
+        check_shape("positions", positions, [L], f"prompt_lens[{b}]")
+
+        n_pages = _ceil_div(L, self.page_size)
+        if n_pages > self._free:
+            raise self._out_of_pages(n_pages, f"prefill of sequence {b} layer {l}")
+        scores = None
+        if self.eviction.prefill_mode is not None:
+            scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes)  # [H, L]
+
+        pages = self.free_pages[self._free - n_pages:self._free].to(torch.int64)  # [n_pages]
+        self.n_free -= n_pages
+        self._free -= n_pages
+        pad = n_pages * self.page_size - L
+
+        def paged(x: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [n_pages, S, ...]
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+            return x.reshape(n_pages, self.page_size, *x.shape[1:])
+
+        self.k_pages.index_copy_(0, pages, paged(k))
+        self.v_pages.index_copy_(0, pages, paged(v))
+        self.slot_pos.index_copy_(0, pages, paged(positions.to(torch.int32)[:, None].expand(L, H)))
+        score_rows = torch.zeros(L, H, device=dev) if scores is None else scores.t()  # [L, H]
+        self.slot_score.index_copy_(0, pages, paged(score_rows.to(torch.float32).contiguous()))
+        self.page_table[l, b, :n_pages] = pages.to(torch.int32)
+        self.seq_lens[l, b] = L
+        self._lens[l, b] = L
+        self._prefilled[l, b] = True
+        self._track_peak()
+
+    def prefill_seed(self, l: int, b: int) -> int:
+        """Seed of the prompt-scoring noise of layer ``l``, sequence ``b`` (``prefill_scores(seed=...)``).
+
+        Distinct per (layer, sequence) and reproducible from the policy's and the cache's seeds.
+        """
+        return ((self._noise_seed * 1_000_033 + l) * 1_000_037 + b) % 2**62
+
+    def _prefill_scores(self, l, b, q, k, scale, alibi_slopes) -> torch.Tensor:
+        L = q.shape[0]
+        kwargs = {"seed": self.prefill_seed(l, b), **self.eviction.prefill_kwargs(L)}
+        mode = self.eviction.prefill_mode
+        assert mode is not None  # callers check
+        scores = prefill_scores(q, k, scale=scale, mode=mode,
+                                window=self.eviction.prefill_window(L), alibi_slopes=alibi_slopes, **kwargs)
+        return self.eviction.postprocess_prefill_scores(scores)
+
+    def record_cos_sim(self, l: int, b: int, value: float | torch.Tensor) -> None:
+        """Record SqueezeAttention's prefill statistic of cache layer ``l`` for sequence ``b``."""
+        self._check_layer(l)
+        if not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"value must be a float or a 0-d tensor, got shape {list(value.shape)}")
+        self.cos_sim[l, b] = value
+
+    def finish_prefill(self) -> None:
+        """Allocate layer budgets, merge MiniCache pairs and compress every prompt to its budget
+        (docs/contract.md §5 steps 2–3).
+
+        A merged pair ``(a, b)`` with layer budgets ``B_a, B_b`` gets one budget ``R = B_a + B_b`` (listed
+        under ``a``, 0 under ``b``: the total is conserved). Per sequence:
+
+        1. Joint selection: both layers must hold the same tokens, so each slot's score becomes the sum of
+           the two layers' scores and both layers keep the same ``N = min(L, R // 2)`` tokens (all ``L``
+           without prompt compression), forced sinks / recent window from ``forced(N)``.
+        2. ``magnitude_direction_merge`` of K and of V over the ``N`` kept tokens (per token and KV head).
+           The ``ceil(retain_ratio * N)`` tokens per head with the largest angle ``max(theta_K, theta_V)``
+           (one count for K and V, so every head holds the same number of slots) are retained: stored
+           privately for each layer with their original K/V and magnitude 1.
+        3. The region, in token order: a merged token is one *shared* slot (unit direction, magnitudes in
+           ``k_mag``/``v_mag``, ``slot_mask`` 3); a retained token is two slots, ``a``'s (mask 1) then
+           ``b``'s (mask 2). Shared slots score ``s_a + s_b``, private slots their own layer's score. The
+           region (``N + n_retained`` slots) reuses the first pages of ``a`` and ``b``; the rest, and every
+           table entry of ``b``, go back to the pool.
+
+        At decode both layers append private slots (2 per step) and eviction compacts the region to ``R``
+        with forced ``2 * forced(R // 2)`` slots (each step's two private slots count as one token of each
+        layer), so the region never holds more than ``R + 2 * (evict_every - 1)`` slots, i.e.
+        ``budget + evict_every - 1`` per layer-equivalent.
+        """
+        if self._state != "prefill":
+            raise RuntimeError(f"finish_prefill called in state {self._state!r}; call start(...) and "
+                               "prefill first")
+        n = self.batch_size
+        missing = np.argwhere(~self._prefilled[:, :n])
+        if len(missing):
+            l, b = missing[0]
+            raise RuntimeError(f"layer {l} of sequence {b} was not prefilled ({len(missing)} (layer, "
+                               "sequence) pairs missing); call prefill_layer for every cache layer of every "
+                               "sequence")
+        stats = LayerStats(cos_sim=self.cos_sim[:, :n].cpu())
+        budgets = torch.as_tensor(self.policy.layer_budgets(self.budget_tokens, self.n_layers, stats))
+        budgets = budgets.to(torch.int64).cpu()
+        if budgets.shape != (self.n_layers, n) or bool((budgets < 1).any()):
+            raise ValueError(f"policy {self.policy.name!r} gave layer budgets {budgets.tolist()}; expected "
+                             f"shape [{self.n_layers}, {n}] with every entry >= 1")
+        n_sink, n_recent = (torch.stack(x) for x in zip(*(self.eviction.forced(row) for row in budgets)))
+        if bool((n_sink + n_recent > budgets).any()):
+            raise ValueError(f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
+                             f"than the layer budgets {budgets.tolist()} allow; raise the budget")
+        for a, b in self.merged_pairs:  # one region budget; forced slots count both layers' private slots
+            budgets[a] += budgets[b]
+            budgets[b] = 0
+            n_sink[a], n_recent[a] = (2 * x for x in self.eviction.forced(budgets[a] // 2))
+            n_sink[b] = n_recent[b] = 0
+        self.budgets[:, :n] = budgets.clamp_min(1).to(self.device, torch.int32)  # the reader's row is unused
+        self.n_sink[:, :n] = n_sink.to(self.device, torch.int32)
+        self.n_recent[:, :n] = n_recent.to(self.device, torch.int32)
+        self._budgets = budgets.numpy().astype(np.int64)
+        lens = self._lens[:, :n].copy()
+        for a, b in self.merged_pairs:
+            keep = np.minimum(lens[a], self._budgets[a] // 2) if self.eviction.prefill_compress else lens[a]
+            self._merge_pair(a, b, keep)
+        if self.eviction.prefill_compress:
+            self._compress([l for l in range(self.n_layers) if self._width[l] == 1])
+        self._state = "decode"
+
+    def _compact(self, l: int, budgets: torch.Tensor, n_sink: torch.Tensor, n_recent: torch.Tensor,
+                 extra: list[torch.Tensor], host_budgets: np.ndarray) -> None:
+        """``topk_compact`` storage layer ``l`` to ``budgets [n]`` (``host_budgets`` on the host, so the
+        mirror needs no sync) and update the host mirror."""
+        n = self.batch_size
+        topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, self.page_table[l, :n],
+                     self.seq_lens[l, :n], budgets, n_sink, n_recent, self.free_pages, self.n_free,
+                     extra=extra)
+        new = np.minimum(self._lens[l, :n], host_budgets)
+        freed = _ceil_div(self._lens[l, :n], self.page_size) - _ceil_div(new, self.page_size)
+        self._free += int(freed.sum())
+        self._lens[l, :n] = new
+
+    def _region_extra(self) -> list[torch.Tensor]:
+        """Per-slot tensors that move with a region's slots (topk_compact ``extra``)."""
+        assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
+        return [self.k_mag[0], self.k_mag[1], self.v_mag[0], self.v_mag[1], self.slot_mask]
+
+    def _merge_pair(self, a: int, b: int, keep: np.ndarray) -> None:
+        """Turn the prefilled layers ``a`` and ``b`` into one region keeping ``keep [n]`` tokens per
+        sequence (see :meth:`finish_prefill`)."""
+        assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
+        n, S = self.batch_size, self.page_size
+        own_score = self.slot_score
+        if (self._lens[a, :n] > keep).any():
+            # Joint selection on the summed scores; each layer's own score rides along in k_mag[0], which
+            # is free scratch until the region is written.
+            own_score = self.k_mag[0]
+            own_score.copy_(self.slot_score)
+            for i in range(n):
+                pa, pb = (self.page_table[l, i, :_ceil_div(int(self._lens[l, i]), S)].long() for l in (a, b))
+                total = self.slot_score[pa] + self.slot_score[pb]
+                self.slot_score[pa] = total
+                self.slot_score[pb] = total
+            keep_t = torch.as_tensor(keep, dtype=torch.int32)
+            n_sink, n_recent = (x.to(self.device, torch.int32) for x in self.eviction.forced(keep_t))
+            for l in (a, b):
+                self._compact(l, keep_t.to(self.device), n_sink, n_recent, [own_score], keep)
+
+        policy = self.policy.merge
+        for i in range(n):
+            N = int(self._lens[a, i])
+            pa, pb = (self.page_table[l, i, :_ceil_div(N, S)].long() for l in (a, b))
+
+            def rows(pool: torch.Tensor, pages: torch.Tensor, N=N) -> torch.Tensor:
+                return pool[pages].flatten(0, 1)[:N]  # [N, Hkv, ...], a copy
+
+            ka, kb, va, vb = rows(self.k_pages, pa), rows(self.k_pages, pb), rows(self.v_pages, pa), \
+                rows(self.v_pages, pb)
+            sa, sb = rows(own_score, pa), rows(own_score, pb)  # [N, Hkv]
+            region = self._build_region(ka, kb, va, vb, rows(self.slot_pos, pa), sa, sb, policy.t,
+                                        policy.retain_ratio)
+            n_slots = region["k"].shape[0]
+            n_pages = _ceil_div(n_slots, S)
+            owned = torch.cat([pa, pb])  # n_slots <= 2N, so the two layers' pages are enough
+            pages, released = owned[:n_pages], owned[n_pages:]
+            pad = n_pages * S - n_slots
+            for name, pool in (("k", self.k_pages), ("v", self.v_pages), ("pos", self.slot_pos),
+                               ("score", self.slot_score), ("k_mag_a", self.k_mag[0]),
+                               ("k_mag_b", self.k_mag[1]), ("v_mag_a", self.v_mag[0]),
+                               ("v_mag_b", self.v_mag[1]), ("mask", self.slot_mask)):
+                x = region[name]
+                x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+                pool.index_copy_(0, pages, x.reshape(n_pages, S, *x.shape[1:]))
+            self.free_pages[self._free:self._free + len(released)] = released.to(torch.int32)
+            self.n_free += len(released)
+            self._free += len(released)
+            self.page_table[a, i] = -1
+            self.page_table[b, i] = -1
+            self.page_table[a, i, :n_pages] = pages.to(torch.int32)
+            self.seq_lens[a, i] = n_slots
+            self.seq_lens[b, i] = 0
+            self._lens[a, i] = n_slots
+            self._lens[b, i] = 0
+
+    @staticmethod
+    def _build_region(ka, kb, va, vb, pos, sa, sb, t: float, retain_ratio: float) -> dict[str, torch.Tensor]:
+        """The region's slots from two layers' kept tokens ``[N, Hkv, D]`` (positions and own scores
+        ``[N, Hkv]``): shared slots for merged tokens, ``a``-then-``b`` private slots for retained ones."""
+        N, H = pos.shape
+        dk, mka, mkb, _ = magnitude_direction_merge(ka.contiguous(), kb.contiguous(), t=t, retain_ratio=0.0)
+        dv, mva, mvb, _ = magnitude_direction_merge(va.contiguous(), vb.contiguous(), t=t, retain_ratio=0.0)
+        ret = _retained_mask(torch.maximum(_angle(ka, kb), _angle(va, vb)), retain_ratio)  # [N, H]
+        n_slots = N + int(ret[:, 0].sum()) if N else 0
+        first = torch.arange(N, device=pos.device)[:, None] + ret.cumsum(0) - ret.long()  # [N, H]
+        second = torch.where(ret, first + 1, n_slots)  # b's private slot; n_slots is a dump row
+
+        def place(x_first: torch.Tensor, x_second: torch.Tensor) -> torch.Tensor:
+            """[N, H, ...] values of every first and (retained: second) slot -> [n_slots, H, ...]."""
+            out = x_first.new_zeros(n_slots + 1, *x_first.shape[1:])
+            shape = x_first.shape
+            for index, x in ((first, x_first), (second, x_second)):
+                out.scatter_(0, index.view(N, H, *[1] * (len(shape) - 2)).expand(shape), x.to(out.dtype))
+            return out[:n_slots]
+
+        r3, one = ret[..., None], torch.ones_like(mka)
+        return {
+            "k": place(torch.where(r3, ka, dk), kb),
+            "v": place(torch.where(r3, va, dv), vb),
+            "pos": place(pos, pos),
+            "score": place(torch.where(ret, sa, sa + sb), sb),
+            "k_mag_a": place(torch.where(ret, one, mka), one),
+            "k_mag_b": place(torch.where(ret, one, mkb), one),
+            "v_mag_a": place(torch.where(ret, one, mva), one),
+            "v_mag_b": place(torch.where(ret, one, mvb), one),
+            "mask": place(torch.where(ret, 1, 3).to(torch.uint8), torch.full_like(pos, 2, dtype=torch.uint8)),
+        }
+
+    def _compress(self, layers: list[int] | None = None) -> None:
+        """``topk_compact`` every storage layer (of ``layers``) holding more than its budget."""
+        n = self.batch_size
+        budgets = self._budgets
+        assert budgets is not None  # set by finish_prefill
+        for l in range(self.n_layers) if layers is None else layers:
+            if self._width[l] == 0 or not (self._lens[l, :n] > budgets[l]).any():
+                continue
+            extra = self._region_extra() if self._width[l] == 2 else []
+            self._compact(l, self.budgets[l, :n], self.n_sink[l, :n], self.n_recent[l, :n], extra, budgets[l])
+
+    # ------------------------------------------------------------------ decode
+    def prepare_decode(self, step: int) -> None:
+        """Eager per-step setup: a page for every layer of every active sequence whose next token starts a new
+        page, this step's Gumbel noise and temperature.
+
+        Raises ``RuntimeError`` (before anything is written) when the pool cannot hold the step.
+        """
+        if self._state != "decode":
+            raise RuntimeError(f"prepare_decode called in state {self._state!r}; call finish_prefill() first "
+                               "(or after_step(step) after the previous step)")
+        if step != self._step:
+            raise ValueError(f"prepare_decode(step={step}) but the next step is {self._step}; steps run "
+                             "in order")
+        if step >= self.max_new_tokens:
+            raise ValueError(f"step={step} is past max_new_tokens={self.max_new_tokens} given to start()")
+        n, S = self.batch_size, self.page_size
+        lens = self._lens[:, :n]
+        grow = self._width[:, None] * self._active[:n]  # [Lc, n] slots this step appends
+        full = lens + grow > self.max_pages * S
+        if full.any():
+            l, b = np.argwhere(full)[0]
+            raise RuntimeError(f"sequence {b} layer {l} already holds {lens[l, b]} slots, all that the "
+                               f"max_tokens={self.max_tokens} the cache was built for allows; raise "
+                               "max_tokens")
+        n_need = int((_ceil_div(lens + grow, S) - _ceil_div(lens, S)).sum())  # pages the appends open
+        if n_need > self._free:
+            raise self._out_of_pages(n_need, f"decode step {step}")
+        if n_need:
+            self._allocate_next_pages()
+        self._free -= n_need
+        self._lens[:, :n] += grow
+        self._seen[:n] += self._active[:n]
+        self._track_peak()
+
+        if self.gumbel_noise is not None:
+            kw = self.eviction.decode_kwargs(step, self.max_new_tokens)
+            self.temperature.fill_(float(kw.get("temperature", 1.0)))
+            width = int(self._lens[:, :n].max())  # slots attended this step; the rest is never read
+            # Drawn from the cache's generator so a run is reproducible.
+            draw_gumbel_(self.gumbel_noise[:, :n, :, :width], self._generator)
+        self._state = "step"
+
+    def _allocate_next_pages(self) -> None:
+        """Pop a free page for every (storage layer, active row) whose next slot starts a page, on device.
+
+        Pass ``i`` covers the ``i``-th slot a layer appends this step (a merged region appends two)."""
+        n, S, M = self.batch_size, self.page_size, self.max_pages
+        table = self.page_table[:, :n]  # [Lc, n, M] view
+        for i in range(int(self._width.max())):
+            width = torch.as_tensor(self._width > i, device=self.device)  # [Lc]
+            lens = self.seq_lens[:, :n] + i  # [Lc, n]
+            need = (lens % S == 0) & self.active[:n] & width[:, None]  # [Lc, n]
+            flat = need.reshape(-1).to(torch.int64)
+            rank = torch.cumsum(flat, 0) - flat  # [Lc * n] pops before this one
+            src = (self.n_free - 1 - rank).clamp_min(0)
+            new_pages = self.free_pages[src].view(self.n_layers, n)  # [Lc, n]
+            col = (lens // S).clamp_max(M - 1).to(torch.int64)[..., None]  # [Lc, n, 1]
+            current = table.gather(2, col)[..., 0]
+            table.scatter_(2, col, torch.where(need, new_pages, current)[..., None])
+            self.n_free -= flat.sum()
+
+    def _check_decode_input(self, name: str, t: torch.Tensor, heads: int) -> None:
+        check_tensor(name, t, ndim=3, dtypes=(self.dtype,), device=self.device)
+        check_shape(name, t, [self.batch_size, heads, self.head_dim], "batch x heads x head_dim")
+
+    def _check_positions(self, name: str, t: torch.Tensor) -> None:
+        check_tensor(name, t, ndim=1, dtypes=_INT_DTYPES, device=self.device)
+        check_shape(name, t, [self.batch_size], "one position per sequence of the batch")
+
+    def append(self, l: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write this step's K/V of cache layer ``l`` after each active sequence's last token.
+
+        Pure tensor code on static buffers (safe inside ``torch.compile(fullgraph=True)``). Rows without an
+        active sequence write into the trash page and keep length 0.
+
+        Parameters
+        ----------
+        k, v:
+            ``[B, Hkv, D]`` ``dtype`` (``B`` = the batch given to ``start``).
+        positions:
+            ``[B]`` int absolute position of the new token.
+        """
+        self._check_layer(l)
+        self._check_decode_input("k", k, self.n_kv_heads)
+        self._check_decode_input("v", v, self.n_kv_heads)
+        self._check_positions("positions", positions)
+        n, S = self.batch_size, self.page_size
+        s = self._storage[l]  # a merged layer appends into its pair's region
+        lens = self.seq_lens[s, :n]  # [n]
+        active = self.active[:n]
+        col = (lens // S).clamp_max(self.max_pages - 1).to(torch.int64)
+        page = self.page_table[s, :n].gather(1, col[:, None])[:, 0]  # [n]
+        page = torch.where(active, page, self.trash_page).to(torch.int64)
+        slot = torch.where(active, lens % S, 0).to(torch.int64)
+        self.k_pages[page, slot] = k
+        self.v_pages[page, slot] = v
+        self.slot_pos[page, slot] = positions.to(torch.int32)[:, None].expand(n, self.n_kv_heads)
+        self.slot_score[page, slot] = 0.0
+        if self._merged[l]:  # a private slot of this layer: exact K/V, visible to this layer only
+            assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
+            for mag in (self.k_mag, self.v_mag):
+                mag[:, page, slot] = 1.0
+            self.slot_mask[page, slot] = 1 << self._member[l]
+        lens += active.to(torch.int32)
+
+    def attend(self, l: int, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
+               alibi_slopes: torch.Tensor | None = None, update_scores: bool = True) -> torch.Tensor:
+        """Decode attention of cache layer ``l`` over its kept tokens, updating the policy's scores in place.
+
+        A layer of a merged pair reads its pair's region through its own magnitudes and ``slot_mask`` bit
+        (restoration inside the kernel); both layers' score updates add into the region's one score array.
+
+        Parameters
+        ----------
+        q:
+            ``[B, Hq, D]`` ``dtype`` queries of this step.
+        q_positions:
+            ``[B]`` int absolute positions of the queries (read with ALiBi).
+        scale, alibi_slopes:
+            Logit scale; optional ``[Hq]`` float32 ALiBi slopes.
+        update_scores:
+            ``False`` reads the cache without touching the scores (e.g. LCKV layers reading the top cache,
+            which its owner already scores once per step).
+
+        Returns
+        -------
+        ``[B, Hq, D]`` attention output (zero rows for finished sequences).
+        """
+        self._check_layer(l)
+        self._check_decode_input("q", q, self.n_q_heads)
+        self._check_positions("q_positions", q_positions)
+        n, s, member = self.batch_size, self._storage[l], self._member[l]
+        alibi = alibi_slopes is not None
+        merged = self._merged[l]
+        # A read-only call passes the same tensors with mode "none" (nothing written): with score=None
+        # beside scoring calls in one compiled graph, inductor failed to lower the op (torch 2.13).
+        return paged_decode_attention(
+            q, self.k_pages, self.v_pages, self.page_table[s, :n], self.seq_lens[s, :n], scale=scale,
+            alibi_slopes=alibi_slopes,
+            slot_pos=self.slot_pos if alibi else None,
+            q_pos=q_positions.to(torch.int32) if alibi else None,
+            score=self.slot_score if self.score_mode != "none" else None,
+            score_mode=self.score_mode if update_scores else "none", decay=self.decay,
+            gumbel_noise=self.gumbel_noise[l, :n] if self.gumbel_noise is not None else None,
+            temperature=self.temperature if self.gumbel else None,
+            k_scale=self.k_mag[member] if merged and self.k_mag is not None else None,
+            v_scale=self.v_mag[member] if merged and self.v_mag is not None else None,
+            slot_mask=self.slot_mask if merged else None, mask_bit=1 << member)
+
+    def after_step(self, step: int) -> None:
+        """Eager end of a decode step: every ``evict_every`` steps compact the layers over budget."""
+        if self._state != "step" or step != self._step:
+            raise RuntimeError(f"after_step(step={step}) must follow prepare_decode(step={step}); the next "
+                               f"step is {self._step}")
+        if self.eviction.decode_evict and (step + 1) % self.policy.evict_every == 0:
+            self._compress()
+        self._step += 1
+        self._state = "decode"
+
+    def finish_sequence(self, b: int) -> None:
+        """Return all pages of sequence ``b`` to the pool; its row stays in the batch, inactive."""
+        if self._state not in ("decode", "prefill"):
+            raise RuntimeError(f"finish_sequence called in state {self._state!r}; call it between steps")
+        if not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")
+        if not self._active[b]:
+            raise ValueError(f"sequence {b} is already finished")
+        counts = _ceil_div(self._lens[:, b], self.page_size)  # [Lc]
+        ids = torch.cat([self.page_table[l, b, :int(c)] for l, c in enumerate(counts)])
+        total = int(counts.sum())
+        self.free_pages[self._free:self._free + total] = ids
+        self.n_free += total
+        self._free += total
+        self.page_table[:, b] = -1
+        self.seq_lens[:, b] = 0
+        self.active[b] = False
+        self._lens[:, b] = 0
+        self._active[b] = False
+        self._prefilled[:, b] = True  # nothing left to prefill for it
+
+    # ------------------------------------------------------------------ inspection
+    def layer_contents(self, l: int, b: int) -> dict[str, torch.Tensor]:
+        """Kept tokens of layer ``l``, sequence ``b`` in slot order (for tests and debugging; syncs).
+
+        Returns ``k``/``v`` ``[n, Hkv, D]``, ``pos`` ``[n, Hkv]`` int32 and ``score`` ``[n, Hkv]`` float32,
+        ``n = seq_lens[l, b]``. For a layer of a merged pair these are the slots of the pair's region, with
+        ``k``/``v`` restored through this layer's magnitudes, plus ``visible`` ``[n, Hkv]`` bool (the slots
+        this layer attends to; the others are the other layer's private slots).
+        """
+        self._check_layer(l)
+        s = self._storage[l]
+        n = int(self.seq_lens[s, b])
+        pages = self.page_table[s, b, :_ceil_div(n, self.page_size)].to(torch.int64)
+
+        def rows(pool: torch.Tensor) -> torch.Tensor:
+            return pool[pages].flatten(0, 1)[:n]
+
+        out = {"k": rows(self.k_pages), "v": rows(self.v_pages), "pos": rows(self.slot_pos),
+               "score": rows(self.slot_score)}
+        if self._width[s] == 2:
+            assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
+            m = self._member[l]
+            out["k"] = merge_restore(out["k"], rows(self.k_mag[m]))
+            out["v"] = merge_restore(out["v"], rows(self.v_mag[m]))
+            out["visible"] = (rows(self.slot_mask) & (1 << m)) != 0
+        return out
+
+    def report(self) -> CacheReport:
+        """Bytes and tokens held now, the peak since ``start`` and the uncompressed equivalent."""
+        n = self.batch_size
+        per_layer = self._pages_held().sum(axis=1) * self.page_bytes
+        full_pages = self.n_layers * int(_ceil_div(self._seen[self._active], self.page_size).sum())
+        budgets = None
+        if self._budgets is not None:
+            budgets = tuple(tuple(int(x) for x in row) for row in self._budgets)
+        return CacheReport(
+            page_size=self.page_size, page_bytes=self.page_bytes, num_pages=self.num_pages,
+            bytes_per_layer=tuple(int(x) for x in per_layer), total_bytes=int(per_layer.sum()),
+            peak_bytes=self._peak_pages * self.page_bytes,
+            full_cache_bytes=full_pages * self.page_bytes,
+            full_cache_peak_bytes=self._full_peak_pages * self.page_bytes,
+            tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in self._lens),
+            layer_budgets=budgets, merged_pairs=tuple(self.merged_pairs))

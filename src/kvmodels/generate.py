@@ -1,0 +1,255 @@
+"""Batched, ragged generation on the paged KV cache, for any model that follows :class:`CausalLM`.
+
+The loop: each prompt is prefilled on its own (dense causal attention, its K/V written into fresh
+pages), the cache applies the policy (budgets, merging, prompt compression), then all sequences decode
+together, one token per step, through a decode step whose shapes never change (finished rows keep
+running as inactive rows; the cache ignores them). That is what lets ``compile=True`` compile the step
+once (``torch.compile(fullgraph=True)``; CUDA graphs on CUDA) and never recompile as lengths change.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a model needs from the cache: the ``PagedKVCache`` constructor's shape arguments.
+
+    ``n_layers`` counts *cache* layers (fewer than model layers for LCKV); the model owns the
+    model-layer → cache-layer map.
+    """
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    n_q_heads: int
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """The model protocol ``generate`` drives (docs/contract.md §6). ``kvmodels.llama.Llama`` is the pattern.
+
+    * ``prefill(tokens[L], cache, b, *, last_only=False, on_layer=None) -> logits [L, V]`` (``[1, V]``
+      with ``last_only``): one sequence, dense causal attention; calls ``cache.prefill_layer`` and
+      ``cache.record_cos_sim`` once per cache layer; ``cache=None`` is a plain forward pass;
+      ``on_layer(l)`` reports progress.
+    * ``decode_step(tokens[B], positions[B], cache) -> logits [B, V]``: ``cache.append`` then
+      ``cache.attend`` per cache layer; nothing else touches the cache, so the step compiles.
+    * ``n_cache_layers``, ``max_seq_len`` and ``cache_layout()``.
+    """
+
+    @property
+    def n_cache_layers(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    def cache_layout(self) -> CacheLayout: ...
+
+    def prefill(self, tokens: Tensor, cache: Any, b: int, *, last_only: bool = False,
+                on_layer: Callable[[int], None] | None = None) -> Tensor: ...
+
+    def decode_step(self, tokens: Tensor, positions: Tensor, cache: Any) -> Tensor: ...
+
+    def parameters(self) -> Any: ...
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate`.
+
+    tokens: the new tokens of each sequence (eos included when it stopped on one).
+    finished_on_eos: per sequence, whether it stopped on an eos token.
+    prefill_tokens / prefill_s: prompt tokens and seconds for all prefills plus the policy's
+        compression (``finish_prefill``).
+    decode_tokens / decode_s: tokens produced by decode steps (active rows only) and their seconds.
+    report: the cache's ``CacheReport`` (bytes full vs kept, per-layer budgets…) taken just before the
+        first sequence finished and returned its pages, i.e. with every sequence of the batch at its
+        longest compressed state (a report after the end would show an empty cache).
+    """
+
+    tokens: list[list[int]]
+    finished_on_eos: list[bool]
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+    report: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else math.nan
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else math.nan
+
+
+def _sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """Next token ``[B]`` int64 from ``[B, V]`` logits: argmax at temperature 0, else a seeded draw."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, model: CausalLM) -> None:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists; tokenize the text first")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    for b, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{b}] is empty; every prompt needs at least one token (e.g. BOS)")
+        if len(p) + max_new_tokens > model.max_seq_len:
+            raise ValueError(
+                f"prompts[{b}] has {len(p)} tokens + max_new_tokens={max_new_tokens} = "
+                f"{len(p) + max_new_tokens}, more than the model's context of {model.max_seq_len} tokens; "
+                "shorten the prompt or lower max_new_tokens")
+
+
+def compile_decode_step(model: CausalLM) -> Callable[[Tensor, Tensor, Any], Tensor]:
+    """``model.decode_step`` compiled as one graph: CUDA graphs on CUDA, the default mode on CPU."""
+    device = next(iter(model.parameters())).device
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    return torch.compile(model.decode_step, fullgraph=True, dynamic=False, mode=mode)
+
+
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    policy: Any = None,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_ids: int | Sequence[int] | None = None,
+    compile: bool = False,
+    stream: Callable[[int, int], None] | None = None,
+    on_prefill: Callable[[int, int, int], None] | None = None,
+    page_size: int = 16,
+    num_pages: int | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens for each prompt, sharing one paged, compressed cache.
+
+    Parameters
+    ----------
+    model : CausalLM
+        e.g. :class:`kvmodels.llama.Llama`; its parameters' device and dtype are used for the cache.
+    prompts : list of list of int
+        Token ids, one list per sequence; lengths may differ (each ``>= 1``).
+    max_new_tokens : int
+        Tokens to generate per sequence (fewer when it stops on an eos id).
+    policy : ComposedPolicy, optional
+        From ``kvpolicies.compose``; default ``compose("full")`` (keep everything).
+    temperature : float
+        0 = greedy; otherwise sample from ``softmax(logits / temperature)`` with a generator seeded
+        by ``seed``.
+    seed : int
+        Seeds sampling and the cache's policy noise (Keyformer).
+    eos_ids : int or list of int, optional
+        A sequence stops after producing one of these; its pages return to the pool.
+    compile : bool
+        Compile the decode step (``torch.compile(fullgraph=True)``; ``mode="reduce-overhead"`` on CUDA).
+        The first call pays the compile time; tokens equal the eager path's.
+    stream : callable, optional
+        ``stream(b, token_id)`` for every new token as soon as it is known.
+    on_prefill : callable, optional
+        ``on_prefill(b, layers_done, n_layers)`` after each prefilled layer of sequence ``b``.
+    page_size, num_pages :
+        Cache pool geometry (``num_pages=None``: enough for every sequence at full length).
+
+    Returns
+    -------
+    GenerationResult
+    """
+    from kvmodels.cache import PagedKVCache  # the cache pulls in the kernels; import when used
+
+    if policy is None:
+        from kvpolicies import compose
+
+        policy = compose("full")
+    _check_prompts(prompts, max_new_tokens, model)
+    eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or ())
+    param = next(iter(model.parameters()))
+    device, dtype = param.device, param.dtype
+    B = len(prompts)
+    prompt_lens = [len(p) for p in prompts]
+    layout = model.cache_layout()
+    cache = PagedKVCache(
+        n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+        n_q_heads=layout.n_q_heads, max_batch=B, max_tokens=max(prompt_lens) + max_new_tokens,
+        page_size=page_size, num_pages=num_pages, dtype=dtype, device=device, policy=policy, seed=seed)
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    step_fn = compile_decode_step(model) if compile else model.decode_step
+
+    out: list[list[int]] = [[] for _ in range(B)]
+    report = None
+    on_eos = [False] * B
+    active = [True] * B
+
+    def emit(next_tokens: list[int]) -> None:
+        nonlocal report
+        for b in range(B):
+            if not active[b]:
+                continue
+            out[b].append(next_tokens[b])
+            if stream is not None:
+                stream(b, next_tokens[b])
+            if next_tokens[b] in eos or len(out[b]) == max_new_tokens:
+                on_eos[b] = next_tokens[b] in eos
+                active[b] = False
+                if report is None:
+                    report = cache.report()
+                cache.finish_sequence(b)
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        cache.start(prompt_lens, max_new_tokens)
+        first = []
+        for b, prompt in enumerate(prompts):
+            progress = None
+            if on_prefill is not None:
+                progress = lambda l, b=b: on_prefill(b, l + 1, model.n_cache_layers)
+            logits = model.prefill(torch.tensor(prompt, dtype=torch.int64, device=device), cache, b,
+                                   last_only=True, on_layer=progress)
+            first.append(_sample(logits[-1:], temperature, generator))
+        cache.finish_prefill()
+        tokens = torch.cat(first)  # [B]
+        next_tokens = tokens.tolist()  # synchronises, so the prefill time is real
+        prefill_s = time.perf_counter() - t0
+        emit(next_tokens)
+
+        positions = torch.tensor(prompt_lens, dtype=torch.int64, device=device)  # [B]
+        decode_tokens = 0
+        t0 = time.perf_counter()
+        for step in range(max_new_tokens - 1):
+            if not any(active):
+                break
+            cache.prepare_decode(step)
+            if compile and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = step_fn(tokens, positions, cache)  # [B, V]
+            tokens = _sample(logits, temperature, generator)
+            cache.after_step(step)
+            next_tokens = tokens.tolist()
+            decode_tokens += sum(active)
+            emit(next_tokens)
+            positions = positions + 1
+        decode_s = time.perf_counter() - t0
+
+    return GenerationResult(tokens=out, finished_on_eos=on_eos, prefill_tokens=sum(prompt_lens),
+                            prefill_s=prefill_s, decode_tokens=decode_tokens, decode_s=decode_s,
+                            report=report)

@@ -1,0 +1,110 @@
+"""``kvgen``: help, one-line errors for bad input, and real generation (tiny checkpoint; SmolLM2 slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from kvmodels.cli import build_parser, main  # noqa: E402
+
+WORDS = ["<eos>", "hello", "world", "the", "cache", "is", "small", "big", "a", "b"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A Hugging Face directory: random tiny Llama (context 64) + a word-level tokenizer."""
+    d = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=2,
+                                      num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
+                                      eos_token_id=None)  # no eos: every run makes all its tokens
+    transformers.LlamaForCausalLM(config).save_pretrained(d)
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"unk_token": "a"}))
+    return d
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in text
+        assert action.help
+    assert "examples:" in text and "squeeze+keyformer" in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--policy", "stremaing", "hi"], "did you mean 'streaming'"),
+    (["--policy", "h2o", "--budget", "0", "hi"], "budget=0"),
+    (["--policy", "h2o", "--budget", "1.5", "hi"], "(0, 1]"),
+    (["--policy", "h2o", "--budget", "lots", "hi"], "not a number"),
+    (["--model", "/no/such/model", "hi"], "checkpoint not found"),
+    (["--max-new-tokens", "0", "hi"], "--max-new-tokens"),
+    (["--batch-file", "/no/such/file.txt"], "cannot read --batch-file"),
+    ([], "no prompt given"),
+])
+def test_bad_input_is_one_line(capsys, argv, needle):
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("kvgen: error: ") and needle in err
+    assert "Traceback" not in err
+
+
+def test_unsupported_architecture_and_too_long_prompt(capsys, tmp_path, tiny_ckpt):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    rc, _, err = run_cli(capsys, "--model", str(tmp_path), "hi")
+    assert rc == 2 and "unsupported architecture 'mamba'" in err and "supported: llama" in err
+    assert err.count("\n") == 1
+    rc, _, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "hello " * 60)
+    assert rc == 2 and "context of 64 tokens" in err and "shorten the prompt" in err and err.count("\n") == 1
+
+
+def test_generation_on_a_tiny_checkpoint(capsys, tiny_ckpt, tmp_path):
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "5",
+                           "--policy", "streaming", "--budget", "0.5", "hello world the cache is small " * 3)
+    assert rc == 0
+    assert len(out.split()) == 5 and all(w in WORDS for w in out.split())
+    assert "decode 4 tokens" in err and "KV cache:" in err and "(50.0%)" in err
+    assert "layer budgets (sequence 0): 9 9" in err  # ceil(0.5 * 18)
+    (tmp_path / "batch.txt").write_text("hello world\nthe cache is big\n")
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "3",
+                           "--batch-file", str(tmp_path / "batch.txt"))
+    assert rc == 0 and "[0] hello world" in out and "[1] the cache is big" in out
+    assert "layer budgets (sequence 1)" in err
+
+
+def test_entry_point_error_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "kvmodels", "--policy", "stremaing", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_streaming_policy():
+    proc = subprocess.run([sys.executable, "-m", "kvmodels", "--policy", "streaming", "--budget", "0.5",
+                           "--max-new-tokens", "12", "What is the capital of France?"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "policy streaming (budget 0.5)" in proc.stderr and "KV cache:" in proc.stderr

@@ -1,0 +1,152 @@
+"""The generation loop: greedy tokens against a no-cache oracle, batched ragged == one by one, eos,
+sampling, streaming, errors, and the compiled decode step (== eager, no recompiles)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvmodels.generate import CausalLM, GenerationResult, generate
+from kvmodels.llama import Llama, LlamaConfig
+from kvpolicies import compose
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: intra-op threads only add synchronisation (100x slower on a loaded 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+V = 53
+
+
+def tiny_llama(seed: int = 0, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig(vocab_size=V, dim=32, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                              intermediate=48, max_seq_len=96)).eval()
+    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+MODEL = tiny_llama()
+
+
+def greedy_oracle(model: Llama, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by re-running the whole sequence without any cache, one token at a time."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model.prefill(torch.tensor(seq), None, 0)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def prompts_strategy(max_batch: int = 3):
+    return st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=20), min_size=1, max_size=max_batch)
+
+
+def test_model_follows_protocol():
+    assert isinstance(MODEL, CausalLM)
+
+
+@given(prompts=prompts_strategy(), n_new=st.integers(1, 8), page_size=st.sampled_from([1, 3, 4, 16]))
+def test_full_policy_greedy_equals_no_cache_oracle(prompts, n_new, page_size):
+    result = generate(MODEL, prompts, n_new, page_size=page_size)
+    assert isinstance(result, GenerationResult)
+    assert result.tokens == [greedy_oracle(MODEL, p, n_new) for p in prompts]
+    assert result.prefill_tokens == sum(map(len, prompts))
+    assert result.decode_tokens == len(prompts) * (n_new - 1)
+
+
+POLICIES = [compose("full"), compose("streaming", budget=0.5), compose("h2o", budget=6),
+            compose("snapkv", budget=0.6), compose("pyramid", "tova", budget=5)]
+
+
+@given(prompts=prompts_strategy(), n_new=st.integers(1, 10), policy=st.sampled_from(POLICIES),
+       page_size=st.sampled_from([2, 4, 5]))
+def test_batched_ragged_equals_one_by_one(prompts, n_new, policy, page_size):
+    """Budgets, scores and eviction are per sequence, so batching must not change any sequence."""
+    batched = generate(MODEL, prompts, n_new, policy, page_size=page_size)
+    alone = [generate(MODEL, [p], n_new, policy, page_size=page_size).tokens[0] for p in prompts]
+    assert batched.tokens == alone
+
+
+def test_eos_stops_a_sequence_and_returns_its_pages():
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]
+    free = generate(MODEL, prompts, 12)
+    eos = free.tokens[0][3]  # the 4th token of sequence 0 becomes its stop token
+    stopped = generate(MODEL, prompts, 12, eos_ids=[eos])
+    for b in range(2):
+        ref = free.tokens[b]
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert stopped.tokens[b] == ref[:cut]
+        assert stopped.finished_on_eos[b] == (eos in ref)
+    assert stopped.finished_on_eos[0]
+    assert stopped.decode_tokens < free.decode_tokens
+
+
+def test_sampling_is_seeded():
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    a = generate(MODEL, prompts, 15, temperature=1.0, seed=7)
+    b = generate(MODEL, prompts, 15, temperature=1.0, seed=7)
+    c = generate(MODEL, prompts, 15, temperature=1.0, seed=8)
+    greedy = generate(MODEL, prompts, 15)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens and a.tokens != greedy.tokens
+
+
+def test_stream_and_progress_callbacks():
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    streamed: list[list[int]] = [[], []]
+    progress = []
+    result = generate(MODEL, prompts, 6, stream=lambda b, t: streamed[b].append(t),
+                      on_prefill=lambda b, done, total: progress.append((b, done, total)))
+    assert streamed == result.tokens
+    n = MODEL.n_cache_layers
+    assert progress == [(b, l, n) for b in range(2) for l in range(1, n + 1)]
+
+
+def test_report_shows_compression():
+    prompts = [list(range(40)), list(range(30))]
+    full = generate(MODEL, prompts, 4, page_size=4).report
+    small = generate(MODEL, prompts, 4, compose("streaming", budget=0.25), page_size=4).report
+    assert small.full_cache_bytes == full.full_cache_bytes == full.total_bytes
+    assert small.total_bytes < full.total_bytes / 2
+    assert small.tokens_per_layer[0] == (10, 8)  # evict_every=1: exactly the budget after each step
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[]), "non-empty"),
+    (dict(prompts="hello"), "tokenize"),
+    (dict(prompts=[[1], []]), r"prompts\[1\] is empty"),
+    (dict(prompts=[[1] * 90]), "context of 96"),
+    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_input(kwargs, match):
+    args = {"prompts": [[1, 2]], "max_new_tokens": 8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        generate(MODEL, args["prompts"], args["max_new_tokens"])
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager_without_recompiles():
+    """One compile for the module: an evicting policy over many steps, then a second batch of the same
+    shapes; the compiled step must give the eager tokens and compile exactly one graph."""
+    from torch._dynamo.utils import counters
+
+    policy = compose("h2o", budget=6, evict_every=2)
+    batches = [[[5, 3, 8, 1, 9, 2, 7], [4, 4, 2], list(range(11, 30))],
+               [[1, 2], list(range(20, 40)), [7] * 9]]  # same longest prompt: same cache shapes
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for prompts in batches:
+        eager = generate(MODEL, prompts, 40, policy, page_size=4)
+        compiled = generate(MODEL, prompts, 40, policy, page_size=4, compile=True)
+        assert compiled.tokens == eager.tokens
+    assert counters["stats"]["unique_graphs"] - before == 1
