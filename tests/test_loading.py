@@ -164,7 +164,7 @@ def test_errors(tmp_path):
         load_checkpoint(tmp_path / "nope.gguf")
     hf = tiny_hf(tie=True)
     write_gguf(tmp_path / "neox.gguf", hf, arch="gptneox")
-    with pytest.raises(CheckpointError, match="unsupported architecture 'gptneox'; supported: llama"):
+    with pytest.raises(CheckpointError, match="unsupported GGUF architecture 'gptneox'; supported: llama"):
         read_gguf(tmp_path / "neox.gguf")
     (tmp_path / "mamba").mkdir()
     (tmp_path / "mamba" / "config.json").write_text('{"model_type": "mamba"}')

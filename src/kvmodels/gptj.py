@@ -204,9 +204,9 @@ class GPTJ(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str) -> GPTJ:
         """Build from a Hugging Face GPT-J checkpoint directory (``config.json`` + weights)."""
-        from transformers import GPTJForCausalLM
+        from kvmodels.loading import load_checkpoint
 
-        return cls.from_hf(GPTJForCausalLM.from_pretrained(path))
+        return load_checkpoint(path, dtype=None).model
 
 
 def convert_hf_state_dict(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:

@@ -28,7 +28,9 @@ from kvmodels.llama import Llama, LlamaConfig, rope_tables
 
 # Hugging Face ``model_type`` → what builds the in-house model. GGUF ``general.architecture`` uses the
 # same names for the architectures supported here.
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gptj", "mpt")
+# GGUF files: llama.cpp's Llama layout only (the Q/K permutation below is Llama's).
+GGUF_ARCHITECTURES = ("llama",)
 
 
 class CheckpointError(ValueError):
@@ -111,7 +113,32 @@ def build_llama(cfg: Mapping[str, Any], sd: Mapping[str, Tensor], *, dtype: torc
     return model.eval()
 
 
-_BUILDERS: dict[str, Callable[..., Any]] = {"llama": build_llama}
+def _build_hf_named(module: str, cfg: Mapping[str, Any], sd: Mapping[str, Tensor], *,
+                    dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> Any:
+    """GPT-J / MPT from a Hugging Face config dict and Hugging Face-named tensors.
+
+    Their config classes read attributes (as on a ``transformers`` config object), so the dict is wrapped.
+    """
+    import importlib
+    from types import SimpleNamespace
+
+    mod = importlib.import_module(f"kvmodels.{module}")
+    ns = SimpleNamespace(**{k: SimpleNamespace(**v) if k == "attn_config" and isinstance(v, dict) else v
+                            for k, v in cfg.items()})
+    model_cls = mod.GPTJ if module == "gptj" else mod.MPT
+    config = (mod.GPTJConfig if module == "gptj" else mod.MPTConfig).from_hf(ns)
+    state = mod.convert_hf_state_dict(dict(sd), config.n_layers)
+    dtype = dtype or next(iter(state.values())).dtype
+    model = model_cls(config).to(device=device, dtype=dtype)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()})
+    return model.eval()
+
+
+_BUILDERS: dict[str, Callable[..., Any]] = {
+    "llama": build_llama,
+    "gptj": lambda cfg, sd, **kw: _build_hf_named("gptj", cfg, sd, **kw),
+    "mpt": lambda cfg, sd, **kw: _build_hf_named("mpt", cfg, sd, **kw),
+}
 
 
 def _build(cfg: Mapping[str, Any], sd: Mapping[str, Tensor], **kw: Any) -> Any:
@@ -176,9 +203,10 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, T
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{path}: unsupported architecture {arch!r}; supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+                              f"{', '.join(GGUF_ARCHITECTURES)} (for GPT-J or MPT load a Hugging Face "
+                              "checkpoint directory)")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise CheckpointError(f"{path}: GGUF files with per-frequency RoPE factors (rope_freqs, Llama 3.1+) "

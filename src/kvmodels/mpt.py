@@ -227,9 +227,9 @@ class MPT(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str) -> MPT:
         """Build from a Hugging Face MPT checkpoint directory (``config.json`` + weights)."""
-        from transformers import MptForCausalLM
+        from kvmodels.loading import load_checkpoint
 
-        return cls.from_hf(MptForCausalLM.from_pretrained(path))
+        return load_checkpoint(path, dtype=None).model
 
 
 def convert_hf_state_dict(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
