@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvpolicies import LayerStats, available, compose, get_policy
 from kvpolicies.budget import kmeans_1d
-from kvpolicies.budget._rounding import round_budgets
+from kvpolicies.budget._rounding import cap_budgets, round_budgets
 
 BUDGET = [row.name for row in available("budget")]
 
@@ -150,3 +150,36 @@ def test_kmeans_is_optimal(values):
     k = centres.numel()
     best = min(sse(a) for a in itertools.product(range(k), repeat=len(values)) if len(set(a)) == k)
     assert sse(labels.tolist()) <= best + 1e-9
+
+
+@given(n_layers=st.integers(1, 12), data=st.data())
+def test_layer_budgets_capped_at_capacity_conserve_total(n_layers, data):
+    """A layer never gets more than it can hold (prompt + new tokens); the overflow goes to the other layers, so the
+    total is conserved up to ``n_layers * capacity``, and the budget policy's order is kept."""
+    B = data.draw(st.integers(1, 3))
+    cap = torch.tensor(data.draw(st.lists(st.integers(1, 40), min_size=B, max_size=B)))
+    budgets = torch.tensor(data.draw(st.lists(st.lists(st.integers(1, 120), min_size=B, max_size=B),
+                                              min_size=n_layers, max_size=n_layers)))
+    out = cap_budgets(budgets, cap)
+    assert bool((out <= cap[None, :]).all())
+    want = torch.minimum(budgets.sum(0), n_layers * cap)
+    assert out.sum(0).tolist() == want.tolist()
+    # Order preserved: a layer with a larger budget never ends with less.
+    for b in range(B):
+        for i in range(n_layers):
+            for j in range(n_layers):
+                if budgets[i, b] > budgets[j, b]:
+                    assert out[i, b] >= out[j, b]
+
+
+def test_squeeze_budgets_never_exceed_the_prompt():
+    """The SmolLM2 case: three outlier layers would get ~7x the mean; capped at the prompt, the total
+    budget still adds up (before the cap it was silently lost)."""
+    cos = torch.full((30, 1), 0.97)
+    cos[[0, 1, 24], 0] = torch.tensor([0.2, 0.5, 0.6])
+    policy = compose("squeeze", "h2o", budget=0.5, squeeze={"p": 0.3})
+    prompt = torch.tensor([100])
+    bt = policy.budget_tokens(prompt)
+    out = policy.layer_budgets(bt, 30, LayerStats(cos_sim=cos), capacity=prompt)
+    assert int(out.max()) <= 100
+    assert int(out.sum()) == 30 * int(bt[0])

@@ -122,7 +122,10 @@ def check_invariants(cache: PagedKVCache, *, evict_bound: bool = True) -> None:
     if cache._budgets is not None:
         budgets = np.array(rep.layer_budgets)
         totals = budgets.sum(axis=0)
-        assert (totals == cache.n_layers * cache.budget_tokens.numpy()).all(), "layer budgets lost tokens"
+        # Conserved, up to what a layer can ever hold (prompt + new tokens; ComposedPolicy.layer_budgets).
+        capacity = np.array(cache.prompt_lens) + cache.max_new_tokens
+        want = np.minimum(cache.n_layers * cache.budget_tokens.numpy(), cache.n_layers * capacity)
+        assert (totals == want).all(), "layer budgets lost tokens"
         if evict_bound and cache.eviction.decode_evict and cache._state == "decode":
             # A merged pair's region (listed under its first layer) takes 2 slots per step.
             width = np.ones(cache.n_layers, dtype=np.int64)

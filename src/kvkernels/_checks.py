@@ -56,21 +56,22 @@ def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
 
 
-def check_page_table(page_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int) -> None:
+def check_page_table(page_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int,
+                     page_size: int) -> None:
     """Check that every page a sequence uses is inside the pool. Reads values (one sync on CUDA)."""
     max_pages = page_table.shape[1]
     need = (seq_lens.to(torch.int64) + page_size - 1) // page_size
     if bool((need > max_pages).any()):
         b = int(torch.nonzero(need > max_pages)[0, 0])
-        raise ValueError(f"seq_lens[{b}]={int(seq_lens[b])} needs {int(need[b])} pages but page_table has only "
-                         f"{max_pages} columns; allocate a wider page_table")
+        raise ValueError(f"seq_lens[{b}]={int(seq_lens[b])} needs {int(need[b])} pages but page_table has "
+                         f"only {max_pages} columns; allocate a wider page_table")
     cols = torch.arange(max_pages, device=page_table.device)
     used = cols[None, :] < need[:, None]
     bad = used & ((page_table < 0) | (page_table >= num_pages))
     if bool(bad.any()):
         b, j = (int(x) for x in torch.nonzero(bad)[0])
-        raise ValueError(f"page_table[{b}, {j}]={int(page_table[b, j])} points outside the pool of {num_pages} "
-                         f"pages; every used entry must be in [0, {num_pages})")
+        raise ValueError(f"page_table[{b}, {j}]={int(page_table[b, j])} points outside the pool of "
+                         f"{num_pages} pages; every used entry must be in [0, {num_pages})")
 
 
 def check_seq_lens(seq_lens: torch.Tensor) -> None:

@@ -227,6 +227,11 @@ class PagedKVCache:
             self._width[a], self._width[b] = 2, 0
         # The same as Python bools, which a compiled step branches on (it would trace a numpy array).
         self._merged = tuple(l in members for l in range(n_layers))
+        if self.merged_pairs and not all(hasattr(policy.merge, x) for x in ("t", "retain_ratio")):
+            raise TypeError(f"merge policy {policy.merge.name!r} pairs layers but lacks t or retain_ratio; "
+                            "the cache merges by magnitude and direction (MiniCache) and needs both")
+        self._merge_t = float(getattr(policy.merge, "t", 0.5))
+        self._retain_ratio = float(getattr(policy.merge, "retain_ratio", 0.0))
 
         self.policy = policy
         self.eviction = policy.eviction
@@ -506,7 +511,8 @@ class PagedKVCache:
                                "sequence) pairs missing); call prefill_layer for every cache layer of every "
                                "sequence")
         stats = LayerStats(cos_sim=self.cos_sim[:, :n].cpu())
-        budgets = torch.as_tensor(self.policy.layer_budgets(self.budget_tokens, self.n_layers, stats))
+        budgets = torch.as_tensor(self.policy.layer_budgets(self.budget_tokens, self.n_layers, stats,
+                                                            capacity=torch.tensor(self.prompt_lens) + self.max_new_tokens))
         budgets = budgets.to(torch.int64).cpu()
         if budgets.shape != (self.n_layers, n) or bool((budgets < 1).any()):
             raise ValueError(f"policy {self.policy.name!r} gave layer budgets {budgets.tolist()}; expected "
@@ -571,7 +577,6 @@ class PagedKVCache:
             for l in (a, b):
                 self._compact(l, keep_t.to(self.device), n_sink, n_recent, [own_score], keep)
 
-        policy = self.policy.merge
         for i in range(n):
             N = int(self._lens[a, i])
             pa, pb = (self.page_table[l, i, :_ceil_div(N, S)].long() for l in (a, b))
@@ -582,8 +587,8 @@ class PagedKVCache:
             ka, kb, va, vb = rows(self.k_pages, pa), rows(self.k_pages, pb), rows(self.v_pages, pa), \
                 rows(self.v_pages, pb)
             sa, sb = rows(own_score, pa), rows(own_score, pb)  # [N, Hkv]
-            region = self._build_region(ka, kb, va, vb, rows(self.slot_pos, pa), sa, sb, policy.t,
-                                        policy.retain_ratio)
+            region = self._build_region(ka, kb, va, vb, rows(self.slot_pos, pa), sa, sb, self._merge_t,
+                                        self._retain_ratio)
             n_slots = region["k"].shape[0]
             n_pages = _ceil_div(n_slots, S)
             owned = torch.cat([pa, pb])  # n_slots <= 2N, so the two layers' pages are enough

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvkernels import paged_decode_attention
 from kvmodels.generate import CacheLayout
 from kvmodels.llama import Block, Llama, LlamaConfig, RMSNorm, apply_rope, rope_tables
 
@@ -306,21 +305,6 @@ class LCKV(nn.Module):
                 state[name] = t
         model.load_state_dict(state)
         return model.eval()
-
-
-def _read_only_attend(cache: Any, l: int, q: Tensor, *, scale: float) -> Tensor:
-    """``cache.attend`` without the policy's score update: a condensed layer reading the top cache.
-
-    ``PagedKVCache.attend`` always applies the fused score update, which would add one step of score mass
-    per reading layer; the cache layer's owner already scores it once per step.
-    """
-    n = cache.batch_size
-    # Passing ``score`` with mode "none" (never written) keeps the op's arguments shaped like the scoring
-    # calls; with ``score=None`` beside scoring calls in one graph, inductor failed to lower the op (seen
-    # with torch 2.13: "getitem is not an OpOverload").
-    return paged_decode_attention(q, cache.k_pages, cache.v_pages, cache.page_table[l, :n],
-                                  cache.seq_lens[l, :n], scale=scale, score=cache.slot_score,
-                                  score_mode="none")
 
 
 def train_step(model: LCKV, optimizer: torch.optim.Optimizer, tokens: Tensor, *, max_grad_norm: float = 1.0

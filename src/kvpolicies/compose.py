@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .base import ROLES, BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, Policy
+from .budget._rounding import cap_budgets
 from .registry import _REGISTRY, available, get_policy
 
 # Roles left out of a composition get these; their names are omitted from ``ComposedPolicy.name``.
@@ -169,9 +170,17 @@ class ComposedPolicy:
         return torch.clamp(torch.minimum(raw, lens), min=self.eviction.min_budget())
 
     def layer_budgets(self, budget_tokens: torch.Tensor, n_layers: int,
-                      stats: LayerStats | None = None) -> torch.Tensor:
-        """``[n_layers, B]`` int64 layer budgets from the budget policy, floored at the eviction's min."""
-        return self.budget_policy.allocate(budget_tokens, n_layers, stats, self.eviction.min_budget())
+                      stats: LayerStats | None = None, capacity: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n_layers, B]`` int64 layer budgets from the budget policy, floored at the eviction's min.
+
+        capacity : ``[B]`` int, optional — the most tokens a layer can ever hold (prompt length + new
+            tokens). Budgets above it are capped and the overflow goes to the other layers
+            (``cap_budgets``), so the total is conserved as far as the sequence allows.
+        """
+        budgets = self.budget_policy.allocate(budget_tokens, n_layers, stats, self.eviction.min_budget())
+        if capacity is not None:
+            budgets = cap_budgets(budgets, torch.as_tensor(capacity))
+        return budgets
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("kvpolicies.hf needs transformers: pip install 'kvpolicies[hf]'") from exc
 
 from kvkernels._modes import update_scores_ref
-from kvmodels.cache import PagedKVCache
+from kvmodels.cache import PagedKVCache, draw_gumbel_, noise_seed
 from kvpolicies.base import LayerStats
 
 __all__ = [
@@ -429,11 +429,11 @@ class PolicyCache(Cache):
         """
         if self._gumbel is None:
             self._gumbel = torch.Generator(device=device)
-            self._gumbel.manual_seed(self._seeds._noise_seed)
+            self._gumbel.manual_seed(noise_seed(self.policy.seed, self.seed))
         lens = torch.stack([layer.kept_tokens() for layer in self.layers])  # [Lc, B] before this step
         width = int(lens.max()) + 1
         noise = torch.empty(len(self.layers), lens.shape[1], self._family.n_q_heads, width, device=device)
-        self._noise = noise.exponential_(generator=self._gumbel).clamp_min_(1e-30).log_().neg_()
+        self._noise = draw_gumbel_(noise, self._gumbel)
 
     def _end_forward(self, q_len: int) -> None:
         self._seen += q_len
@@ -453,7 +453,8 @@ class PolicyCache(Cache):
         n = len(self.layers)
         budget_tokens = self.policy.budget_tokens(self.prompt_lens.cpu()).to(torch.int64)  # [B]
         cos = (self._cos_sum / self.prompt_lens.cpu().to(torch.float64).clamp_min(1)).to(torch.float32)
-        budgets = torch.as_tensor(self.policy.layer_budgets(budget_tokens, n, LayerStats(cos_sim=cos)))
+        budgets = torch.as_tensor(self.policy.layer_budgets(budget_tokens, n, LayerStats(cos_sim=cos),
+                                                            capacity=self.prompt_lens.cpu() + (self.max_new_tokens or 0)))
         self.layer_budgets = budgets.to(torch.int64).cpu()
         for row in self.layer_budgets:
             n_sink, n_recent = self.eviction.forced(row)

@@ -53,6 +53,33 @@ def round_budgets(targets: torch.Tensor, totals: torch.Tensor, min_budget: int,
     return parts + floor[None, :]
 
 
+def cap_budgets(budgets: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """Cap layer budgets ``[L, B]`` at ``capacity [B]`` (what a layer can hold: the prompt length) and
+    hand the overflow to the layers that still have room, so the column total is conserved up to
+    ``L * capacity``.
+
+    Without this, a budget policy that moves budget onto a few layers (SqueezeAttention on SmolLM2 gives
+    three outlier layers ~7x the mean) would promise them more tokens than the prompt has, and that budget
+    would silently be lost. The overflow goes one token at a time, round-robin, to the layers with room in
+    order of their current budget (largest first; ties: the lower layer), which keeps the policy's order.
+    """
+    out = budgets.to(torch.int64).clone()
+    cap = capacity.to(torch.int64)
+    for b in range(out.shape[1]):
+        col, c = out[:, b], int(cap[b])
+        spare = int((col - c).clamp_min(0).sum())
+        col.clamp_(max=c)
+        while spare > 0:
+            room = torch.nonzero(col < c).reshape(-1)
+            if room.numel() == 0:
+                break                    # every layer holds the whole prompt: nothing left to give
+            order = room[torch.sort(-col[room], stable=True).indices]
+            give = order[:spare]
+            col[give] += 1
+            spare -= give.numel()
+    return out
+
+
 def check_budget_tokens(budget_tokens: torch.Tensor, n_layers: int) -> torch.Tensor:
     """Shared argument checks of ``allocate``; returns ``budget_tokens`` as int64 ``[B]``."""
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
