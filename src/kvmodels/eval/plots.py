@@ -1,0 +1,254 @@
+"""Figures and tables from a quality-sweep results file.
+
+    python -m kvmodels.eval.plots bench/results/quality-full.jsonl [--outdir docs/figures]
+
+writes ``passkey-<context>.png``, ``perplexity.png`` and ``generation.png`` (quality vs budget, one panel per
+layer-budget policy, the full cache as a dashed line, like the H2O / SqueezeAttention figures) and prints
+the markdown tables of docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvmodels.eval.sweep import read_records
+
+# (metric, label, higher is better) per task.
+METRICS = {"passkey": ("accuracy", "passkey accuracy (exact match)", True),
+           "perplexity": ("ppl", "perplexity", False),
+           "generation": ("rouge_l", "ROUGE-L F1 vs full-cache output", True)}
+PANELS = ("uniform", "squeeze", "pyramid", "minicache")
+
+
+def latest_ok(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The last ``"ok"`` record of every config key (perplexity rows get ``kv_fraction`` from their token
+    counts when they lack it)."""
+    out = {}
+    for r in records:
+        if r.get("status") != "ok":
+            continue
+        if "kv_fraction" not in r and r.get("kv_tokens_full"):
+            r = {**r, "kv_fraction": round(r["kv_tokens"] / r["kv_tokens_full"], 4)}
+        out[r["key"]] = r
+    return out
+
+
+def panel_of(policy: str) -> str:
+    """Which figure panel a policy belongs to: its layer-budget policy, ``minicache``, or ``uniform``."""
+    parts = policy.split("+")
+    for p in ("squeeze", "pyramid", "minicache"):
+        if p in parts:
+            return p
+    return "uniform"
+
+
+def eviction_of(policy: str) -> str:
+    """The eviction part of a canonical policy name (``"squeeze+h2o"`` -> ``"h2o"``)."""
+    rest = [p for p in policy.split("+") if p not in ("squeeze", "pyramid", "minicache", "uniform")]
+    return rest[0] if rest else "full"
+
+
+def series(records: Sequence[dict[str, Any]], task: str,
+           context: int) -> tuple[float | None, dict[str, dict[float, dict[str, Any]]]]:
+    """``(full-cache value, {policy: {budget: record}})`` for one task and context."""
+    metric = METRICS[task][0]
+    full = None
+    out: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
+    for r in latest_ok(records).values():
+        if r["task"] != task or r["context"] != context:
+            continue
+        if r["policy"] == "full":
+            full = float(r[metric])
+        else:
+            out[r["policy"]][float(r["budget"])] = r
+    return full, dict(out)
+
+
+def contexts(records: Sequence[dict[str, Any]], task: str) -> list[int]:
+    return sorted({int(r["context"]) for r in latest_ok(records).values() if r["task"] == task})
+
+
+def keeps_quality(value: float, full: float, higher_better: bool, frac: float = 0.95) -> bool:
+    """Whether ``value`` keeps at least ``frac`` of the full cache's quality.
+
+    For perplexity (lower is better) "keeping 95% of quality" is read as ``ppl <= full / 0.95``.
+    """
+    return value >= frac * full if higher_better else value <= full / frac
+
+
+def smallest_budget(records: Sequence[dict[str, Any]], context: int, task: str = "passkey",
+                    frac: float = 0.95) -> dict[str, tuple[float, float | None]]:
+    """Per policy: the smallest measured budget at which it keeps ``frac`` of the full cache's quality on
+    ``task`` at ``context``, with the KV fraction measured there; policies that never do are left out."""
+    metric, _, higher = METRICS[task]
+    full, by_policy = series(records, task, context)
+    if full is None:
+        return {}
+    out: dict[str, tuple[float, float | None]] = {}
+    for policy, rows in by_policy.items():
+        for b in sorted(rows):
+            if keeps_quality(float(rows[b][metric]), full, higher):
+                out[policy] = (b, rows[b].get("kv_fraction"))
+                break
+    return out
+
+
+# --- tables ----------------------------------------------------------------------------------------------
+
+def _fmt(task: str, value: float) -> str:
+    return f"{value:.2f}"
+
+
+def markdown_table(records: Sequence[dict[str, Any]], task: str, context: int) -> str:
+    """Policies × budgets of one task and context, the full-cache figure beside every row."""
+    metric = METRICS[task][0]
+    full, by_policy = series(records, task, context)
+    budgets = sorted({b for rows in by_policy.values() for b in rows})
+    head = ["policy", "full cache", *(f"{b:g}" for b in budgets)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = sorted(by_policy, key=lambda p: (PANELS.index(panel_of(p)), eviction_of(p)))
+    full_s = "—" if full is None else _fmt(task, full)
+    for p in order:
+        cells = []
+        for b in budgets:
+            r = by_policy[p].get(b)
+            if r is None:
+                cells.append("")
+                continue
+            cell = _fmt(task, float(r[metric]))
+            if task == "passkey":
+                cell += f" ({r['correct']}/{r['n']})"
+            cells.append(cell)
+        lines.append("| " + " | ".join([p, full_s, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(records: Sequence[dict[str, Any]], task: str, context: int) -> str:
+    """Measured KV bytes (fraction of the full cache's, at the longest point of the run) per budget."""
+    _, by_policy = series(records, task, context)
+    budgets = sorted({b for rows in by_policy.values() for b in rows})
+    head = ["policy", *(f"{b:g}" for b in budgets)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in sorted(by_policy, key=lambda p: (PANELS.index(panel_of(p)), eviction_of(p))):
+        cells = []
+        for b in budgets:
+            r = by_policy[p].get(b)
+            cells.append("" if r is None or r.get("kv_fraction") is None else f"{r['kv_fraction']:.3f}")
+        lines.append("| " + " | ".join([p, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def tables(records: Sequence[dict[str, Any]]) -> str:
+    """All tables of a results file as markdown."""
+    out = []
+    for task in METRICS:
+        for ctx in contexts(records, task):
+            full, by_policy = series(records, task, ctx)
+            if not by_policy:
+                continue
+            label = METRICS[task][1]
+            n = next((r["n"] for r in latest_ok(records).values()
+                      if r["task"] == task and r["context"] == ctx), 0)
+            what = f"{ctx} tokens of text" if task == "perplexity" else f"~{ctx}-token prompts, {n} samples"
+            out.append(f"### {task}: {label} — {what}\n\n" + markdown_table(records, task, ctx))
+            if task == "passkey":
+                out.append(f"KV bytes kept (fraction of the full cache, measured) — passkey {ctx}:\n\n"
+                           + memory_table(records, task, ctx))
+    for task in ("passkey", "perplexity"):
+        for ctx in contexts(records, task):
+            best = smallest_budget(records, ctx, task)
+            if not best:
+                continue
+            kept = "accuracy >= 0.95 x full" if task == "passkey" else "perplexity <= full / 0.95"
+            lines = [f"| policy | smallest budget with {kept} | KV kept (measured) |", "|---|---|---|"]
+            for p, (b, kv) in sorted(best.items(), key=lambda kv: (kv[1][0], kv[1][1] or 1.0, kv[0])):
+                lines.append(f"| {p} | {b:g} | {'' if kv is None else f'{kv:.3f}'} |")
+            out.append(f"### Smallest budget keeping 95% of full-cache quality — {task}, {ctx} tokens\n\n"
+                       + "\n".join(lines))
+    return "\n\n".join(out) + "\n"
+
+
+# --- figures ---------------------------------------------------------------------------------------------
+
+def plot_task(records: Sequence[dict[str, Any]], task: str, context: int, path: str | Path) -> Path | None:
+    """One PNG: quality vs budget, a panel per layer-budget policy, a line per eviction policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric, label, _ = METRICS[task]
+    full, by_policy = series(records, task, context)
+    if not by_policy:
+        return None
+    panels = [p for p in PANELS if any(panel_of(q) == p for q in by_policy)]
+    evictions = sorted({eviction_of(p) for p in by_policy})
+    colors = {e: plt.get_cmap("tab10")(i % 10) for i, e in enumerate(evictions)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for p in sorted(q for q in by_policy if panel_of(q) == panel):
+            pts = sorted(by_policy[p].items())
+            ax.plot([b for b, _ in pts], [float(r[metric]) for _, r in pts], marker="o", ms=3,
+                    color=colors[eviction_of(p)], label=eviction_of(p))
+        if full is not None:
+            ax.axhline(full, color="black", ls="--", lw=1, label="full cache")
+        ax.set_title(panel if panel != "uniform" else "uniform (eviction alone)")
+        ax.set_xlabel("KV budget (fraction)")
+        ax.set_xlim(0, 1.05)
+        if task == "perplexity":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(label)
+    legend: dict[str, Any] = {}  # one entry per line label over all panels
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    fig.legend(list(legend.values()), list(legend), loc="center right", fontsize=8, frameon=False)
+    what = f"{context}-token text" if task == "perplexity" else f"~{context}-token prompts"
+    fig.suptitle(f"SmolLM2-135M-Instruct: {task}, {what}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.87, 1))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_all(records: Sequence[dict[str, Any]], outdir: str | Path) -> list[Path]:
+    """Every figure of a results file into ``outdir``; returns the paths written."""
+    written = []
+    for task in METRICS:
+        ctxs = contexts(records, task)
+        for ctx in ctxs:
+            name = f"{task}-{ctx}.png" if task == "passkey" or len(ctxs) > 1 else f"{task}.png"
+            p = plot_task(records, task, ctx, Path(outdir) / name)
+            if p is not None:
+                written.append(p)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvmodels.eval.plots", description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="JSONL results file from python -m kvmodels.eval")
+    ap.add_argument("--outdir", default="docs/figures")
+    ap.add_argument("--no-tables", action="store_true", help="only write the figures")
+    args = ap.parse_args(argv)
+    records = read_records(args.results)
+    if not records:
+        print(f"{args.results}: no records", file=sys.stderr)
+        return 1
+    for p in plot_all(records, args.outdir):
+        print(f"wrote {p}", file=sys.stderr)
+    if not args.no_tables:
+        print(tables(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
