@@ -1,5 +1,5 @@
-"""paged_decode_attention: reference vs a dense oracle, Triton (interpreter) vs reference, properties,
-bad input, and the op under torch.compile.
+"""paged_decode_attention: reference vs a dense oracle, the vectorised CPU path and Triton (interpreter) vs
+the reference, properties, bad input, and the op under torch.compile.
 
 Cases are built dense first (per sequence ``[L, Hkv, ...]``) and scattered into a shuffled page pool whose
 unused K/V slots hold NaN, so any read outside a sequence's valid slots poisons the result.
@@ -22,6 +22,7 @@ from kvkernels.paged_attention import (
     _paged_decode_attention_op,
     paged_decode_attention,
     paged_decode_attention_ref,
+    paged_decode_attention_torch,
     paged_decode_attention_triton,
 )
 
@@ -255,7 +256,38 @@ def test_zero_length_gives_zero_rows_and_no_update():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# (2) Triton (interpreter on CPU, compiled on GPU) against the reference.
+# (2) The vectorised torch path (the op's CPU branch) and Triton (interpreter on CPU, compiled on GPU)
+#     against the reference.
+
+
+@given(params=case_params(dtypes=(torch.float32, torch.float16)), flags=flag_st)
+def test_torch_path_matches_reference(params, flags):
+    case = make_case(**params, device=torch.device("cpu"))  # NaN in every unused slot, as before
+    out, score = run(paged_decode_attention_torch, case, **flags)
+    ref_out, ref_score = run(paged_decode_attention_ref, case, **flags)
+    # Both compute in fp32 and round once to the output dtype; only the summation order differs.
+    atol = 1e-5 if params["dtype"] == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=0)
+    assert_scores_close(case, score, [s.double() for s in pool_scores_per_seq(case, ref_score)], atol=2e-6,
+                        mode=flags["mode"])
+    untouched = ~valid_slot_mask(case)
+    assert torch.equal(score[untouched], case.pool["score"][untouched])
+    if params["dtype"] == torch.float32:
+        truth, want_scores = dense_oracle(case, **flags)
+        torch.testing.assert_close(out.double(), truth, atol=2e-6, rtol=1e-5)
+        assert_scores_close(case, score, want_scores, atol=2e-6, mode=flags["mode"])
+
+
+def test_torch_path_reads_only_valid_pages():
+    """Unused table entries (-1, or a page of another sequence) and the tail of a last page are never used."""
+    case = make_case(11, [1, 16, 5], page_size=4, n_kv_heads=2, group=3, head_dim=32, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    flags = dict(mode="accumulate", alibi=True, k_scale=True, v_scale=True, mask=False)
+    want_out, want_score = run(paged_decode_attention_ref, case, **flags)
+    case.page_table[0, 1:] = case.page_table[1, 0]  # row 0 holds 1 slot: its other entries are unused
+    out, score = run(paged_decode_attention_torch, case, **flags)
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=0)
+    torch.testing.assert_close(score, want_score, atol=1e-6, rtol=0)
 
 _ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -303,8 +335,8 @@ def test_triton_bf16_long_context_split_k():
 # (3) Properties of the fused score update.
 
 
-@pytest.mark.parametrize("impl", [paged_decode_attention_ref, paged_decode_attention_triton],
-                         ids=["ref", "triton"])
+@pytest.mark.parametrize("impl", [paged_decode_attention_ref, paged_decode_attention_torch,
+                                  paged_decode_attention_triton], ids=["ref", "torch", "triton"])
 @given(params=case_params(max_group=4), mask=st.booleans(), num_splits=st.sampled_from([1, 2]))
 def test_accumulate_adds_unit_mass_per_kv_head(impl, params, mask, num_splits):
     case = make_case(**params)
@@ -402,14 +434,14 @@ def _op_args(case, score):
     return (case.q, case.pool["k_pages"], case.pool["v_pages"], case.page_table, case.seq_lens), kw
 
 
-def test_public_op_on_cpu_runs_reference_and_mutates_score():
+def test_public_op_on_cpu_runs_torch_path_and_mutates_score():
     case = make_case(5, [0, 9, 17], page_size=8, n_kv_heads=2, group=4, head_dim=32, dtype=torch.float32,
                      device=torch.device("cpu"))
     s_op, s_ref = case.pool["score"].clone(), case.pool["score"].clone()
     args, kw = _op_args(case, s_op)
     out = paged_decode_attention(*args, **kw)
     args, kw = _op_args(case, s_ref)
-    assert torch.equal(out, paged_decode_attention_ref(*args, **kw))
+    assert torch.equal(out, paged_decode_attention_torch(*args, **kw))
     assert torch.equal(s_op, s_ref) and not torch.equal(s_op, case.pool["score"])
 
 
@@ -421,13 +453,17 @@ def test_opcheck():
 
 
 @pytest.mark.slow
-def test_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("scored", [True, False], ids=["gumbel", "no-score"])
+def test_compile_fullgraph_matches_eager(scored):
+    """Also without a score tensor (score=None: the full cache), which inductor once failed to lower."""
     case = make_case(7, [0, 6, 13], page_size=4, n_kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
                      device=torch.device("cpu"))
 
     def step(q, k_pages, v_pages, page_table, seq_lens, score, noise, tau):
-        out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=0.2, score=score,
-                                     score_mode="gumbel", gumbel_noise=noise, temperature=tau)
+        mode = "gumbel" if scored else "none"
+        out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=0.2,
+                                     score=score if scored else None, score_mode=mode, gumbel_noise=noise,
+                                     temperature=tau)
         return out * 2.0
 
     def args(score):
@@ -440,4 +476,4 @@ def test_compile_fullgraph_matches_eager():
     got = compiled(*args(s_comp))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(s_comp, s_eager)
-    assert not torch.equal(s_comp, case.pool["score"])
+    assert torch.equal(s_comp, case.pool["score"]) != scored  # written only when scoring

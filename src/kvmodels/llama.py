@@ -250,9 +250,11 @@ class Llama(nn.Module):
             q, k, v = layer.qkv(x, cos, sin)
             if cache is not None:
                 cache.prefill_layer(l, b, q, k, v, positions, scale=layer.scale)
+            # 4-D inputs: with 3-D ones torch 2.13's CPU SDPA falls back to the L x L math path (6x slower
+            # at 4k tokens); with a batch dim it takes the flash kernel, GQA included.
             attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [H, L, D]
-                is_causal=True, scale=layer.scale, enable_gqa=layer.n_heads != layer.n_kv_heads)
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # [1, H, L, D]
+                is_causal=True, scale=layer.scale, enable_gqa=layer.n_heads != layer.n_kv_heads)[0]
             attn_out = layer.wo(attn.transpose(0, 1).reshape(L, -1))  # [L, dim]
             if cache is not None:
                 # SqueezeAttention: how little this layer's attention moves the residual stream.
