@@ -511,8 +511,9 @@ class PagedKVCache:
                                "sequence) pairs missing); call prefill_layer for every cache layer of every "
                                "sequence")
         stats = LayerStats(cos_sim=self.cos_sim[:, :n].cpu())
+        capacity = torch.tensor(self.prompt_lens) + self.max_new_tokens    # the most a layer can hold
         budgets = torch.as_tensor(self.policy.layer_budgets(self.budget_tokens, self.n_layers, stats,
-                                                            capacity=torch.tensor(self.prompt_lens) + self.max_new_tokens))
+                                                            capacity=capacity))
         budgets = budgets.to(torch.int64).cpu()
         if budgets.shape != (self.n_layers, n) or bool((budgets < 1).any()):
             raise ValueError(f"policy {self.policy.name!r} gave layer budgets {budgets.tolist()}; expected "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -95,13 +96,22 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _steady(result: Any) -> str:
+    """Steady-state decode speed, without the first step (which holds the compile when compiling)."""
+    first = result.extra.get("first_step_s", math.nan) if getattr(result, "extra", None) else math.nan
+    n_seq = len(result.tokens)
+    if math.isnan(first) or result.decode_tokens <= n_seq or result.decode_s <= first:
+        return ""
+    return f"; {(result.decode_tokens - n_seq) / (result.decode_s - first):.1f} tok/s after the first step"
+
+
 def _summary(result: Any, policy: Any) -> str:
     r = result.report
     mib = 2.0 ** -20
     lines = [f"policy {policy.name} (budget {policy.budget})",
              f"prefill {result.prefill_tokens} tokens in {result.prefill_s:.2f} s "
              f"({result.prefill_tok_s:.1f} tok/s); decode {result.decode_tokens} tokens in "
-             f"{result.decode_s:.2f} s ({result.decode_tok_s:.1f} tok/s)"]
+             f"{result.decode_s:.2f} s ({result.decode_tok_s:.1f} tok/s{_steady(result)})"]
     if r is not None:
         ratio = r.total_bytes / r.full_cache_bytes if r.full_cache_bytes else float("nan")
         lines.append(f"KV cache: {r.total_bytes * mib:.2f} MiB kept vs {r.full_cache_bytes * mib:.2f} MiB "

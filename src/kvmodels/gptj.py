@@ -166,8 +166,10 @@ class GPTJ(nn.Module):
             q, k, v = blk.qkv(hn, positions)
             if cache is not None:
                 cache.prefill_layer(l, b, q, k, v, positions, scale=self.scale)
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                  is_causal=True, scale=self.scale)  # [H, L, D]
+            # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the L x L math path.
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], is_causal=True,
+                                                  scale=self.scale)[0]       # [H, L, D]
             attn = blk.out_proj(attn.transpose(0, 1).reshape(L, -1))          # [L, h]
             if cache is not None:
                 # SqueezeAttention: how little the attention branch turns the residual stream.

@@ -94,8 +94,10 @@ def alibi_causal_attention(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, *, s
     rel = (pos[None, :] - pos[:, None]).float()                              # [Lq, Lk] key - query
     bias = slopes.float()[:, None, None] * rel                               # [H, Lq, Lk]
     bias = bias.masked_fill(rel > 0, float("-inf")).to(q.dtype)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=bias, scale=scale)        # [H, L, D]
+    # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the L x L math path.
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], attn_mask=bias[None],
+                                         scale=scale)[0]                     # [H, L, D]
     return out.transpose(0, 1)
 
 
