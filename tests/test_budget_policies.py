@@ -154,8 +154,8 @@ def test_kmeans_is_optimal(values):
 
 @given(n_layers=st.integers(1, 12), data=st.data())
 def test_layer_budgets_capped_at_capacity_conserve_total(n_layers, data):
-    """A layer never gets more than it can hold (prompt + new tokens); the overflow goes to the other layers, so the
-    total is conserved up to ``n_layers * capacity``, and the budget policy's order is kept."""
+    """A layer never gets more than it can hold (prompt + new tokens); the overflow goes to the other
+    layers, so the total is conserved up to ``n_layers * capacity``, and the budget policy's order is kept."""
     B = data.draw(st.integers(1, 3))
     cap = torch.tensor(data.draw(st.lists(st.integers(1, 40), min_size=B, max_size=B)))
     budgets = torch.tensor(data.draw(st.lists(st.lists(st.integers(1, 120), min_size=B, max_size=B),

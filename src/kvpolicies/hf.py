@@ -453,8 +453,9 @@ class PolicyCache(Cache):
         n = len(self.layers)
         budget_tokens = self.policy.budget_tokens(self.prompt_lens.cpu()).to(torch.int64)  # [B]
         cos = (self._cos_sum / self.prompt_lens.cpu().to(torch.float64).clamp_min(1)).to(torch.float32)
+        capacity = self.prompt_lens.cpu() + (self.max_new_tokens or 0)   # the most a layer can hold
         budgets = torch.as_tensor(self.policy.layer_budgets(budget_tokens, n, LayerStats(cos_sim=cos),
-                                                            capacity=self.prompt_lens.cpu() + (self.max_new_tokens or 0)))
+                                                            capacity=capacity))
         self.layer_budgets = budgets.to(torch.int64).cpu()
         for row in self.layer_budgets:
             n_sink, n_recent = self.eviction.forced(row)
