@@ -1,5 +1,6 @@
-"""topk_compact: the reference (through the public op on CPU) and the Triton launcher (interpreter) against
-a dense oracle written here, plus the page-accounting invariants and input errors (docs/contract.md §2.4)."""
+"""topk_compact: the reference, the batched torch path (also through the public op on CPU) and the Triton
+launcher (interpreter) against a dense oracle written here and against each other, plus the page-accounting
+invariants and input errors (docs/contract.md §2.4)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 # Imported from the submodule: `from kvkernels import topk_compact` can yield the same-named submodule
 # (see the report on kvkernels/__init__.py).
-from kvkernels.topk_compact import topk_compact, topk_compact_ref, topk_compact_triton
+from kvkernels.topk_compact import topk_compact, topk_compact_ref, topk_compact_torch, topk_compact_triton
 
 N_LAYERS = 2  # layer 0 is compacted, layer 1 shares the pool and must stay untouched
 
@@ -130,8 +131,9 @@ def run(impl, pool: Pool, budgets, n_sink, n_recent) -> None:
          i32(n_recent), pool.free, pool.n_free, pool.extra)
 
 
-IMPLS = {"op": topk_compact, "ref": topk_compact_ref,
+IMPLS = {"op": topk_compact, "ref": topk_compact_ref, "torch": topk_compact_torch,
          "triton": pytest.param(topk_compact_triton, marks=pytest.mark.interpret)}
+FAST_IMPLS = {k: v for k, v in IMPLS.items() if k in ("torch", "triton")}  # compared to the reference
 
 
 @pytest.mark.parametrize("impl", list(IMPLS.values()), ids=list(IMPLS))
@@ -179,14 +181,14 @@ def test_matches_dense_oracle_and_keeps_pages_consistent(impl, case):
         assert torch.equal(bits(x_new[layer1_pages]), bits(x_old[layer1_pages]))
 
 
-@pytest.mark.interpret
+@pytest.mark.parametrize("impl", list(FAST_IMPLS.values()), ids=list(FAST_IMPLS))
 @given(case=scenarios())
-def test_triton_launcher_equals_reference_everywhere(case):
+def test_fast_paths_equal_reference_everywhere(impl, case):
     """Beyond the oracle's view: the whole pool, tables and stack agree (the stack's sink entry aside)."""
     before, budgets, n_sink, n_recent = case
     ref, tri = before.clone(), before.clone()
     run(topk_compact_ref, ref, budgets, n_sink, n_recent)
-    run(topk_compact_triton, tri, budgets, n_sink, n_recent)
+    run(impl, tri, budgets, n_sink, n_recent)
     for x_ref, x_tri in zip(ref.pool_tensors() + ref.tables + ref.lens + [ref.n_free, ref.free[:-1]],
                             tri.pool_tensors() + tri.tables + tri.lens + [tri.n_free, tri.free[:-1]]):
         assert torch.equal(bits(x_ref), bits(x_tri))
@@ -198,10 +200,11 @@ def test_nan_scores_rank_lowest():
     pool.score[...] = float("nan")
     page0 = int(pool.tables[0][0, 0])
     pool.score[page0, 2, 0] = -1e30  # the only real score: it must win over every NaN
-    ref, tri = pool.clone(), pool.clone()
-    run(topk_compact_ref, ref, [2], [1], [0])
-    run(topk_compact_triton, tri, [2], [1], [0])
-    for p in (ref, tri):
+    results = []
+    for impl in (topk_compact_ref, topk_compact_torch, topk_compact_triton):
+        results.append(pool.clone())
+        run(impl, results[-1], [2], [1], [0])
+    for p in results:
         assert p.dense(0, 0, 0)[2].tolist() == [0, 2]
 
 

@@ -19,13 +19,14 @@ from .merge import (
 from .paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
+    paged_decode_attention_torch,
     paged_decode_attention_triton,
 )
 from .score_update import prefill_scores, prefill_scores_ref, prefill_scores_triton
 
 # The submodule ``topk_compact`` shares its name with the op it defines; importing the op last binds
 # ``kvkernels.topk_compact`` to the function, not the module.
-from .topk_compact import topk_compact, topk_compact_ref, topk_compact_triton  # noqa: I001
+from .topk_compact import topk_compact, topk_compact_ref, topk_compact_torch, topk_compact_triton  # noqa: I001
 
 __all__ = [
     "SCORE_MODES",
@@ -36,12 +37,14 @@ __all__ = [
     "merge_restore",
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "paged_decode_attention_torch",
     "paged_decode_attention_triton",
     "prefill_scores",
     "prefill_scores_ref",
     "prefill_scores_triton",
     "topk_compact",
     "topk_compact_ref",
+    "topk_compact_torch",
     "topk_compact_triton",
     "update_scores_ref",
 ]

@@ -6,7 +6,8 @@ order, and push the pages past ``ceil(budget / S)`` onto the free stack.
 
 The Triton launcher plans the move with torch on the device (one stable sort per row, no host sync) and
 moves the bytes with one Triton kernel per pool tensor; page release is a masked scatter into the free
-stack whose index ``P`` is a write sink, so every shape is static.
+stack whose index ``P`` is a write sink, so every shape is static. On CPU the op runs the same plan in
+batched torch (:func:`topk_compact_torch`); :func:`topk_compact_ref` loops per (sequence, head) as the oracle.
 """
 
 from __future__ import annotations
@@ -200,6 +201,45 @@ def topk_compact_triton(
 
 
 # ----------------------------------------------------------------------------------------------------
+# Batched torch path (CPU)
+# ----------------------------------------------------------------------------------------------------
+
+def topk_compact_torch(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor] | tuple[Tensor, ...] = (),
+) -> None:
+    """Batched torch implementation of :func:`topk_compact` (no input checks), the op's CPU path.
+
+    Same selection plan as the Triton launcher, over all sequences and heads at once, but only as wide
+    as the pages in use; the bytes move with one gather into a temporary and one scatter per pool tensor.
+    It reads host values (eager only; the op is opaque to ``torch.compile``).
+    """
+    batch = page_table.shape[0]
+    num_pages, page_size, n_heads = k_pages.shape[:3]
+    # Nothing stored (an empty pool means every length is 0) or every sequence within its budget.
+    if batch == 0 or num_pages == 0 or not bool((seq_lens.long() > budgets.long()).any()):
+        return
+    width = _ceil_div(int(seq_lens.max()), page_size) * page_size  # W: slots of the widest sequence
+    table = page_table[:, : width // page_size].long()  # [B, W/S]
+    src_map, n_move, new_lens = _plan_moves(slot_score, table, seq_lens, budgets, n_sink, n_recent)
+    src = src_map[..., :width].long()  # [B, Hkv, W]: logical slot that lands in slot d
+    d = torch.arange(width, device=k_pages.device)
+    # Slots already in place (the sinks, the prefix before the first eviction) are not touched.
+    move = (d < n_move[:, None, None]) & (src != d)  # [B, Hkv, W]
+    b_idx, h_idx, d_idx = move.nonzero(as_tuple=True)  # [N] each
+    j_idx = src[b_idx, h_idx, d_idx]
+    # Rows of the pool seen as [P*S*Hkv, D]: one index per moved (slot, head) keeps the copies row-wise.
+    src_row = (table[b_idx, j_idx // page_size] * page_size + j_idx % page_size) * n_heads + h_idx  # [N]
+    dst_row = (table[b_idx, d_idx // page_size] * page_size + d_idx % page_size) * n_heads + h_idx  # [N]
+    for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
+        rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]; D = 1 for per-slot tensors
+        # Gather into a temporary first, so sources that an earlier destination overwrites are still read.
+        rows.index_copy_(0, dst_row, rows.index_select(0, src_row))
+    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Public op
 # ----------------------------------------------------------------------------------------------------
 
@@ -213,7 +253,7 @@ def _topk_compact_op(
     seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
     extra: list[Tensor],
 ) -> None:
-    impl = topk_compact_triton if use_triton(k_pages) else topk_compact_ref
+    impl = topk_compact_triton if use_triton(k_pages) else topk_compact_torch
     impl(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent, free_pages,
          n_free, extra)
 
