@@ -17,8 +17,12 @@ from kvkernels.score_update import (
     _prefill_scores_op,
     prefill_scores,
     prefill_scores_ref,
+    prefill_scores_torch,
     prefill_scores_triton,
 )
+
+# The two pure-torch forms: the clear reference (the oracle) and the fast CPU path the op runs.
+TORCH_IMPLS = {"ref": prefill_scores_ref, "torch": prefill_scores_torch}
 
 DEVICE = conftest.test_device()
 ON_CUDA = DEVICE.type == "cuda"
@@ -100,16 +104,33 @@ def test_ref_matches_naive(problem, data):
     L = q.shape[0]
     expected = naive_prefill_scores(q, k, **kwargs)
     assert expected.shape == (k.shape[1], L)
-    actual = prefill_scores(q, k, chunk=data.draw(st.integers(1, L + 3)), **kwargs)
+    chunk = data.draw(st.integers(1, L + 3))
+    for impl in [prefill_scores, *TORCH_IMPLS.values()]:
+        actual = impl(q, k, chunk=chunk, **kwargs)
+        assert actual.dtype == torch.float32 and actual.shape == expected.shape
+        assert_scores_close(actual, expected, kwargs["mode"])
+
+
+@pytest.mark.parametrize("mode", SCORE_MODES)
+@settings(max_examples=8)
+@given(problems(max_len=300), st.integers(1, 300), st.sampled_from([torch.float32, torch.float16]))
+def test_torch_path_matches_ref(mode, problem, chunk, dtype):
+    """Longer prompts than the naive oracle affords: several 128-row steps of the fast path, ragged ends."""
+    q, k, kwargs = to_device(*problem, dtype=dtype)
+    kwargs["mode"] = mode
+    expected = prefill_scores_ref(q, k, **kwargs)
+    actual = prefill_scores_torch(q, k, chunk=chunk, **kwargs)
     assert actual.dtype == torch.float32 and actual.shape == expected.shape
     assert_scores_close(actual, expected, kwargs["mode"])
 
 
+@pytest.mark.parametrize("impl", TORCH_IMPLS)
 @pytest.mark.parametrize("mode", SCORE_MODES)
-def test_chunking_does_not_change_scores(mode):
+def test_chunking_does_not_change_scores(mode, impl):
     L, D = 13, 8
     q, k = torch.randn(L, 4, D, device=DEVICE), torch.randn(L, 2, D, device=DEVICE)
-    run = lambda chunk: prefill_scores(q, k, scale=0.5, mode=mode, window=11, decay=0.7, seed=1, chunk=chunk)
+    run = lambda chunk: TORCH_IMPLS[impl](q, k, scale=0.5, mode=mode, window=11, decay=0.7, seed=1,
+                                          chunk=chunk)
     whole = run(256)
     for chunk in range(1, L + 4):
         assert_scores_close(run(chunk), whole, mode, rtol=1e-6, atol=1e-6)

@@ -197,11 +197,67 @@ def prefill_scores_ref(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: 
     return scores
 
 
+def prefill_scores_torch(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str, window: int = 0,
+                         decay: float = 1.0, seed: int = 0, temperature: float = 1.0,
+                         alibi_slopes: torch.Tensor | None = None, chunk: int = 256) -> torch.Tensor:
+    """Fast pure-torch form of :func:`prefill_scores` (the op's CPU path; no input checks).
+
+    Same closed forms as :func:`prefill_scores_ref`, which stays the oracle, but per chunk of ``C`` query
+    rows: one batched matmul ``[Hkv, G*C, D] @ [Hkv, D, n]`` for all heads (K is never expanded to query
+    heads), only the ``n = last row + 1`` keys the chunk can see (later keys get exactly 0), in-place
+    element-wise work, and the Gumbel noise in vectorised ``[Hq, rows, n]`` calls sized to stay in cache.
+    """
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    scores = torch.zeros((Hkv, L), dtype=torch.float32, device=q.device)
+    if mode == "none" or L == 0:
+        return scores
+    keys = torch.arange(L, device=q.device)
+    q_f = q.float().view(L, Hkv, G, D)
+    k_t = k.float().permute(1, 2, 0)  # [Hkv, D, L]
+    heads = torch.arange(Hq, device=q.device).view(Hkv, G, 1, 1)
+    slopes = alibi_slopes.float().view(Hkv, G, 1, 1) if alibi_slopes is not None else None
+    # ``chunk`` bounds the memory; fewer rows per step run faster on CPU (the [Hq, C, n] blocks stay
+    # closer to cache: measured at L=4096, 128 rows take ~0.65x the time of 256 and ~0.3x of 1024).
+    chunk = min(chunk, 128)
+    for start in range(_rows(L, mode, window), L, chunk):
+        end = min(start + chunk, L)
+        rows = torch.arange(start, end, device=q.device)  # [C]
+        C = end - start
+        # [C, Hkv, G, D] -> [Hkv, G*C, D]: the rows of every query head of a group share one matmul.
+        q_c = q_f[start:end].permute(1, 2, 0, 3).reshape(Hkv, G * C, D)
+        x = torch.bmm(q_c, k_t[:, :, :end]).view(Hkv, G, C, end).mul_(scale)  # [Hkv, G, C, n]
+        if slopes is not None:
+            x.add_(slopes * (keys[:end] - rows[:, None]))
+        if mode == "gumbel":
+            # The int64-emulated hash makes ~40 passes over its block: a block of ~2**15 elements stays in
+            # cache (measured ~3-7x faster per element than a whole [Hq, 256, 4096] block).
+            step = max(1, 2**15 // (Hq * end))
+            for r in range(0, C, step):
+                x[:, :, r:r + step] += gumbel_noise_hash(seed, heads, rows[r:r + step, None], keys[:end])
+            x.div_(temperature)
+        hidden = keys[:end] > rows[:, None]  # [C, n]
+        probs = torch.softmax(x.masked_fill_(hidden, float("-inf")), dim=-1)  # [Hkv, G, C, n]
+        if mode == "count_low":
+            contrib = probs.mean(dim=1)  # [Hkv, C, n]
+            threshold = 1.0 / (rows + 1).to(torch.float32)  # 1 / n_valid, as in _modes.update_scores_ref
+            scores[:, :end] -= ((contrib < threshold[:, None]) & ~hidden).sum(dim=1)
+        else:
+            # Row weights (decay**(L-1-i), or 1) / G fold the group mean and the row sum into one
+            # matrix-vector product per KV head.
+            weight = (decay ** (L - 1 - rows).double()).float() if mode == "decay" else rows.new_ones(
+                C, dtype=torch.float32)
+            weight = (weight / G).repeat(G)  # [G*C], row order of probs.view(Hkv, G*C, n)
+            scores[:, :end] += weight @ probs.view(Hkv, G * C, end)
+    return scores
+
+
 @torch.library.custom_op("kvkernels::prefill_scores", mutates_args=())
 def _prefill_scores_op(q: torch.Tensor, k: torch.Tensor, scale: float, mode: str, window: int, decay: float,
                        seed: int, temperature: float, alibi_slopes: torch.Tensor | None,
                        chunk: int) -> torch.Tensor:
-    impl = prefill_scores_triton if use_triton(q) else prefill_scores_ref
+    impl = prefill_scores_triton if use_triton(q) else prefill_scores_torch
     return impl(q, k, scale=scale, mode=mode, window=window, decay=decay, seed=seed, temperature=temperature,
                 alibi_slopes=alibi_slopes, chunk=chunk)
 
@@ -253,7 +309,7 @@ def prefill_scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str,
     alibi_slopes : Tensor, optional
         ``[Hq]`` float32 ALiBi slopes; logits get ``slope[h] * (j - i)`` for key ``j``, query ``i``.
     chunk : int
-        Query rows per step of the CPU reference (memory ``O(chunk * L)`` per head); results do not
+        Most query rows per step of the CPU path (memory ``O(chunk * L)`` per head); results do not
         depend on it. The Triton path ignores it.
 
     Returns
@@ -261,7 +317,7 @@ def prefill_scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str,
     Tensor
         ``[Hkv, L]`` float32 scores, ``score[h, j]`` for key ``j`` of KV head ``h``, on ``q.device``.
 
-    The op runs the Triton kernels on CUDA tensors and :func:`prefill_scores_ref` on CPU tensors, and is
+    The op runs the Triton kernels on CUDA tensors and :func:`prefill_scores_torch` on CPU tensors, and is
     opaque to ``torch.compile``. Inputs are checked here, before any work.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
