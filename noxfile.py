@@ -42,7 +42,12 @@ def gpu(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Kernel and generation benchmarks with pytest-benchmark; JSON under bench/results/."""
     _install(session, "test")
-    session.run("python", "bench/run.py", *[a for a in session.posargs if a != "--no-install"])
+    probe = ("import torch; print(torch.cuda.get_device_name(0).replace(' ', '-') "
+             "if torch.cuda.is_available() else 'cpu')")
+    device = session.run("python", "-c", probe, silent=True).strip().splitlines()[-1]
+    out = f"--benchmark-json=bench/results/{device}-bench.json"
+    session.run("python", "-m", "pytest", "bench", "-q", out,
+                *[a for a in session.posargs if a != "--no-install"])
 
 
 @nox.session
