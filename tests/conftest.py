@@ -33,6 +33,18 @@ def test_device() -> torch.device:
     return torch.device(os.environ.get("KVPOLICIES_TEST_DEVICE", "cpu"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only add synchronisation (up to 100x slower on a loaded 2-core box).
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def device() -> torch.device:
     dev = test_device()

@@ -12,14 +12,7 @@ from kvmodels.generate import CausalLM, GenerationResult, generate
 from kvmodels.llama import Llama, LlamaConfig
 from kvpolicies import compose
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronisation (100x slower on a loaded 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 53
 

@@ -17,14 +17,7 @@ transformers = pytest.importorskip("transformers")
 from kvmodels.llama import Llama, LlamaConfig, rope_inv_freq  # noqa: E402
 from kvmodels.loading import from_transformers, llama_config_to_hf  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronisation (100x slower on a loaded 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROPE_SCALINGS = [
     None,

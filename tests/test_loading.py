@@ -24,13 +24,7 @@ from kvmodels.loading import (  # noqa: E402
     unpermute_rope_rows,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @given(n_heads=st.integers(1, 4), half=st.integers(1, 4), cols=st.integers(1, 3))

@@ -326,21 +326,29 @@ def _memory_metrics(result: Any) -> dict[str, Any]:
     return out
 
 
+def _greedy_outputs(model: Any, tokenizer: Any, samples: Sequence[Sample], policy: Any, max_new_tokens: int,
+                    batch_size: int) -> tuple[list[str], dict[str, Any]]:
+    """Greedy decoded outputs of ``samples`` in batches of ``batch_size``, and the cache memory metrics
+    of the first batch."""
+    outputs: list[str] = []
+    metrics: dict[str, Any] = {}
+    for i in range(0, len(samples), batch_size):
+        chunk = samples[i:i + batch_size]
+        res = generate(model, [list(s.prompt) for s in chunk], max_new_tokens, policy,
+                       eos_ids=tokenizer.eos_ids)
+        outputs += [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+        if not metrics:
+            metrics = _memory_metrics(res)
+    return outputs, metrics
+
+
 def run_passkey(model: Any, tokenizer: Any, samples: Sequence[Sample], policy: Any, *,
                 batch_size: int = 8) -> TaskResult:
     """Greedy answers to the passkey prompts under ``policy``; exact match of the first number.
 
     Returns accuracy, the number correct, its 95% Wilson interval and the cache memory of the first batch.
     """
-    outputs: list[str] = []
-    metrics: dict[str, Any] = {}
-    for i in range(0, len(samples), batch_size):
-        chunk = samples[i:i + batch_size]
-        res = generate(model, [list(s.prompt) for s in chunk], PASSKEY_NEW_TOKENS, policy,
-                       eos_ids=tokenizer.eos_ids)
-        outputs += [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
-        if not metrics:
-            metrics = _memory_metrics(res)
+    outputs, metrics = _greedy_outputs(model, tokenizer, samples, policy, PASSKEY_NEW_TOKENS, batch_size)
     correct = sum(exact_match(o, s.answer) for o, s in zip(outputs, samples))
     lo, hi = wilson_interval(correct, len(samples))
     metrics.update(n=len(samples), correct=correct, accuracy=correct / len(samples),
@@ -356,15 +364,7 @@ def run_generation(model: Any, tokenizer: Any, samples: Sequence[Sample], policy
     ``rouge_l`` is the mean ROUGE-L F1 and ``exact`` the fraction of outputs identical to the reference;
     with ``references=None`` (the full cache itself) both are 1.0 by definition.
     """
-    outputs: list[str] = []
-    metrics: dict[str, Any] = {}
-    for i in range(0, len(samples), batch_size):
-        chunk = samples[i:i + batch_size]
-        res = generate(model, [list(s.prompt) for s in chunk], max_new_tokens, policy,
-                       eos_ids=tokenizer.eos_ids)
-        outputs += [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
-        if not metrics:
-            metrics = _memory_metrics(res)
+    outputs, metrics = _greedy_outputs(model, tokenizer, samples, policy, max_new_tokens, batch_size)
     refs = list(references) if references is not None else outputs
     if len(refs) != len(outputs):
         raise ValueError(f"references has {len(refs)} texts for {len(outputs)} samples")
