@@ -218,6 +218,20 @@ def test_plans_cover_the_issue():
     assert [(c.policy, c.budget) for c in small] == [("full", 1.0), ("window", 0.1)]
 
 
+def test_restrict_plan():
+    plan = sweep.full_plan()
+    sweep.restrict(plan, ["h2o", "h2o+squeeze"], [0.5, 0.2])
+    cfgs = plan.configs()
+    assert {c.policy for c in cfgs} == {"full", "h2o", "squeeze+h2o"}  # canonical names; full stays
+    assert {c.budget for c in cfgs if c.policy != "full"} == {0.2, 0.5}
+    with pytest.raises(ValueError, match=r"policies \['snapkv\+minicache'\] are not in the sweep"):
+        sweep.restrict(plan, ["snapkv+minicache"], None)  # cut away above
+    with pytest.raises(ValueError, match=r"budgets \[0.25\]"):
+        sweep.restrict(sweep.full_plan(), None, [0.25])
+    with pytest.raises(KeyError, match="unknown policy"):
+        sweep.restrict(sweep.full_plan(), ["h2oo"], None)
+
+
 def test_check_smoke():
     rec = lambda p, b, a: {"task": "passkey", "context": 1024, "policy": p, "budget": b, "accuracy": a,
                            "status": "ok"}

@@ -357,6 +357,29 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="config", file=sys.stderr, dynamic_ncols=True)
 
 
+def restrict(plan: Plan, policies: Sequence[str] | None, budgets: Sequence[float] | None) -> None:
+    """Cut ``plan`` down to ``policies`` and ``budgets`` (each a subset of the plan's, else ``ValueError``
+    naming the unknown ones); the full cache always stays, since every other row compares against it."""
+    if policies is not None:
+        from kvpolicies import compose
+
+        names = [compose(p, budget=0.5).name for p in policies]  # canonical names; unknown ones raise
+        known = set(plan.policies) | set(plan.ppl_policies or []) | set(plan.gen_policies or [])
+        unknown = [p for p in names if p not in known]
+        if unknown:
+            raise ValueError(f"policies {unknown} are not in the sweep; choose from {sorted(known)}")
+        keep = ["full", *names]
+        plan.policies = [p for p in plan.policies if p in keep]
+        for attr in ("ppl_policies", "gen_policies"):
+            if getattr(plan, attr) is not None:
+                setattr(plan, attr, [p for p in getattr(plan, attr) if p in keep])
+    if budgets is not None:
+        unknown_b = [b for b in budgets if b not in plan.budgets]
+        if unknown_b:
+            raise ValueError(f"budgets {unknown_b} are not in the sweep; choose from {list(plan.budgets)}")
+        plan.budgets = tuple(b for b in plan.budgets if b in budgets)
+
+
 def check_smoke(records: Sequence[dict[str, Any]], context: int = 1024) -> tuple[float, float]:
     """The smoke assertion: full-cache passkey accuracy >= 0.75 and ``window`` at 0.1 clearly below it.
 
@@ -390,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ppl-tokens", type=int, default=512, help="perplexity text length in tokens (--full)")
     ap.add_argument("--contexts", default="1024:8,2048:8,4096:4",
                     help="passkey contexts and samples, CONTEXT:N,... (--full)")
+    ap.add_argument("--policies", help="comma-separated subset of the full sweep's policies (canonical "
+                    "compose names, e.g. full,h2o,squeeze+h2o)")
+    ap.add_argument("--budgets", help="comma-separated subset of the full sweep's budgets, e.g. 0.2,0.5")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no-progress", action="store_true")
@@ -404,6 +430,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan.passkey = plan.passkey if "passkey" in wanted else {}
         plan.perplexity_tokens = plan.perplexity_tokens if "perplexity" in wanted else 0
         plan.generation = plan.generation if "generation" in wanted else {}
+        if args.policies or args.budgets:
+            try:
+                restrict(plan, args.policies.split(",") if args.policies else None,
+                         [float(b) for b in args.budgets.split(",")] if args.budgets else None)
+            except (KeyError, ValueError) as e:
+                ap.error(str(e.args[0] if e.args else e))
     else:
         plan = small_plan()
     out = args.out or f"bench/results/quality-{'full' if args.full else 'smoke'}.jsonl"
