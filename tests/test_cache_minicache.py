@@ -65,30 +65,32 @@ def test_retaining_every_token_equals_the_unmerged_cache(eviction, budget, alibi
 
 
 @given(st.integers(1, 3), st.sampled_from([1, 2]), st.lists(st.integers(1, 12), min_size=1, max_size=3),
-       st.sampled_from([1, 3, 4]), st.sampled_from(["full", "h2o"]), st.floats(0.0, 1.0), st.integers(0, 999))
+       st.sampled_from([1, 3, 4]), st.sampled_from(["full", "h2o"]), st.floats(0.0, 1.0), st.integers(0, 999),
+       st.sampled_from([2, 4]))
 @settings(max_examples=15, deadline=None)
 def test_merging_everything_equals_dense_attention_over_restored_tokens(n_kv, group, prompt_lens, page_size,
-                                                                        eviction, t, seed):
-    run = FakeRun(2, n_kv, group, 4, prompt_lens, 1, seed=seed)
+                                                                        eviction, t, seed, n_layers):
+    # Four layers merge two pairs: a later pair's merge must not touch an earlier pair's region.
+    run = FakeRun(n_layers, n_kv, group, 4, prompt_lens, 1, seed=seed)
     policy = minicache(eviction, retain_ratio=0.0, t=t, start=0.0, budget=0.6 if eviction == "h2o" else 1.0)
     cache = run.cache(policy, page_size=page_size)
-    policy_pairs = cache.merged_pairs
-    assert policy_pairs == [(0, 1)]
+    assert cache.merged_pairs == [(l, l + 1) for l in range(0, n_layers, 2)]
     run.prefill(cache)
     check_invariants(cache)
-    kept = [cache.layer_contents(0, b)["pos"] for b in range(len(prompt_lens))]
+    kept = {(a, b): cache.layer_contents(a, b)["pos"] for a, _ in cache.merged_pairs
+            for b in range(len(prompt_lens))}
     outs = run.decode_step(cache, 0)
     check_invariants(cache)
-    for b, pos in enumerate(kept):
+    for (a, b), pos in kept.items():
         originals = {}
         for which in (1, 2):  # K, V
-            xa, xb = (gather_heads(run.prompt[l][b][which], pos) for l in (0, 1))  # [n, Hkv, D]
+            xa, xb = (gather_heads(run.prompt[l][b][which], pos) for l in (a, a + 1))  # [n, Hkv, D]
             direction, mag_a, mag_b, _ = magnitude_direction_merge_ref(xa, xb, t=t, retain_ratio=0.0)
             originals[which] = (merge_restore(direction, mag_a), merge_restore(direction, mag_b))
-        for l in (0, 1):
+        for i, l in enumerate((a, a + 1)):
             q, k_new, v_new = run.steps[0][l]
-            k = torch.cat([originals[1][l], k_new[b:b + 1]])  # the new token is private and exact
-            v = torch.cat([originals[2][l], v_new[b:b + 1]])
+            k = torch.cat([originals[1][i], k_new[b:b + 1]])  # the new token is private and exact
+            v = torch.cat([originals[2][i], v_new[b:b + 1]])
             torch.testing.assert_close(outs[l][b], dense_attention(q[b], k, v, run.scale), rtol=1e-5,
                                        atol=1e-5)
 

@@ -10,6 +10,7 @@ per KV head), GPT-J (partial rotary) and MPT (ALiBi) models, and on the real Smo
   token), on ragged left-padded rows;
 * the cache is physically compacted (``[B, Hkv, kept, D]``, never expanded to query heads);
 * unsupported models / attention implementations / policies fail with errors that say what to change.
+MiniCache merging (merge policies) is tested in tests/test_hf_merge.py.
 
 Runtime: the models are a few thousand parameters, so torch runs them on one thread (multi-threaded
 kernels on matrices this small spend their time waking threads: 20x slower on a busy 2-core machine).
@@ -345,11 +346,6 @@ def test_sliding_window_model_is_refused():
     )
     with pytest.raises(UnsupportedModelError, match="sliding_window"):
         hf_cache(compose("h2o", budget=0.5), transformers.MistralForCausalLM(cfg))
-
-
-def test_merge_policy_is_refused():
-    with pytest.raises(NotImplementedError, match="merg"):
-        hf_cache(compose("h2o", "minicache", budget=0.5), model_of("llama"))
 
 
 def test_policy_must_be_composed():

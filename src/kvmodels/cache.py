@@ -310,6 +310,7 @@ class PagedKVCache:
         self._seen = np.zeros(self.max_batch, dtype=np.int64)
         self._active = np.zeros(self.max_batch, dtype=bool)
         self._prefilled = np.zeros((self.n_layers, self.max_batch), dtype=bool)
+        self._compressed = np.zeros(self.max_batch, dtype=bool)  # prompt compressed by compress_prompt
         self._budgets: np.ndarray | None = None
         self._peak_pages = 0
         self._full_peak_pages = 0
@@ -332,7 +333,7 @@ class PagedKVCache:
             raise ValueError(f"layer l={l!r} is out of range [0, {self.n_layers}) cache layers")
 
     # ------------------------------------------------------------------ batch lifecycle
-    def start(self, prompt_lens: list[int], max_new_tokens: int) -> None:
+    def start(self, prompt_lens: list[int], max_new_tokens: int, *, compress_each: bool = False) -> None:
         """Begin a new batch, dropping whatever the cache held.
 
         Parameters
@@ -341,6 +342,10 @@ class PagedKVCache:
             Prompt length of each sequence (``1 <= len(prompt_lens) <= max_batch``, each ``>= 1``).
         max_new_tokens:
             Decode steps the batch may run; ``prompt_len + max_new_tokens <= max_tokens``.
+        compress_each:
+            The caller calls :meth:`compress_prompt` after each sequence's prefill, so the pool must hold
+            only the longest prompt whole (checked here) next to the compressed earlier ones (checked by
+            each ``prefill_layer``). Otherwise every prompt must fit uncompressed at once.
         """
         prompt_lens = [int(x) for x in prompt_lens]
         n = len(prompt_lens)
@@ -356,10 +361,17 @@ class PagedKVCache:
             raise ValueError(f"prompt of {max(prompt_lens)} tokens + max_new_tokens={max_new_tokens} = "
                              f"{longest} exceeds max_tokens={self.max_tokens}; raise max_tokens or shorten "
                              "the prompt")
-        prompt_pages = self.n_layers * sum(_ceil_div(L, self.page_size) for L in prompt_lens)
+        if compress_each and self.eviction.prefill_compress and not self.merged_pairs:
+            # Prompts are compressed one by one (compress_prompt): only the longest must fit whole; each
+            # later prefill_layer checks its own pages before writing anything.
+            prompt_pages = self.n_layers * _ceil_div(max(prompt_lens), self.page_size)
+            what = f"prefill of the longest prompt ({max(prompt_lens)} tokens) in {self.n_layers} layers"
+        else:
+            prompt_pages = self.n_layers * sum(_ceil_div(L, self.page_size) for L in prompt_lens)
+            what = f"prefill of {n} prompts in {self.n_layers} layers"
         if prompt_pages > self.num_pages:
             self._free = self.num_pages
-            raise self._out_of_pages(prompt_pages, f"prefill of {n} prompts in {self.n_layers} layers")
+            raise self._out_of_pages(prompt_pages, what)
         lens_t = torch.tensor(prompt_lens, dtype=torch.int64)
         budget_tokens = torch.as_tensor(self.policy.budget_tokens(lens_t)).to(torch.int64).cpu()
         if budget_tokens.shape != (n,) or bool((budget_tokens < 1).any()):
@@ -368,6 +380,7 @@ class PagedKVCache:
                              ">= 1")
 
         self._reset_pool()
+        self._compressed[:] = False
         self.batch_size = n
         self.prompt_lens = prompt_lens
         self.max_new_tokens = max_new_tokens
@@ -475,6 +488,63 @@ class PagedKVCache:
             raise ValueError(f"value must be a float or a 0-d tensor, got shape {list(value.shape)}")
         self.cos_sim[l, b] = value
 
+    def _plan_budgets(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer budgets and forced sink / recent counts ``[Lc, len(seqs)]`` (host int64) of sequences
+        ``seqs``. Budget policies allocate each sequence from its own statistics, so a sequence gets the same
+        budgets alone (:meth:`compress_prompt`) as in the whole batch (:meth:`finish_prefill`)."""
+        stats = LayerStats(cos_sim=self.cos_sim[:, seqs].cpu())
+        # The most a layer can ever hold: prompt + new tokens.
+        capacity = torch.tensor([self.prompt_lens[b] for b in seqs]) + self.max_new_tokens
+        budgets = torch.as_tensor(self.policy.layer_budgets(self.budget_tokens[seqs], self.n_layers, stats,
+                                                            capacity=capacity))
+        budgets = budgets.to(torch.int64).cpu()
+        if budgets.shape != (self.n_layers, len(seqs)) or bool((budgets < 1).any()):
+            raise ValueError(f"policy {self.policy.name!r} gave layer budgets {budgets.tolist()}; expected "
+                             f"shape [{self.n_layers}, {len(seqs)}] with every entry >= 1")
+        n_sink, n_recent = (torch.stack(x) for x in zip(*(self.eviction.forced(row) for row in budgets)))
+        if bool((n_sink + n_recent > budgets).any()):
+            raise ValueError(f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
+                             f"than the layer budgets {budgets.tolist()} allow; raise the budget")
+        return budgets, n_sink, n_recent
+
+    def compress_prompt(self, b: int) -> None:
+        """Compress sequence ``b``'s prompt to its layer budgets now, right after its prefill.
+
+        :func:`kvmodels.generate.generate` calls this after each prompt, so the pool only ever holds one
+        uncompressed prompt next to compressed ones: at budget 0.2 a pool fits several times the batch
+        (``start(..., compress_each=True)``). The tokens kept are exactly those :meth:`finish_prefill`
+        keeps (the budgets of a sequence depend on it alone); only the page ids differ. A no-op when the
+        policy does not compress prompts, or merges layers (MiniCache merges pairs in ``finish_prefill``).
+        """
+        if self._state != "prefill":
+            raise RuntimeError(f"compress_prompt called in state {self._state!r}; call it after a sequence's "
+                               "prefill and before finish_prefill()")
+        if not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")
+        if not self._prefilled[:, b].all():
+            missing = int((~self._prefilled[:, b]).sum())
+            raise RuntimeError(f"sequence {b} has {missing} layer(s) not prefilled; call "
+                               f"compress_prompt({b}) "
+                               "after its whole prefill")
+        if not self.eviction.prefill_compress or self.merged_pairs or self._compressed[b]:
+            return
+        budgets, n_sink, n_recent = (x[:, 0] for x in self._plan_budgets([b]))  # [Lc] each
+        rows = [l for l in range(self.n_layers) if self._lens[l, b] > budgets[l]]
+        if rows:
+            idx = torch.tensor(rows, device=self.device)
+            table = self.page_table[idx, b]  # [len(rows), M] copy, written back below
+            lens = self.seq_lens[idx, b]
+            dev = lambda x: x[rows].to(self.device, torch.int32)  # noqa: E731
+            topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table, lens,
+                         dev(budgets), dev(n_sink), dev(n_recent), self.free_pages, self.n_free)
+            self.page_table[idx, b] = table
+            self.seq_lens[idx, b] = lens
+            old = self._lens[rows, b]
+            new = np.minimum(old, budgets[rows].numpy())
+            self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
+            self._lens[rows, b] = new
+        self._compressed[b] = True
+
     def finish_prefill(self) -> None:
         """Allocate layer budgets, merge MiniCache pairs and compress every prompt to its budget
         (docs/contract.md §5 steps 2–3).
@@ -510,18 +580,7 @@ class PagedKVCache:
             raise RuntimeError(f"layer {l} of sequence {b} was not prefilled ({len(missing)} (layer, "
                                "sequence) pairs missing); call prefill_layer for every cache layer of every "
                                "sequence")
-        stats = LayerStats(cos_sim=self.cos_sim[:, :n].cpu())
-        capacity = torch.tensor(self.prompt_lens) + self.max_new_tokens    # the most a layer can hold
-        budgets = torch.as_tensor(self.policy.layer_budgets(self.budget_tokens, self.n_layers, stats,
-                                                            capacity=capacity))
-        budgets = budgets.to(torch.int64).cpu()
-        if budgets.shape != (self.n_layers, n) or bool((budgets < 1).any()):
-            raise ValueError(f"policy {self.policy.name!r} gave layer budgets {budgets.tolist()}; expected "
-                             f"shape [{self.n_layers}, {n}] with every entry >= 1")
-        n_sink, n_recent = (torch.stack(x) for x in zip(*(self.eviction.forced(row) for row in budgets)))
-        if bool((n_sink + n_recent > budgets).any()):
-            raise ValueError(f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
-                             f"than the layer budgets {budgets.tolist()} allow; raise the budget")
+        budgets, n_sink, n_recent = self._plan_budgets(list(range(n)))
         for a, b in self.merged_pairs:  # one region budget; forced slots count both layers' private slots
             budgets[a] += budgets[b]
             budgets[b] = 0
@@ -564,10 +623,9 @@ class PagedKVCache:
         n, S = self.batch_size, self.page_size
         own_score = self.slot_score
         if (self._lens[a, :n] > keep).any():
-            # Joint selection on the summed scores; each layer's own score rides along in k_mag[0], which
-            # is free scratch until the region is written.
-            own_score = self.k_mag[0]
-            own_score.copy_(self.slot_score)
+            # Joint selection on the summed scores; each layer's own score rides along in a copy of the
+            # score pool (not in a magnitude pool: that holds the regions of pairs merged before this one).
+            own_score = self.slot_score.clone()
             for i in range(n):
                 pa, pb = (self.page_table[l, i, :_ceil_div(int(self._lens[l, i]), S)].long() for l in (a, b))
                 total = self.slot_score[pa] + self.slot_score[pb]
@@ -647,15 +705,39 @@ class PagedKVCache:
         }
 
     def _compress(self, layers: list[int] | None = None) -> None:
-        """``topk_compact`` every storage layer (of ``layers``) holding more than its budget."""
+        """``topk_compact`` every storage layer (of ``layers``) holding more than its budget.
+
+        All such layers of one width go through a single op call: the pool is shared, so their
+        ``[n, M]`` page tables stacked into ``[layers * n, M]`` rows are one batch to the kernel (30 calls
+        per decode step become one; the free stack receives the pages in the same layer-major order).
+        """
         n = self.batch_size
         budgets = self._budgets
         assert budgets is not None  # set by finish_prefill
-        for l in range(self.n_layers) if layers is None else layers:
-            if self._width[l] == 0 or not (self._lens[l, :n] > budgets[l]).any():
+        over = [l for l in (range(self.n_layers) if layers is None else layers)
+                if self._width[l] and (self._lens[l, :n] > budgets[l]).any()]
+        for width in (1, 2):
+            ls = [l for l in over if self._width[l] == width]
+            if not ls:
                 continue
-            extra = self._region_extra() if self._width[l] == 2 else []
-            self._compact(l, self.budgets[l, :n], self.n_sink[l, :n], self.n_recent[l, :n], extra, budgets[l])
+            extra = self._region_extra() if width == 2 else []
+            if len(ls) == 1:
+                l = ls[0]
+                self._compact(l, self.budgets[l, :n], self.n_sink[l, :n], self.n_recent[l, :n], extra,
+                              budgets[l])
+                continue
+            idx = torch.tensor(ls, device=self.device)
+            table = self.page_table[idx, :n].flatten(0, 1)  # [len(ls) * n, M] copies, written back below
+            lens = self.seq_lens[idx, :n].flatten()
+            topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table, lens,
+                         self.budgets[idx, :n].flatten(), self.n_sink[idx, :n].flatten(),
+                         self.n_recent[idx, :n].flatten(), self.free_pages, self.n_free, extra=extra)
+            self.page_table[idx, :n] = table.view(len(ls), n, -1)
+            self.seq_lens[idx, :n] = lens.view(len(ls), n)
+            old = self._lens[ls, :n]
+            new = np.minimum(old, budgets[ls])
+            self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
+            self._lens[ls, :n] = new
 
     # ------------------------------------------------------------------ decode
     def prepare_decode(self, step: int) -> None:

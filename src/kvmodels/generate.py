@@ -220,7 +220,8 @@ def generate(
 
     with torch.no_grad():
         t0 = time.perf_counter()
-        cache.start(prompt_lens, max_new_tokens)
+        # Each prompt is compressed right after its prefill, so the pool never holds two whole prompts.
+        cache.start(prompt_lens, max_new_tokens, compress_each=True)
         first = []
         for b, prompt in enumerate(prompts):
             progress = None
@@ -228,6 +229,7 @@ def generate(
                 progress = lambda l, b=b: on_prefill(b, l + 1, model.n_cache_layers)
             logits = model.prefill(torch.tensor(prompt, dtype=torch.int64, device=device), cache, b,
                                    last_only=True, on_layer=progress)
+            cache.compress_prompt(b)
             first.append(_sample(logits[-1:], temperature, generator))
         cache.finish_prefill()
         tokens = torch.cat(first)  # [B]

@@ -26,6 +26,11 @@ How it works (docs/hf.md has the full story):
 * Scores follow ``docs/contract.md`` §2.2: prefill scores come from ``kvkernels.prefill_scores`` (queries
   and keys, never eager attention weights, so ``sdpa`` works); a decode step adds the mean over the GQA
   group of the softmax row of the new query. Selection is the contract's ``topk_compact`` rule.
+* MiniCache (a ``merge`` policy) follows ``docs/contract.md`` §5.1 and ``kvmodels``: at the end of prefill
+  each merged pair ``(a, b)`` becomes one *region* held by layer ``a`` (shared unit-direction slots plus
+  per-layer magnitudes, retained tokens as private slots of each layer, a per-(slot, head) visibility mask);
+  layer ``b`` holds nothing and reads ``a``'s region. Each layer attends over the region restored through
+  its own magnitudes (``kvkernels.merge.merge_restore``), masked to the slots it may see.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("kvpolicies.hf needs transformers: pip install 'kvpolicies[hf]'") from exc
 
 from kvkernels._modes import update_scores_ref
+from kvkernels.merge import merge_restore
 from kvmodels.cache import PagedKVCache, draw_gumbel_, noise_seed
 from kvpolicies.base import LayerStats
 
@@ -201,6 +207,10 @@ class HFCacheReport:
     bytes_per_layer: ``[Lc]`` int64 — bytes of the K/V tensors each layer physically holds.
     total_bytes / peak_bytes: sum over layers now / the largest total seen.
     layer_budgets: ``[Lc, B]`` int64 or None before the prompt was compressed.
+    merged_pairs: MiniCache pairs ``(a, b)``. As in ``kvmodels.cache.CacheReport``, a pair's region is listed
+        under ``a``: its slots (a shared slot once, each layer's private slots), its bytes (K/V plus the four
+        float32 magnitudes and the uint8 visibility mask per (slot, KV head)) and the pair's budget
+        ``B_a + B_b``; ``b`` lists 0 of each, so every column still sums to what the cache holds.
     """
 
     tokens_per_layer: torch.Tensor
@@ -208,6 +218,7 @@ class HFCacheReport:
     total_bytes: int
     peak_bytes: int
     layer_budgets: torch.Tensor | None
+    merged_pairs: tuple[tuple[int, int], ...] = ()
 
 
 class PolicyLayer(DynamicLayer):
@@ -215,6 +226,12 @@ class PolicyLayer(DynamicLayer):
 
     keys, values: ``[B, Hkv, N, D]``; ``positions``: ``[B, Hkv, N]`` int64 original absolute positions;
     ``scores``: ``[B, Hkv, N]`` float32; ``valid``: ``[B, N]`` bool (the same for every head of a layer).
+
+    After a MiniCache merge, layer ``a`` of a pair holds the pair's *region* (docs/contract.md §5.1) in
+    those tensors: a shared slot holds the unit direction, a private slot the original K/V. It also holds
+    ``k_mag``, ``v_mag``: ``[2, B, Hkv, N]`` float32 per-slot magnitudes (member 0 = ``a``, 1 = ``b``; 1.0 on
+    private slots) and ``slot_mask``: ``[B, Hkv, N]`` uint8 (bit 1: visible to ``a``, bit 2: to ``b``).
+    Layer ``b`` holds empty tensors and reads ``a``'s region (``store``) as ``member`` 1.
     """
 
     def __init__(self, owner: PolicyCache, layer_idx: int) -> None:
@@ -224,6 +241,21 @@ class PolicyLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
+        self.k_mag: torch.Tensor | None = None
+        self.v_mag: torch.Tensor | None = None
+        self.slot_mask: torch.Tensor | None = None
+        self._store: PolicyLayer | None = None  # the pair's first layer, for the second layer of a pair
+        self.member = 0  # which layer of a merged pair this is (its slot_mask bit is 1 << member)
+
+    @property
+    def store(self) -> PolicyLayer:
+        """The layer whose tensors hold this layer's tokens: itself, or its pair's region owner."""
+        return self if self._store is None else self._store
+
+    @property
+    def merged(self) -> bool:
+        """Whether this layer reads a merged pair's region."""
+        return self.store.slot_mask is not None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -235,9 +267,19 @@ class PolicyLayer(DynamicLayer):
                 "this PolicyCache was not prepared by the kvpolicies hooks; create it with "
                 "kvpolicies.hf.hf_cache(policy, model) and pass it as past_key_values"
             )
-        keys, values = super().update(key_states, value_states)
-        B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
         step = owner._step
+        if self.merged:
+            # A private slot of this layer in its pair's region: exact K/V, magnitude 1, visible to it only.
+            keys, values = self.store._append_private(key_states, value_states, step, self.member)
+        else:
+            keys, values = super().update(key_states, value_states)
+            self._append_side(key_states, step)
+        owner._score_layer(self, key_states, kwargs.get("query"))
+        return keys, values
+
+    def _append_side(self, key_states: torch.Tensor, step: Any) -> None:
+        """Append positions, zero scores and validity of ``q`` new tokens ``[B, Hkv, q, D]``."""
+        B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
         new_pos = step.positions[:, None, :].expand(B, hkv, q_len)  # [B, Hkv, q]
         new_scores = torch.zeros(B, hkv, q_len, dtype=torch.float32, device=key_states.device)
         if self.positions is None:
@@ -246,11 +288,39 @@ class PolicyLayer(DynamicLayer):
             self.positions = torch.cat([self.positions, new_pos], dim=-1)
             self.scores = torch.cat([self.scores, new_scores], dim=-1)
             self.valid = torch.cat([self.valid, step.valid], dim=-1)
-        owner._score_layer(self, key_states, kwargs.get("query"))
-        return keys, values
+
+    def _append_private(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, step: Any, member: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``member``'s new tokens to this region; return the region restored for ``member``."""
+        assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
+        B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._append_side(key_states, step)
+        ones = torch.ones(2, B, hkv, q_len, dtype=torch.float32, device=key_states.device)
+        self.k_mag = torch.cat([self.k_mag, ones], dim=-1)
+        self.v_mag = torch.cat([self.v_mag, ones], dim=-1)
+        bit = torch.full((B, hkv, q_len), 1 << member, dtype=torch.uint8, device=key_states.device)
+        self.slot_mask = torch.cat([self.slot_mask, bit], dim=-1)
+        return self.restored(member)
+
+    def restored(self, member: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This region's K/V ``[B, Hkv, N, D]`` as layer ``member`` of the pair sees them: ``direction * mag``
+        (private slots have magnitude 1, so they come back exactly)."""
+        assert self.k_mag is not None and self.v_mag is not None
+        return merge_restore(self.keys, self.k_mag[member]), merge_restore(self.values, self.v_mag[member])
+
+    def visible(self, member: int) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: the slots layer ``member`` attends to (valid and, in a region, its bit)."""
+        assert self.valid is not None and self.positions is not None
+        seen = self.valid[:, None, :].expand(self.positions.shape)
+        if self.slot_mask is None:
+            return seen
+        return seen & ((self.slot_mask & (1 << member)) != 0)
 
     def kept_tokens(self) -> torch.Tensor:
-        """``[B]`` int64 valid tokens held per sequence."""
+        """``[B]`` int64 valid tokens (a region: slots) held per sequence."""
         if self.valid is None:
             return torch.zeros(0, dtype=torch.int64)
         return self.valid.sum(-1)
@@ -258,14 +328,23 @@ class PolicyLayer(DynamicLayer):
     def nbytes(self) -> int:
         if not self.is_initialized or self.keys is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        held = [self.keys, self.values, self.k_mag, self.v_mag, self.slot_mask]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
-    def compact(self, budgets: torch.Tensor, n_sink: torch.Tensor, n_recent: torch.Tensor) -> None:
+    def compact(
+        self,
+        budgets: torch.Tensor,
+        n_sink: torch.Tensor,
+        n_recent: torch.Tensor,
+        priority: torch.Tensor | None = None,
+    ) -> None:
         """Keep, per (sequence, KV head), the forced slots plus the top scores up to ``budgets[b]`` tokens.
 
         budgets, n_sink, n_recent: ``[B]`` int. Sequences at or under budget keep everything. Kept slots
         move to the front in their original order; the tensors shrink to the longest kept row.
-        Ties between equal scores go to the earlier token (docs/contract.md §2.4).
+        Ties between equal scores go to the earlier token (docs/contract.md §2.4). ``priority``
+        ``[B, Hkv, N]`` ranks the slots instead of ``scores`` (which are kept as they are), as MiniCache's
+        joint selection of a pair does. A region's magnitudes and visibility move with its slots.
         """
         if self.valid is None:
             return
@@ -275,7 +354,8 @@ class PolicyLayer(DynamicLayer):
         logical = self.valid.cumsum(-1) - 1  # [B, N] index among the valid slots
         forced = self.valid & ((logical < n_sink[:, None]) | (logical >= (count - n_recent)[:, None]))
         # [B, Hkv, N]; NaN ranks lowest, as in kvkernels' topk_compact
-        prio = torch.where(self.scores.isnan(), -math.inf, self.scores)
+        rank_by = self.scores if priority is None else priority
+        prio = torch.where(rank_by.isnan(), -math.inf, rank_by)
         prio = torch.where(forced[:, None, :], torch.full_like(prio, math.inf), prio)
         # Stable descending sort: among equal priorities the lower slot (earlier token) comes first.
         order = torch.sort(prio, dim=-1, descending=True, stable=True).indices  # [B, Hkv, N]
@@ -298,6 +378,12 @@ class PolicyLayer(DynamicLayer):
         self.positions = torch.gather(self.positions, 2, idx)
         self.scores = torch.gather(self.scores, 2, idx)
         self.valid = valid
+        if self.slot_mask is not None:
+            assert self.k_mag is not None and self.v_mag is not None
+            self.slot_mask = torch.gather(self.slot_mask, 2, idx)
+            idx2 = idx.expand(2, *idx.shape)  # [2, B, Hkv, new_n]: both members' magnitudes
+            self.k_mag = torch.gather(self.k_mag, 3, idx2)
+            self.v_mag = torch.gather(self.v_mag, 3, idx2)
 
     # Beam search / contrastive search reorder or crop the batch; keep the side tensors in step.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -344,10 +430,18 @@ class PolicyCache(Cache):
         super().__init__(layers=[PolicyLayer(self, i) for i in range(n)])
         self.policy = policy
         self.eviction = policy.eviction
-        if policy.merge.pairs(n):
+        # MiniCache pairs (a, b), as kvmodels' PagedKVCache takes them from the merge policy.
+        self.merged_pairs = [(int(a), int(b)) for a, b in policy.merge.pairs(n)]
+        members = [l for pair in self.merged_pairs for l in pair]
+        if len(set(members)) != len(members) or any(not 0 <= l < n for l in members):
+            raise ValueError(
+                f"merge policy {policy.merge.name!r} gave pairs {self.merged_pairs} for {n} layers; pairs "
+                "must be disjoint and in range"
+            )
+        if self.merged_pairs and not all(hasattr(policy.merge, x) for x in ("t", "retain_ratio")):
             raise NotImplementedError(
-                f"{policy.name}: layer merging (MiniCache) is not supported by the "
-                "transformers bridge yet; use kvmodels, or compose without a merge policy"
+                f"merge policy {policy.merge.name!r} pairs layers but lacks t or retain_ratio; the bridge "
+                "merges by magnitude and direction (MiniCache) and needs both"
             )
         self.seed = seed
         # The in-house cache is the one authority on noise seeds: a pool-less PagedKVCache (one 1-slot page)
@@ -431,7 +525,12 @@ class PolicyCache(Cache):
             self._gumbel = torch.Generator(device=device)
             self._gumbel.manual_seed(noise_seed(self.policy.seed, self.seed))
         lens = torch.stack([layer.kept_tokens() for layer in self.layers])  # [Lc, B] before this step
-        width = int(lens.max()) + 1
+        # Slots each layer appends this step: 1, or 2 for a merged region (both layers' private slots) and 0
+        # for the layer that reads it, as kvmodels grows its lengths.
+        grow = torch.ones(len(self.layers), 1, dtype=lens.dtype)
+        for a, b in self.merged_pairs:
+            grow[a], grow[b] = 2, 0
+        width = int((lens + grow.to(lens.device)).max())
         noise = torch.empty(len(self.layers), lens.shape[1], self._family.n_q_heads, width, device=device)
         self._noise = draw_gumbel_(noise, self._gumbel)
 
@@ -464,13 +563,70 @@ class PolicyCache(Cache):
                     f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
                     f"than the layer budgets {self.layer_budgets.tolist()} allow; raise the budget"
                 )
+        for a, b in self.merged_pairs:  # one region budget R = B_a + B_b, listed under a (kvmodels' rule)
+            self.layer_budgets[a] += self.layer_budgets[b]
+            self.layer_budgets[b] = 0
+            self._merge_pair(a, b)
         if self.eviction.prefill_compress:
-            self._evict()
+            self._evict(regions=False)  # a region was compressed by its joint selection
 
-    def _evict(self) -> None:
+    def _merge_pair(self, a: int, b: int) -> None:
+        """Turn the prefilled layers ``a`` and ``b`` into one region held by ``a`` (docs/contract.md §5.1).
+
+        As ``kvmodels.cache.PagedKVCache.finish_prefill``: both layers keep the same ``N = min(L, R // 2)``
+        tokens per sequence (all ``L`` without prompt compression), chosen on the summed scores with forced
+        slots ``forced(N)``; then ``PagedKVCache._build_region`` (``kvkernels.merge``) merges them into
+        shared slots plus the retained tokens' private slots, which are packed front-aligned per sequence.
+        """
+        la, lb = self.layers[a], self.layers[b]
+        assert la.valid is not None and la.scores is not None and lb.scores is not None
+        count = la.valid.sum(-1).cpu()  # [B] prompt tokens (both layers saw the same ones)
+        keep = torch.minimum(count, self.layer_budgets[a] // 2) if self.eviction.prefill_compress else count
+        if bool((count > keep).any()):
+            summed = la.scores + lb.scores  # [B, Hkv, L]
+            n_sink, n_recent = self.eviction.forced(keep)
+            for layer in (la, lb):  # the same ranking and forced slots, so the same tokens per head
+                layer.compact(keep, n_sink, n_recent, priority=summed)
+        # MergePolicy does not declare them; __init__ checked that this one has both.
+        t, retain_ratio = (float(getattr(self.policy.merge, x)) for x in ("t", "retain_ratio"))
+        regions = []
+        for i in range(count.shape[0]):
+            idx = la.valid[i].nonzero().squeeze(-1)  # this sequence's kept slots
+            per_token = (la.keys, lb.keys, la.values, lb.values, la.positions, la.scores, lb.scores)
+            ka, kb, va, vb, pos, sa, sb = (x[i][:, idx].transpose(0, 1) for x in per_token)  # [N, Hkv, ...]
+            regions.append(PagedKVCache._build_region(ka, kb, va, vb, pos, sa, sb, t, retain_ratio))
+        n_slots = torch.tensor([r["k"].shape[0] for r in regions], device=la.valid.device)  # [B]
+        width = int(n_slots.max())
+
+        def packed(name: str) -> torch.Tensor:
+            """Sequences' ``[n_i, Hkv, ...]`` slots, front-aligned, zero-padded: ``[B, Hkv, width, ...]``"""
+            rows = [r[name] for r in regions]
+            rows = [F.pad(x, (0, 0) * (x.dim() - 1) + (0, width - x.shape[0])) for x in rows]
+            return torch.stack(rows).transpose(1, 2)
+
+        la.keys, la.values = packed("k").contiguous(), packed("v").contiguous()
+        la.positions, la.scores = packed("pos").to(torch.int64), packed("score").to(torch.float32)
+        la.k_mag = torch.stack([packed("k_mag_a"), packed("k_mag_b")])  # [2, B, Hkv, width]
+        la.v_mag = torch.stack([packed("v_mag_a"), packed("v_mag_b")])
+        la.slot_mask = packed("mask")
+        la.valid = torch.arange(width, device=n_slots.device)[None, :] < n_slots[:, None]  # [B, width]
+        # b holds nothing of its own from now on: empty tensors (so counts and bytes read 0; fresh ones, not
+        # views that would keep its prompt's storage alive) and a reference to the region.
+        lb._store, lb.member = la, 1
+        lb.keys, lb.values = (x.new_empty(*x.shape[:2], 0, x.shape[3]) for x in (la.keys, la.values))
+        lb.positions, lb.scores = (x.new_empty(*x.shape[:2], 0) for x in (la.positions, la.scores))
+        lb.valid = la.valid.new_empty(la.valid.shape[0], 0)
+
+    def _evict(self, regions: bool = True) -> None:
+        owners = {a for a, _ in self.merged_pairs}
         for l, layer in enumerate(self.layers):
+            if layer.store is not layer or (l in owners and not regions):
+                continue  # the second layer of a pair holds no tokens; a region may be left alone
             budgets = self.layer_budgets[l]
-            n_sink, n_recent = self.eviction.forced(budgets)
+            if l in owners:  # each step's two private slots are one token of each layer: 2 * forced(R // 2)
+                n_sink, n_recent = (2 * x for x in self.eviction.forced(budgets // 2))
+            else:
+                n_sink, n_recent = self.eviction.forced(budgets)
             layer.compact(budgets, n_sink, n_recent)
 
     def _record_cos(self, layer_idx: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
@@ -485,20 +641,29 @@ class PolicyCache(Cache):
 
         ``[B, 1, q, N + q]``: a bool "may attend" mask (``sdpa``), an additive float mask (``eager``), or a
         bool "masked out" mask (MPT). ``None`` when every slot is visible to a single query (no padding).
+        A layer of a merged pair sees its region's shared slots and its own private slots only, which differ
+        per KV head: its mask is ``[B, Hq, q, N + q]`` (query head ``h`` reads KV head ``h // G``).
         """
         valid_new = self._step.valid
-        old = layer.valid if layer.valid is not None else valid_new[:, :0]
+        store = layer.store
+        old = store.valid if store.valid is not None else valid_new[:, :0]
         n_old = old.shape[1]
-        if q_len == 1 and bool(old.all()) and kind != "mpt":
+        if q_len == 1 and bool(old.all()) and kind != "mpt" and not layer.merged:
             return None
         B = valid_new.shape[0]
+        if layer.merged:
+            group = self._family.n_q_heads // self._family.n_kv_heads
+            seen = store.visible(layer.member).repeat_interleave(group, dim=1)  # [B, Hq, N]
+        else:
+            seen = old[:, None, :]  # [B, 1, N]
+        H = seen.shape[1]
         causal = torch.ones(q_len, q_len, dtype=torch.bool, device=old.device).tril()  # [q, q]
+        new = (causal[None] & valid_new[:, None, :])[:, None]  # [B, 1, q, q]
         allowed = torch.cat(
-            [old[:, None, :].expand(B, q_len, n_old), causal[None] & valid_new[:, None, :]], dim=-1
-        )  # [B, q, N + q]
+            [seen[:, :, None, :].expand(B, H, q_len, n_old), new.expand(B, H, q_len, q_len)], dim=-1
+        )  # [B, H, q, N + q]
         # A padding query attends to itself only, so no row is empty (an empty row gives NaN in sdpa).
-        allowed[:, torch.arange(q_len), n_old + torch.arange(q_len)] = True
-        allowed = allowed[:, None]  # [B, 1, q, N + q]
+        allowed[:, :, torch.arange(q_len), n_old + torch.arange(q_len)] = True
         if kind == "sdpa":
             return allowed
         if kind == "mpt":
@@ -551,36 +716,44 @@ class PolicyCache(Cache):
     def _decode_scores(
         self, layer: PolicyLayer, q: torch.Tensor, scale: float, slopes: torch.Tensor | None
     ) -> None:
-        """One decode step's per-slot score update (docs/contract.md §2.2), query row by query row."""
+        """One decode step's per-slot score update (docs/contract.md §2.2), query row by query row.
+
+        A layer of a merged pair scores its region's slots as kvmodels' decode kernel does: logits over the
+        keys restored through its magnitudes, only the slots it sees, and the update added into the region's
+        one score array (a shared slot collects both layers' mass)."""
         ev = self.eviction
         kw = ev.decode_kwargs(self._decode_step, self._max_new_tokens())
         decay = float(kw.get("decay", 1.0))
         tau = kw.get("temperature", 1.0)
         tau = float(tau.item() if isinstance(tau, torch.Tensor) else tau)
         B, hq, q_len, D = q.shape
-        keys = layer.keys.float()  # [B, Hkv, N, D]
+        store = layer.store
+        keys = (store.restored(layer.member)[0] if layer.merged else store.keys).float()  # [B, Hkv, N, D]
         hkv, N = keys.shape[1], keys.shape[2]
         G = hq // hkv
         n_old = N - q_len
+        mine = store.visible(layer.member)  # [B, Hkv, N] slots this layer may see
         for i in range(q_len):
-            visible = layer.valid.clone()
-            visible[:, n_old + i + 1 :] = False  # causal within the new chunk
+            seen = store.valid.clone()  # [B, N]
+            seen[:, n_old + i + 1 :] = False  # causal within the new chunk
+            visible = mine & seen[:, None, :]  # [B, Hkv, N]
             qi = q[:, :, i].float().view(B, hkv, G, D)  # [B, Hkv, G, D]
             x = scale * torch.einsum("bhgd,bhnd->bhgn", qi, keys)  # [B, Hkv, G, N]
             if slopes is not None:  # ALiBi from original positions
-                rel = (layer.positions - self._step.positions[:, i, None, None]).float()  # [B, Hkv, N]
+                rel = (store.positions - self._step.positions[:, i, None, None]).float()  # [B, Hkv, N]
                 x = x + slopes.view(1, hkv, G, 1) * rel[:, :, None, :]
             if ev.score_mode == "gumbel":
-                logical = (visible.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, N]
+                # Noise is indexed by slot (a region's invisible slots included), as kvmodels indexes it.
+                logical = (seen.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, N]
                 noise = torch.gather(
                     self._noise[layer.layer_idx], 2, logical[:, None, :].expand(B, hq, N)
                 )  # [B, Hq, N]
                 x = (x + noise.view(B, hkv, G, N)) / tau
-            x = x.masked_fill(~visible[:, None, None, :], -math.inf)
+            x = x.masked_fill(~visible[:, :, None, :], -math.inf)
             contrib = torch.softmax(x, dim=-1).mean(2)  # [B, Hkv, N]
-            n_valid = visible.sum(-1)[:, None, None]
-            new = update_scores_ref(layer.scores, contrib, ev.score_mode, decay=decay, n_valid=n_valid)
-            layer.scores = torch.where(visible[:, None, :], new, layer.scores)
+            n_valid = visible.sum(-1, keepdim=True)  # [B, Hkv, 1]
+            new = update_scores_ref(store.scores, contrib, ev.score_mode, decay=decay, n_valid=n_valid)
+            store.scores = torch.where(visible, new, store.scores)
 
     def _max_new_tokens(self) -> int:
         if self.max_new_tokens is None:
@@ -599,12 +772,39 @@ class PolicyCache(Cache):
         nbytes = torch.tensor([layer.nbytes() for layer in self.layers], dtype=torch.int64)
         total = int(nbytes.sum())
         self.peak_bytes = max(self.peak_bytes, total)
-        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, self.layer_budgets)
+        pairs = tuple(self.merged_pairs)
+        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, self.layer_budgets, pairs)
 
     def kept_positions(self, layer_idx: int, b: int) -> torch.Tensor:
-        """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``."""
+        """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``.
+
+        For a layer of a merged pair: the positions of its pair's region slots (both layers', as
+        ``kvmodels.cache.PagedKVCache.layer_contents`` lists them); :meth:`layer_contents` says which ones
+        this layer sees.
+        """
+        store = self.layers[layer_idx].store
+        return store.positions[b][:, store.valid[b]]
+
+    def layer_contents(self, layer_idx: int, b: int) -> dict[str, torch.Tensor]:
+        """Kept slots of layer ``layer_idx``, sequence ``b`` in slot order (``PagedKVCache.layer_contents``).
+
+        Returns ``k``/``v`` ``[n, Hkv, D]`` (a merged layer's restored through its own magnitudes: what it
+        attends over), ``pos`` ``[n, Hkv]`` int64 and ``score`` ``[n, Hkv]`` float32; for a layer of a merged
+        pair the slots are its region's, plus ``visible`` ``[n, Hkv]`` bool (the slots this layer sees).
+        """
         layer = self.layers[layer_idx]
-        return layer.positions[b][:, layer.valid[b]]
+        store = layer.store
+        keys, values = store.restored(layer.member) if layer.merged else (store.keys, store.values)
+        row = store.valid[b]
+        out = {
+            "k": keys[b][:, row].transpose(0, 1),
+            "v": values[b][:, row].transpose(0, 1),
+            "pos": store.positions[b][:, row].t(),
+            "score": store.scores[b][:, row].t(),
+        }
+        if layer.merged:
+            out["visible"] = store.visible(layer.member)[b][:, row].t()
+        return out
 
 
 def _scale_and_slopes(fam: _Family, l: int, ctx: dict[str, Any]) -> tuple[float, torch.Tensor | None]:
@@ -758,7 +958,7 @@ def _mpt_forward(
     scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # [B, H, q, N + q]
     # Bias relative to the last query of the chunk (a per-row constant away from the true distance, which
     # softmax ignores) so that an uncompressed cache reproduces the stock module's numbers.
-    rel = layer.positions[:, :, None, :] - cache._step.positions[:, -1, None, None, None]  # [B, H, 1, N + q]
+    rel = layer.store.positions[:, :, None, :] - cache._step.positions[:, -1, None, None, None]  # [B,H,1,N+q]
     scores = scores + slopes.view(1, -1, 1, 1) * rel.to(slopes.dtype)
     scores = scores.masked_fill(mask, torch.finfo(q.dtype).min)
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)

@@ -1,0 +1,85 @@
+"""Maximum batch that fits one fixed KV page pool: full cache vs compressed caches (issue: ">= 4x the
+maximum batch that fits at budget 0.2").
+
+The pool is sized for ``FULL_BATCH`` uncompressed sequences of ``PROMPT_LEN + NEW_TOKENS`` tokens; each
+policy's largest batch that generates ``NEW_TOKENS`` tokens without running out of pages is found by search
+(``generate`` compresses every prompt right after its prefill, so the pool holds one whole prompt at a
+time). Capacity is page accounting, identical on every device, so this runs a small random Llama with the
+benchmark's real lengths (4k prompt + 512 new tokens by default); ``KVBENCH_PROMPT_LEN`` shrinks it for
+smoke runs. Ratios go to ``extra_info``; nothing is asserted about them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from kvmodels.generate import generate
+from kvmodels.llama import Llama, LlamaConfig
+from kvpolicies import compose
+
+PROMPT_LEN = int(os.environ.get("KVBENCH_PROMPT_LEN", "4096"))
+NEW_TOKENS = max(1, PROMPT_LEN // 8)  # 4096 + 512 by default
+FULL_BATCH = 4 if PROMPT_LEN >= 1024 else 1  # smoke runs: a one-sequence pool, batches up to MAX_RATIO
+MAX_RATIO = 8  # the search stops at MAX_RATIO x FULL_BATCH (reported as ">=")
+PAGE = 16
+POLICIES = [("full", 1.0), ("streaming", 0.2), ("h2o", 0.2), ("squeeze+keyformer", 0.2), ("snapkv", 0.2)]
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate=128,
+                      max_seq_len=PROMPT_LEN + NEW_TOKENS)
+    return Llama(cfg).to("cuda" if CUDA else "cpu").eval()
+
+
+def fits(model, batch: int, policy, num_pages: int) -> bool:
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, 256, (batch, PROMPT_LEN), generator=g).tolist()
+    try:
+        generate(model, prompts, NEW_TOKENS, policy, num_pages=num_pages, page_size=PAGE)
+    except RuntimeError as e:
+        if "out of pages" not in str(e):
+            raise
+        return False
+    return True
+
+
+def max_batch(model, policy, num_pages: int) -> int:
+    """Largest batch up to ``MAX_RATIO * FULL_BATCH`` that fits (doubling from ``FULL_BATCH``, then
+    bisection); fitting is monotone in the batch size."""
+    cap = MAX_RATIO * FULL_BATCH
+    lo, hi = 0, FULL_BATCH
+    while hi <= cap and fits(model, hi, policy, num_pages):
+        lo, hi = hi, min(hi * 2, cap + 1)
+    if lo == cap:
+        return cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(model, mid, policy, num_pages) else (lo, mid)
+    return lo
+
+
+_full: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("name,budget", POLICIES, ids=[f"{n}@{b}" for n, b in POLICIES])
+def test_bench_max_batch(benchmark, model, name, budget):
+    n_layers = model.cache_layout().n_layers
+    num_pages = FULL_BATCH * n_layers * math.ceil((PROMPT_LEN + NEW_TOKENS) / PAGE)
+    policy = compose(name, budget=budget)
+    best = benchmark.pedantic(max_batch, args=(model, policy, num_pages), rounds=1, iterations=1)
+    if name == "full":
+        _full["batch"] = best
+    info = dict(policy=policy.name, budget=budget, max_batch=best, search_cap=MAX_RATIO * FULL_BATCH,
+                num_pages=num_pages, page_size=PAGE,
+                prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, full_batch_pool=FULL_BATCH,
+                device=torch.cuda.get_device_name() if CUDA else "cpu")
+    if "batch" in _full:
+        info["max_batch_vs_full"] = best / _full["batch"]
+    benchmark.extra_info.update(info)
