@@ -139,6 +139,41 @@ class CacheReport:
         return "\n".join(lines)
 
 
+def merge_region(ka, kb, va, vb, pos, sa, sb, t: float, retain_ratio: float) -> dict[str, torch.Tensor]:
+    """A merged pair's region (docs/contract.md §5.1) from two layers' kept tokens ``[N, Hkv, D]`` (positions
+    and own scores ``[N, Hkv]``): one shared slot per merged token, ``a``-then-``b`` private slots for each
+    retained one. Returns ``[n_slots, Hkv, ...]`` tensors ``k v pos score k_mag_a k_mag_b v_mag_a v_mag_b
+    mask``; used by :class:`PagedKVCache` and the transformers bridge (``kvpolicies.hf``)."""
+    N, H = pos.shape
+    dk, mka, mkb, _ = magnitude_direction_merge(ka.contiguous(), kb.contiguous(), t=t, retain_ratio=0.0)
+    dv, mva, mvb, _ = magnitude_direction_merge(va.contiguous(), vb.contiguous(), t=t, retain_ratio=0.0)
+    ret = _retained_mask(torch.maximum(_angle(ka, kb), _angle(va, vb)), retain_ratio)  # [N, H]
+    n_slots = N + int(ret[:, 0].sum()) if N else 0
+    first = torch.arange(N, device=pos.device)[:, None] + ret.cumsum(0) - ret.long()  # [N, H]
+    second = torch.where(ret, first + 1, n_slots)  # b's private slot; n_slots is a dump row
+
+    def place(x_first: torch.Tensor, x_second: torch.Tensor) -> torch.Tensor:
+        """[N, H, ...] values of every first and (retained: second) slot -> [n_slots, H, ...]."""
+        out = x_first.new_zeros(n_slots + 1, *x_first.shape[1:])
+        shape = x_first.shape
+        for index, x in ((first, x_first), (second, x_second)):
+            out.scatter_(0, index.view(N, H, *[1] * (len(shape) - 2)).expand(shape), x.to(out.dtype))
+        return out[:n_slots]
+
+    r3, one = ret[..., None], torch.ones_like(mka)
+    return {
+        "k": place(torch.where(r3, ka, dk), kb),
+        "v": place(torch.where(r3, va, dv), vb),
+        "pos": place(pos, pos),
+        "score": place(torch.where(ret, sa, sa + sb), sb),
+        "k_mag_a": place(torch.where(ret, one, mka), one),
+        "k_mag_b": place(torch.where(ret, one, mkb), one),
+        "v_mag_a": place(torch.where(ret, one, mva), one),
+        "v_mag_b": place(torch.where(ret, one, mvb), one),
+        "mask": place(torch.where(ret, 1, 3).to(torch.uint8), torch.full_like(pos, 2, dtype=torch.uint8)),
+    }
+
+
 class PagedKVCache:
     """Paged, ragged, policy-driven KV cache shared by all cache layers of one model.
 
@@ -646,7 +681,7 @@ class PagedKVCache:
             ka, kb, va, vb = rows(self.k_pages, pa), rows(self.k_pages, pb), rows(self.v_pages, pa), \
                 rows(self.v_pages, pb)
             sa, sb = rows(own_score, pa), rows(own_score, pb)  # [N, Hkv]
-            region = self._build_region(ka, kb, va, vb, rows(self.slot_pos, pa), sa, sb, self._merge_t,
+            region = merge_region(ka, kb, va, vb, rows(self.slot_pos, pa), sa, sb, self._merge_t,
                                         self._retain_ratio)
             n_slots = region["k"].shape[0]
             n_pages = _ceil_div(n_slots, S)
@@ -670,39 +705,6 @@ class PagedKVCache:
             self.seq_lens[b, i] = 0
             self._lens[a, i] = n_slots
             self._lens[b, i] = 0
-
-    @staticmethod
-    def _build_region(ka, kb, va, vb, pos, sa, sb, t: float, retain_ratio: float) -> dict[str, torch.Tensor]:
-        """The region's slots from two layers' kept tokens ``[N, Hkv, D]`` (positions and own scores
-        ``[N, Hkv]``): shared slots for merged tokens, ``a``-then-``b`` private slots for retained ones."""
-        N, H = pos.shape
-        dk, mka, mkb, _ = magnitude_direction_merge(ka.contiguous(), kb.contiguous(), t=t, retain_ratio=0.0)
-        dv, mva, mvb, _ = magnitude_direction_merge(va.contiguous(), vb.contiguous(), t=t, retain_ratio=0.0)
-        ret = _retained_mask(torch.maximum(_angle(ka, kb), _angle(va, vb)), retain_ratio)  # [N, H]
-        n_slots = N + int(ret[:, 0].sum()) if N else 0
-        first = torch.arange(N, device=pos.device)[:, None] + ret.cumsum(0) - ret.long()  # [N, H]
-        second = torch.where(ret, first + 1, n_slots)  # b's private slot; n_slots is a dump row
-
-        def place(x_first: torch.Tensor, x_second: torch.Tensor) -> torch.Tensor:
-            """[N, H, ...] values of every first and (retained: second) slot -> [n_slots, H, ...]."""
-            out = x_first.new_zeros(n_slots + 1, *x_first.shape[1:])
-            shape = x_first.shape
-            for index, x in ((first, x_first), (second, x_second)):
-                out.scatter_(0, index.view(N, H, *[1] * (len(shape) - 2)).expand(shape), x.to(out.dtype))
-            return out[:n_slots]
-
-        r3, one = ret[..., None], torch.ones_like(mka)
-        return {
-            "k": place(torch.where(r3, ka, dk), kb),
-            "v": place(torch.where(r3, va, dv), vb),
-            "pos": place(pos, pos),
-            "score": place(torch.where(ret, sa, sa + sb), sb),
-            "k_mag_a": place(torch.where(ret, one, mka), one),
-            "k_mag_b": place(torch.where(ret, one, mkb), one),
-            "v_mag_a": place(torch.where(ret, one, mva), one),
-            "v_mag_b": place(torch.where(ret, one, mvb), one),
-            "mask": place(torch.where(ret, 1, 3).to(torch.uint8), torch.full_like(pos, 2, dtype=torch.uint8)),
-        }
 
     def _compress(self, layers: list[int] | None = None) -> None:
         """``topk_compact`` every storage layer (of ``layers``) holding more than its budget.

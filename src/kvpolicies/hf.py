@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from kvkernels._modes import update_scores_ref
 from kvkernels.merge import merge_restore
-from kvmodels.cache import PagedKVCache, draw_gumbel_, noise_seed
+from kvmodels.cache import PagedKVCache, draw_gumbel_, merge_region, noise_seed
 from kvpolicies.base import LayerStats
 
 __all__ = [
@@ -575,7 +575,7 @@ class PolicyCache(Cache):
 
         As ``kvmodels.cache.PagedKVCache.finish_prefill``: both layers keep the same ``N = min(L, R // 2)``
         tokens per sequence (all ``L`` without prompt compression), chosen on the summed scores with forced
-        slots ``forced(N)``; then ``PagedKVCache._build_region`` (``kvkernels.merge``) merges them into
+        slots ``forced(N)``; then ``kvmodels.cache.merge_region`` (``kvkernels.merge``) merges them into
         shared slots plus the retained tokens' private slots, which are packed front-aligned per sequence.
         """
         la, lb = self.layers[a], self.layers[b]
@@ -594,7 +594,7 @@ class PolicyCache(Cache):
             idx = la.valid[i].nonzero().squeeze(-1)  # this sequence's kept slots
             per_token = (la.keys, lb.keys, la.values, lb.values, la.positions, la.scores, lb.scores)
             ka, kb, va, vb, pos, sa, sb = (x[i][:, idx].transpose(0, 1) for x in per_token)  # [N, Hkv, ...]
-            regions.append(PagedKVCache._build_region(ka, kb, va, vb, pos, sa, sb, t, retain_ratio))
+            regions.append(merge_region(ka, kb, va, vb, pos, sa, sb, t, retain_ratio))
         n_slots = torch.tensor([r["k"].shape[0] for r in regions], device=la.valid.device)  # [B]
         width = int(n_slots.max())
 
