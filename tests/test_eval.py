@@ -348,6 +348,18 @@ def test_smallest_budget_and_tables():
     assert "minicache" not in md  # failed configs are not reported as results
 
 
+def test_bigger_full_cache_run_is_reported_but_rows_compare_on_their_own_samples():
+    recs = _records() + [{"key": "f1024n40", "task": "passkey", "context": 1024, "policy": "full",
+                          "budget": 1.0, "accuracy": 0.5, "correct": 20, "n": 40, "status": "ok",
+                          "ci95": [0.35, 0.65]}]
+    full, _ = plots.series(recs, "passkey", 1024)
+    assert full == 0.9  # the n=10 run, on the policies' samples, not the n=40 one appended later
+    assert plots.smallest_budget(recs, 1024)["h2o"] == (0.2, 0.2)
+    md = plots.tables(recs)
+    assert "| ~1024 | 40 | 0.50 | 20/40 | [0.35, 0.65] |" in md
+    assert "~1024-token prompts, 10 samples" in md
+
+
 def test_plots_written(tmp_path):
     paths = plots.plot_all(_records(), tmp_path)
     assert sorted(p.name for p in paths) == ["passkey-1024.png", "passkey-2048.png"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,18 +55,36 @@ def eviction_of(policy: str) -> str:
 
 def series(records: Sequence[dict[str, Any]], task: str,
            context: int) -> tuple[float | None, dict[str, dict[float, dict[str, Any]]]]:
-    """``(full-cache value, {policy: {budget: record}})`` for one task and context."""
+    """``(full-cache value, {policy: {budget: record}})`` for one task and context.
+
+    When the full cache ran at several sample counts (a larger run for a tighter interval), the one
+    compared against is the run on the policies' own samples (their most common ``n``)."""
     metric = METRICS[task][0]
-    full = None
+    fulls: dict[int, float] = {}
     out: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
     for r in latest_ok(records).values():
         if r["task"] != task or r["context"] != context:
             continue
         if r["policy"] == "full":
-            full = float(r[metric])
+            fulls[int(r.get("n", 1))] = float(r[metric])
         else:
             out[r["policy"]][float(r["budget"])] = r
-    return full, dict(out)
+    if not fulls:
+        return None, dict(out)
+    ns = Counter(int(r.get("n", 1)) for rows in out.values() for r in rows.values())
+    n = ns.most_common(1)[0][0] if ns else max(fulls)
+    return fulls.get(n, fulls[max(fulls)]), dict(out)
+
+
+def full_cache_table(records: Sequence[dict[str, Any]]) -> str:
+    """Passkey accuracy of the full cache per context and sample count, with its 95% Wilson interval."""
+    rows = sorted((int(r["context"]), int(r["n"]), r) for r in latest_ok(records).values()
+                  if r["task"] == "passkey" and r["policy"] == "full")
+    lines = ["| context | samples | accuracy | correct | 95% interval (Wilson) |", "|---|---|---|---|---|"]
+    for ctx, n, r in rows:
+        lo, hi = r.get("ci95", (float("nan"), float("nan")))
+        lines.append(f"| ~{ctx} | {n} | {r['accuracy']:.2f} | {r['correct']}/{n} | [{lo:.2f}, {hi:.2f}] |")
+    return "\n".join(lines)
 
 
 def contexts(records: Sequence[dict[str, Any]], task: str) -> list[int]:
@@ -152,13 +170,14 @@ def tables(records: Sequence[dict[str, Any]]) -> str:
             if not by_policy:
                 continue
             label = METRICS[task][1]
-            n = next((r["n"] for r in latest_ok(records).values()
-                      if r["task"] == task and r["context"] == ctx), 0)
+            n = Counter(r["n"] for rows in by_policy.values() for r in rows.values()).most_common(1)[0][0]
             what = f"{ctx} tokens of text" if task == "perplexity" else f"~{ctx}-token prompts, {n} samples"
             out.append(f"### {task}: {label} — {what}\n\n" + markdown_table(records, task, ctx))
             if task == "passkey":
                 out.append(f"KV bytes kept (fraction of the full cache, measured) — passkey {ctx}:\n\n"
                            + memory_table(records, task, ctx))
+    if any(r["task"] == "passkey" and r["policy"] == "full" for r in latest_ok(records).values()):
+        out.append("### Full-cache passkey accuracy\n\n" + full_cache_table(records))
     for task in ("passkey", "perplexity"):
         for ctx in contexts(records, task):
             best = smallest_budget(records, ctx, task)
