@@ -30,7 +30,7 @@ if CUDA:
 else:
     PROMPT_LEN = int(os.environ.get("KVBENCH_PROMPT_LEN", "4096"))
     NEW_TOKENS, BATCHES, BUDGETS = 32, [1], [1.0, 0.2]
-    POLICIES, COMPILE = ["full", "streaming", "h2o"], [False, True]
+    POLICIES, COMPILE = ["full", "streaming", "h2o", "h2o/16"], [False, True]
 
 
 def device_name() -> str:
@@ -118,7 +118,9 @@ def test_bench_generate(benchmark, models, policy_name, budget, batch, compiled)
     if (policy_name == "full") != (budget == 1.0):
         pytest.skip("full runs only at budget 1.0; compressing policies below it")
     model, hf, tokenizer = models
-    policy = compose(policy_name, budget=budget)
+    # "name/k": evict every k decode steps (amortised compaction; a layer holds up to budget + k - 1 tokens)
+    name, _, every = policy_name.partition("/")
+    policy = compose(name, budget=budget, evict_every=int(every or 1))
     data = prompts(batch, hf.config.vocab_size, tokenizer)
     if CUDA:  # compile (and warm up) outside the timed run
         generate(model, data[:batch], 4, policy, compile=True)
@@ -129,6 +131,7 @@ def test_bench_generate(benchmark, models, policy_name, budget, batch, compiled)
     # Steady state: the first step (which compiles when compiled) is left out, for every run alike.
     decode_tok_s = (result.decode_tokens - batch) / (result.decode_s - first_step_s)
     info = dict(impl="kvmodels-compiled" if compiled else "kvmodels-eager", policy=policy.name, budget=budget,
+                evict_every=policy.evict_every,
                 batch=batch, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, prefill_s=result.prefill_s,
                 prefill_tok_s=result.prefill_tok_s, decode_tok_s=decode_tok_s, first_step_s=first_step_s,
                 kv_bytes=r.total_bytes, kv_bytes_full=r.full_cache_bytes,
