@@ -390,8 +390,8 @@ def test_core_imports_without_transformers():
 
 
 # --- the real checkpoint ---------------------------------------------------------------------------
-@pytest.mark.slow
-def test_smollm2_full_equals_generate_and_h2o_matches_in_house(monkeypatch):
+def smollm2_hf(monkeypatch):
+    """The bundled SmolLM2 as a transformers model (sdpa, fp32, no eos) and a two-prompt batch for it."""
     from kvmodels.loading import CheckpointError, load_checkpoint
 
     try:
@@ -404,8 +404,13 @@ def test_smollm2_full_equals_generate_and_h2o_matches_in_house(monkeypatch):
     # kvmodels' generate runs every row to max_new_tokens (no eos given); make transformers do the same, so
     # a row that happens to emit <|im_end|> is not padded by generate while the in-house row goes on.
     monkeypatch.setattr(model.generation_config, "eos_token_id", None)
-    batch = prompts([40, 25], seed=11)
-    batch = [[t % model.config.vocab_size for t in p] for p in batch]
+    batch = [[t % model.config.vocab_size for t in p] for p in prompts([40, 25], seed=11)]
+    return model, batch
+
+
+@pytest.mark.slow
+def test_smollm2_full_equals_generate_and_h2o_matches_in_house(monkeypatch):
+    model, batch = smollm2_hf(monkeypatch)
     plain, _ = run(model, batch, new=6)
     full, _ = run(model, batch, compose("full"), new=6)
     assert full == plain

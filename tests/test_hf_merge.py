@@ -28,7 +28,7 @@ from kvkernels.merge import magnitude_direction_merge_ref, merge_restore  # noqa
 from kvpolicies import compose  # noqa: E402
 from kvpolicies.base import MergePolicy  # noqa: E402
 from kvpolicies.hf import PolicyCache, compressed, hf_cache  # noqa: E402
-from test_hf_bridge import NEW, V, left_pad, prompts, run  # noqa: E402
+from test_hf_bridge import NEW, V, left_pad, prompts, run, smollm2_hf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -383,17 +383,7 @@ def test_unusable_merge_policies_are_refused():
 @pytest.mark.slow
 def test_smollm2_minicache_equals_in_house(monkeypatch):
     """SmolLM2-135M (30 layers: 7 merged pairs, GQA 3:1): the same tokens and regions as kvmodels."""
-    from kvmodels.loading import CheckpointError, load_checkpoint
-
-    try:
-        loaded = load_checkpoint()
-    except CheckpointError as e:
-        pytest.skip(str(e))
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        loaded.directory, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    monkeypatch.setattr(model.generation_config, "eos_token_id", None)
-    batch = [[t % model.config.vocab_size for t in p] for p in prompts([40, 25], seed=11)]
+    model, batch = smollm2_hf(monkeypatch)
     policy = compose("minicache", minicache=dict(retain_ratio=0.1))
     tokens, cache = run(model, batch, policy, new=6)
     ref_tokens, ref = in_house(model, batch, policy, monkeypatch, new=6)
