@@ -38,7 +38,8 @@ NEW = 8
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(kind: str, attn: str = "sdpa") -> torch.nn.Module:
+def tiny(kind: str, attn: str = "sdpa", n_layers: int = 3) -> torch.nn.Module:
+    """A tiny random ``kind`` model (``smollm2``: SmolLM2's shape in miniature, 2 layers)."""
     torch.manual_seed({"llama": 0, "gptj": 1, "mpt": 2, "smollm2": 3}[kind])
     if kind == "smollm2":  # SmolLM2's shape in miniature: tied embeddings, GQA 3:1, rope_theta 1e5
         cfg = transformers.LlamaConfig(
@@ -59,7 +60,7 @@ def tiny(kind: str, attn: str = "sdpa") -> torch.nn.Module:
             vocab_size=V,
             hidden_size=64,
             intermediate_size=96,
-            num_hidden_layers=3,
+            num_hidden_layers=n_layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=128,
@@ -68,12 +69,12 @@ def tiny(kind: str, attn: str = "sdpa") -> torch.nn.Module:
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "gptj":
         cfg = transformers.GPTJConfig(
-            vocab_size=V, n_embd=64, n_layer=3, n_head=4, rotary_dim=8, n_positions=128
+            vocab_size=V, n_embd=64, n_layer=n_layers, n_head=4, rotary_dim=8, n_positions=128
         )
         model = transformers.GPTJForCausalLM(cfg)
     else:
         cfg = transformers.MptConfig(
-            vocab_size=V, d_model=64, n_layers=3, n_heads=4, max_seq_len=128, expansion_ratio=2
+            vocab_size=V, d_model=64, n_layers=n_layers, n_heads=4, max_seq_len=128, expansion_ratio=2
         )
         model = transformers.MptForCausalLM(cfg)
     # No eos: generate(min_new_tokens=...) would mask it (Llama's eos is token 2) where kvmodels does not,
@@ -82,13 +83,13 @@ def tiny(kind: str, attn: str = "sdpa") -> torch.nn.Module:
     return model.eval()
 
 
-_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+_MODELS: dict[tuple[str, str, int], torch.nn.Module] = {}
 
 
-def model_of(kind: str, attn: str = "sdpa") -> torch.nn.Module:
-    if (kind, attn) not in _MODELS:
-        _MODELS[kind, attn] = tiny(kind, attn)
-    return _MODELS[kind, attn]
+def model_of(kind: str, attn: str = "sdpa", n_layers: int = 3) -> torch.nn.Module:
+    if (kind, attn, n_layers) not in _MODELS:
+        _MODELS[kind, attn, n_layers] = tiny(kind, attn, n_layers)
+    return _MODELS[kind, attn, n_layers]
 
 
 def prompts(lens: list[int], seed: int = 0) -> list[list[int]]:

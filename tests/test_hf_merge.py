@@ -28,49 +28,16 @@ from kvkernels.merge import magnitude_direction_merge_ref, merge_restore  # noqa
 from kvpolicies import compose  # noqa: E402
 from kvpolicies.base import MergePolicy  # noqa: E402
 from kvpolicies.hf import PolicyCache, compressed, hf_cache  # noqa: E402
-from test_hf_bridge import NEW, V, left_pad, prompts, run, smollm2_hf  # noqa: E402
+from test_hf_bridge import NEW, left_pad, prompts, run, smollm2_hf  # noqa: E402
+from test_hf_bridge import model_of as bridge_model_of  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N_LAYERS = 4  # minicache's default start=0.5 merges the pair (2, 3); start=0.0 merges (0, 1) and (2, 3)
 
 
-def tiny4(kind: str, attn: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed({"llama": 10, "gptj": 11, "mpt": 12}[kind])
-    if kind == "llama":  # GQA: 2 query heads per KV head
-        cfg = transformers.LlamaConfig(
-            vocab_size=V,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            attn_implementation=attn,
-        )
-        model = transformers.LlamaForCausalLM(cfg)
-    elif kind == "gptj":
-        cfg = transformers.GPTJConfig(
-            vocab_size=V, n_embd=64, n_layer=N_LAYERS, n_head=4, rotary_dim=8, n_positions=128,
-            bos_token_id=None, eos_token_id=None,
-        )
-        model = transformers.GPTJForCausalLM(cfg)
-    else:
-        cfg = transformers.MptConfig(
-            vocab_size=V, d_model=64, n_layers=N_LAYERS, n_heads=4, max_seq_len=128, expansion_ratio=2
-        )
-        model = transformers.MptForCausalLM(cfg)
-    model.generation_config.eos_token_id = None  # every run produces exactly the tokens asked for
-    return model.eval()
-
-
-_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
-
-
 def model_of(kind: str, attn: str = "sdpa") -> torch.nn.Module:
-    if (kind, attn) not in _MODELS:
-        _MODELS[kind, attn] = tiny4(kind, attn)
-    return _MODELS[kind, attn]
+    return bridge_model_of(kind, attn, N_LAYERS)
 
 
 def contents(cache: PolicyCache, b: int) -> list[dict[str, torch.Tensor]]:
