@@ -298,8 +298,6 @@ class PagedKVCache:
         self.seq_lens = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=dev)
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=dev)
         self.budgets = torch.ones(n_layers, max_batch, dtype=torch.int32, device=dev)
-        self.n_sink = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=dev)
-        self.n_recent = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=dev)
         self.cos_sim = torch.zeros(n_layers, max_batch, dtype=torch.float32, device=dev)
         self.k_mag = self.v_mag = self.slot_mask = None
         extra_bytes = 0
@@ -335,8 +333,6 @@ class PagedKVCache:
         self.seq_lens.zero_()
         self.active.zero_()
         self.budgets.fill_(1)
-        self.n_sink.zero_()
-        self.n_recent.zero_()
         self.cos_sim.zero_()
         self.slot_score.zero_()
         # Host mirror: lengths after the current step's append, free pages, tokens seen per sequence.
@@ -346,7 +342,9 @@ class PagedKVCache:
         self._active = np.zeros(self.max_batch, dtype=bool)
         self._prefilled = np.zeros((self.n_layers, self.max_batch), dtype=bool)
         self._compressed = np.zeros(self.max_batch, dtype=bool)  # prompt compressed by compress_prompt
-        self._budgets: np.ndarray | None = None
+        self._budgets: np.ndarray | None = None  # [Lc, n] layer budgets and forced counts (finish_prefill)
+        self._n_sink: np.ndarray | None = None
+        self._n_recent: np.ndarray | None = None
         self._peak_pages = 0
         self._full_peak_pages = 0
 
@@ -563,21 +561,10 @@ class PagedKVCache:
                                "after its whole prefill")
         if not self.eviction.prefill_compress or self.merged_pairs or self._compressed[b]:
             return
-        budgets, n_sink, n_recent = (x[:, 0] for x in self._plan_budgets([b]))  # [Lc] each
-        rows = [l for l in range(self.n_layers) if self._lens[l, b] > budgets[l]]
+        budgets, n_sink, n_recent = (x.numpy() for x in self._plan_budgets([b]))  # [Lc, 1] each
+        rows = [l for l in range(self.n_layers) if self._lens[l, b] > budgets[l, 0]]
         if rows:
-            idx = torch.tensor(rows, device=self.device)
-            table = self.page_table[idx, b]  # [len(rows), M] copy, written back below
-            lens = self.seq_lens[idx, b]
-            dev = lambda x: x[rows].to(self.device, torch.int32)  # noqa: E731
-            topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table, lens,
-                         dev(budgets), dev(n_sink), dev(n_recent), self.free_pages, self.n_free)
-            self.page_table[idx, b] = table
-            self.seq_lens[idx, b] = lens
-            old = self._lens[rows, b]
-            new = np.minimum(old, budgets[rows].numpy())
-            self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
-            self._lens[rows, b] = new
+            self._compact(rows, [b], budgets[rows], n_sink[rows], n_recent[rows])
         self._compressed[b] = True
 
     def finish_prefill(self) -> None:
@@ -622,9 +609,8 @@ class PagedKVCache:
             n_sink[a], n_recent[a] = (2 * x for x in self.eviction.forced(budgets[a] // 2))
             n_sink[b] = n_recent[b] = 0
         self.budgets[:, :n] = budgets.clamp_min(1).to(self.device, torch.int32)  # the reader's row is unused
-        self.n_sink[:, :n] = n_sink.to(self.device, torch.int32)
-        self.n_recent[:, :n] = n_recent.to(self.device, torch.int32)
-        self._budgets = budgets.numpy().astype(np.int64)
+        self._budgets, self._n_sink, self._n_recent = (x.numpy().astype(np.int64)
+                                                       for x in (budgets, n_sink, n_recent))
         lens = self._lens[:, :n].copy()
         for a, b in self.merged_pairs:
             keep = np.minimum(lens[a], self._budgets[a] // 2) if self.eviction.prefill_compress else lens[a]
@@ -633,18 +619,31 @@ class PagedKVCache:
             self._compress([l for l in range(self.n_layers) if self._width[l] == 1])
         self._state = "decode"
 
-    def _compact(self, l: int, budgets: torch.Tensor, n_sink: torch.Tensor, n_recent: torch.Tensor,
-                 extra: list[torch.Tensor], host_budgets: np.ndarray) -> None:
-        """``topk_compact`` storage layer ``l`` to ``budgets [n]`` (``host_budgets`` on the host, so the
-        mirror needs no sync) and update the host mirror."""
-        n = self.batch_size
-        topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, self.page_table[l, :n],
-                     self.seq_lens[l, :n], budgets, n_sink, n_recent, self.free_pages, self.n_free,
-                     extra=extra)
-        new = np.minimum(self._lens[l, :n], host_budgets)
-        freed = _ceil_div(self._lens[l, :n], self.page_size) - _ceil_div(new, self.page_size)
-        self._free += int(freed.sum())
-        self._lens[l, :n] = new
+    def _compact(self, layers: list[int], seqs: list[int], budgets: np.ndarray, n_sink: np.ndarray,
+                 n_recent: np.ndarray, extra: list[torch.Tensor] | None = None) -> None:
+        """``topk_compact`` storage layers ``layers`` x sequences ``seqs`` in one op call, to host
+        ``budgets [len(layers), len(seqs)]`` (with the forced counts beside them), and update the host
+        mirror without a sync.
+
+        The pool is shared, so the rows' page tables stacked into ``[len(layers) * len(seqs), M]`` are one
+        batch to the kernel (an eviction over 30 layers is one call, not 30); the free stack receives the
+        pages in layer-major order, as one call per layer would push them.
+        """
+        ix = (torch.tensor(layers, device=self.device)[:, None], torch.tensor(seqs, device=self.device)[None])
+        table, lens = self.page_table[ix], self.seq_lens[ix]  # copies, written back below
+
+        def dev(x: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(x).to(self.device, torch.int32).flatten()
+
+        topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1),
+                     lens.view(-1), dev(budgets), dev(n_sink), dev(n_recent), self.free_pages, self.n_free,
+                     extra=extra or [])
+        self.page_table[ix], self.seq_lens[ix] = table, lens
+        host = np.ix_(layers, seqs)
+        old = self._lens[host]
+        new = np.minimum(old, budgets)
+        self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
+        self._lens[host] = new
 
     def _region_extra(self) -> list[torch.Tensor]:
         """Per-slot tensors that move with a region's slots (topk_compact ``extra``)."""
@@ -666,10 +665,9 @@ class PagedKVCache:
                 total = self.slot_score[pa] + self.slot_score[pb]
                 self.slot_score[pa] = total
                 self.slot_score[pb] = total
-            keep_t = torch.as_tensor(keep, dtype=torch.int32)
-            n_sink, n_recent = (x.to(self.device, torch.int32) for x in self.eviction.forced(keep_t))
-            for l in (a, b):
-                self._compact(l, keep_t.to(self.device), n_sink, n_recent, [own_score], keep)
+            n_sink, n_recent = (x.numpy() for x in self.eviction.forced(torch.as_tensor(keep)))
+            both = lambda x: np.stack([x, x])  # noqa: E731 -- the same row for layers a and b
+            self._compact([a, b], list(range(n)), both(keep), both(n_sink), both(n_recent), extra=[own_score])
 
         for i in range(n):
             N = int(self._lens[a, i])
@@ -707,39 +705,19 @@ class PagedKVCache:
             self._lens[b, i] = 0
 
     def _compress(self, layers: list[int] | None = None) -> None:
-        """``topk_compact`` every storage layer (of ``layers``) holding more than its budget.
-
-        All such layers of one width go through a single op call: the pool is shared, so their
-        ``[n, M]`` page tables stacked into ``[layers * n, M]`` rows are one batch to the kernel (30 calls
-        per decode step become one; the free stack receives the pages in the same layer-major order).
-        """
+        """``topk_compact`` every storage layer (of ``layers``) holding more than its budget: one op call
+        per storage width (plain layers, merged regions)."""
         n = self.batch_size
-        budgets = self._budgets
-        assert budgets is not None  # set by finish_prefill
+        budgets, n_sink, n_recent = self._budgets, self._n_sink, self._n_recent
+        assert budgets is not None and n_sink is not None and n_recent is not None  # set by finish_prefill
         over = [l for l in (range(self.n_layers) if layers is None else layers)
                 if self._width[l] and (self._lens[l, :n] > budgets[l]).any()]
         for width in (1, 2):
             ls = [l for l in over if self._width[l] == width]
             if not ls:
                 continue
-            extra = self._region_extra() if width == 2 else []
-            if len(ls) == 1:
-                l = ls[0]
-                self._compact(l, self.budgets[l, :n], self.n_sink[l, :n], self.n_recent[l, :n], extra,
-                              budgets[l])
-                continue
-            idx = torch.tensor(ls, device=self.device)
-            table = self.page_table[idx, :n].flatten(0, 1)  # [len(ls) * n, M] copies, written back below
-            lens = self.seq_lens[idx, :n].flatten()
-            topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table, lens,
-                         self.budgets[idx, :n].flatten(), self.n_sink[idx, :n].flatten(),
-                         self.n_recent[idx, :n].flatten(), self.free_pages, self.n_free, extra=extra)
-            self.page_table[idx, :n] = table.view(len(ls), n, -1)
-            self.seq_lens[idx, :n] = lens.view(len(ls), n)
-            old = self._lens[ls, :n]
-            new = np.minimum(old, budgets[ls])
-            self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
-            self._lens[ls, :n] = new
+            self._compact(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls],
+                          extra=self._region_extra() if width == 2 else [])
 
     # ------------------------------------------------------------------ decode
     def prepare_decode(self, step: int) -> None:
