@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
+from kvpolicies.budget.squeeze import residual_cos_sim
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class GPTJ(nn.Module):
             attn = blk.out_proj(attn.transpose(0, 1).reshape(L, -1))          # [L, h]
             if cache is not None:
                 # SqueezeAttention: how little the attention branch turns the residual stream.
-                cache.record_cos_sim(l, b, F.cosine_similarity(x.float(), (x + attn).float(), dim=-1).mean())
+                cache.record_cos_sim(l, b, residual_cos_sim(x, attn).mean())
             x = x + attn + blk.mlp(hn)                                       # parallel residual
             if on_layer is not None:
                 on_layer(l)

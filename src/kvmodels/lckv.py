@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
 from kvmodels.llama import Block, Llama, LlamaConfig, RMSNorm, apply_rope, rope_tables
+from kvpolicies.budget.squeeze import residual_cos_sim
 
 
 @dataclass
@@ -249,7 +250,7 @@ class LCKV(nn.Module):
                                         scale=self.scale)
             attn_out = layer.wo(attn.reshape(B * L, -1))                         # [B*L, dim]
             if cache is not None and l in self.kv_cache_layers:
-                cos_sim = F.cosine_similarity(x.float(), (x + attn_out).float(), dim=-1).mean()
+                cos_sim = residual_cos_sim(x, attn_out).mean()
                 cache.record_cos_sim(self.kv_cache_layers[l], b, cos_sim)
             x = x + attn_out
             x = x + layer.mlp(x)

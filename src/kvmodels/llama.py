@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
+from kvpolicies.budget.squeeze import residual_cos_sim
 
 
 @dataclass
@@ -258,7 +259,7 @@ class Llama(nn.Module):
             attn_out = layer.wo(attn.transpose(0, 1).reshape(L, -1))  # [L, dim]
             if cache is not None:
                 # SqueezeAttention: how little this layer's attention moves the residual stream.
-                cos_sim = F.cosine_similarity(x.float(), (x + attn_out).float(), dim=-1).mean()
+                cos_sim = residual_cos_sim(x, attn_out).mean()
                 cache.record_cos_sim(l, b, cos_sim)
             x = x + attn_out
             x = x + layer.mlp(x)

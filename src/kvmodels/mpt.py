@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
+from kvpolicies.budget.squeeze import residual_cos_sim
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class MPT(nn.Module):
             attn = alibi_causal_attention(q, k, v, self.alibi_slopes, scale=self.scale)
             attn = blk.out_proj(attn.reshape(L, -1))                          # [L, h]
             if cache is not None:
-                cache.record_cos_sim(l, b, F.cosine_similarity(x.float(), (x + attn).float(), dim=-1).mean())
+                cache.record_cos_sim(l, b, residual_cos_sim(x, attn).mean())
             x = x + attn
             x = x + blk.mlp(x)
             if on_layer is not None:

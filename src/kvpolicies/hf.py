@@ -58,6 +58,7 @@ from kvkernels._modes import update_scores_ref
 from kvkernels.merge import merge_restore
 from kvmodels.cache import PagedKVCache, draw_gumbel_, merge_region, noise_seed
 from kvpolicies.base import LayerStats
+from kvpolicies.budget.squeeze import residual_cos_sim
 
 __all__ = [
     "PolicyCache",
@@ -630,7 +631,7 @@ class PolicyCache(Cache):
             layer.compact(budgets, n_sink, n_recent)
 
     def _record_cos(self, layer_idx: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
-        cos = F.cosine_similarity(h_in.float(), (h_in + attn_out).float(), dim=-1)  # [B, q]
+        cos = residual_cos_sim(h_in, attn_out)  # [B, q]
         valid = self._step.valid
         self._cos_sum[layer_idx] += (cos * valid).sum(-1).double().cpu()
 
