@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvkernels._triton import HAS_TRITON, require_triton, tl, triton
+from kvkernels._triton import HAS_TRITON, launch, require_triton, tl, triton
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -121,8 +121,10 @@ if HAS_TRITON:
     def hash_u32_tl(key, head, q_idx, k_idx):
         """Triton form of :func:`hash_u32`: ``key`` is ``seed_key(seed)`` passed as an int32 (its bits),
         ``head``/``q_idx``/``k_idx`` int32 scalars or tensors (they broadcast). Returns uint32."""
-        h = tl.to_tensor(key).to(tl.uint32, bitcast=True)
-        h = _absorb_tl(h, tl.to_tensor(head).to(tl.int32))
+        # tl.cast, not tl.to_tensor (absent from Triton 3.6): an int argument equal to 1 arrives as a
+        # constexpr, and tl.cast turns a constexpr or a scalar tensor into a tensor in every version.
+        h = tl.cast(tl.cast(key, tl.int32), tl.uint32, bitcast=True)
+        h = _absorb_tl(h, tl.cast(head, tl.int32))
         h = _absorb_tl(h, q_idx.to(tl.int32))
         return _absorb_tl(h, k_idx.to(tl.int32))
 
@@ -160,6 +162,17 @@ def gumbel_noise_hash_triton(seed: int, head: int, q_idx: torch.Tensor,
     noise = torch.empty(q_flat.shape, dtype=torch.float32, device=q_idx.device)
     n, block = q_flat.numel(), 1024
     if n:
-        _noise_kernel[(triton.cdiv(n, block),)](bits, noise, q_flat, k_flat, n, _as_int32(seed_key(seed)),
-                                                int(head), BLOCK=block)
+        launch(_noise_kernel, (triton.cdiv(n, block),), bits, noise, q_flat, k_flat, n,
+               _as_int32(seed_key(seed)), int(head), BLOCK=block)
     return bits.view(q_idx.shape), noise.view(q_idx.shape)
+
+
+def compile_variants(full: bool = False):
+    """``(label, thunk)`` pairs for :func:`gumbel_noise_hash_triton` on ``meta`` tensors: head 0, 1 (an
+    int argument equal to 1 is specialised as a constant) and 5."""
+    for head in (0, 1, 5):
+        def thunk(head=head) -> None:
+            idx = torch.empty(100, dtype=torch.int32, device="meta")
+            gumbel_noise_hash_triton(7, head, idx, idx)
+
+        yield f"gumbel_noise_hash head={head}", thunk

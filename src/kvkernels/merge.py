@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kvkernels._checks import FLOAT_DTYPES, check_shape, check_tensor
-from kvkernels._triton import HAS_TRITON, require_triton, use_triton
+from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
 
 SLERP_EPS = 1e-4
 
@@ -143,7 +143,8 @@ def magnitude_direction_merge_triton(x_a: Tensor, x_b: Tensor, *, t: float = 0.5
     if n_rows:
         block_d = triton.next_power_of_2(dim)
         block_r = max(1, min(64, 4096 // block_d))
-        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
+        launch(
+            _merge_kernel, (triton.cdiv(n_rows, block_r),),
             x_a, x_b, direction, mag_a, mag_b, theta, n_rows, dim, float(t), SLERP_EPS,
             BLOCK_R=block_r, BLOCK_D=block_d,
         )
@@ -210,3 +211,23 @@ def merge_restore(direction: Tensor, mag: Tensor) -> Tensor:
     check_tensor("mag", mag, device=direction.device)
     check_shape("mag", mag, direction.shape[:-1], "direction's shape without the last dim")
     return (direction.float() * mag.float()[..., None]).to(direction.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compile variants (kvkernels.compile_check)
+# ----------------------------------------------------------------------------------------------------
+
+COMPILE_AXES: dict[str, tuple] = {"dtype": FLOAT_DTYPES, "head_dim": (64, 128, 96)}
+
+
+def compile_variants(full: bool = False):
+    """``(label, thunk)`` pairs: each thunk calls :func:`magnitude_direction_merge_triton` on ``meta``
+    tensors with one configuration of :data:`COMPILE_AXES` (every pair is the whole product here)."""
+    for cfg in covering(COMPILE_AXES, full=full):
+        label = "magnitude_direction_merge " + " ".join(f"{k}={v}" for k, v in cfg.items())
+
+        def thunk(dtype=cfg["dtype"], head_dim=cfg["head_dim"]) -> None:
+            x = torch.empty(64, 2, head_dim, dtype=dtype, device="meta")
+            magnitude_direction_merge_triton(x, torch.empty_like(x), t=0.5, retain_ratio=0.1)
+
+        yield label, thunk

@@ -32,7 +32,7 @@ import torch
 
 from kvkernels import _checks
 from kvkernels._modes import SCORE_MODES, update_scores_ref
-from kvkernels._triton import HAS_TRITON, INTERPRET, require_triton, use_triton
+from kvkernels._triton import HAS_TRITON, INTERPRET, covering, launch, require_triton, use_triton
 
 if HAS_TRITON:
     import triton
@@ -291,7 +291,8 @@ def paged_decode_attention_triton(
     consts = dict(HKV=n_kv_heads, G=group, D=head_dim, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d,
                   BLOCK_N=block_n)
     grid = (batch, n_kv_heads, num_splits)
-    _decode_partial_kernel[grid](
+    launch(
+        _decode_partial_kernel, grid,
         q, k_pages, v_pages, page_table, seq_lens,
         opt(alibi_slopes), opt(slot_pos), opt(q_pos), opt(k_scale), opt(v_scale), opt(slot_mask), noise,
         opt(temperature),
@@ -304,7 +305,8 @@ def paged_decode_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, **consts,
     )
-    _decode_reduce_kernel[grid](
+    launch(
+        _decode_reduce_kernel, grid,
         out, m, l, acc, gm, gl, nvis, logits, noise, opt(temperature),
         opt(score) if keep_logits else dummy, page_table, seq_lens, opt(slot_mask),
         int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
@@ -611,3 +613,53 @@ def paged_decode_attention(
         slot_pos=slot_pos, q_pos=q_pos, score=score, score_mode=score_mode, decay=float(decay),
         gumbel_noise=gumbel_noise, temperature=temperature, k_scale=k_scale, v_scale=v_scale,
         slot_mask=slot_mask, mask_bit=int(mask_bit), num_splits=int(num_splits))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compile variants (kvkernels.compile_check)
+# ----------------------------------------------------------------------------------------------------
+
+# Every option the launcher turns into a different kernel: each score mode, ALiBi, MiniCache restore (with
+# either mask bit: an int argument equal to 1 is specialised as a constant), split-K, GQA group sizes,
+# every dtype the op accepts and head dims that are and are not powers of two.
+COMPILE_AXES: dict[str, tuple] = {
+    "score_mode": SCORE_MODES,
+    "alibi": (False, True),
+    "restore": (None, 1, 2),
+    "num_splits": (1, 4),
+    "group": (1, 2, 4, 8),
+    "dtype": _checks.FLOAT_DTYPES,
+    "head_dim": (64, 128, 96),
+}
+
+
+def compile_variants(full: bool = False):
+    """``(label, thunk)`` pairs: each thunk calls :func:`paged_decode_attention_triton` on ``meta`` tensors
+    with one configuration of :data:`COMPILE_AXES` (a pairwise covering set, or all with ``full``)."""
+    for cfg in covering(COMPILE_AXES, full=full):
+        label = "paged_decode_attention " + " ".join(f"{k}={v}" for k, v in cfg.items())
+        yield label, (lambda cfg=cfg: _meta_launch(**cfg))
+
+
+def _meta_launch(score_mode: str, alibi: bool, restore: int | None, num_splits: int, group: int,
+                 dtype: torch.dtype, head_dim: int) -> None:
+    """One launch on ``meta`` tensors shaped like a cache's (3 sequences, 2 KV heads, pages of 16)."""
+    B, Hkv, S, P, M = 3, 2, 16, 40, 12
+    Hq = Hkv * group
+    meta = torch.device("meta")
+
+    def t(*shape: int, dt: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dt, device=meta)
+
+    scored = score_mode != "none"
+    paged_decode_attention_triton(
+        t(B, Hq, head_dim, dt=dtype), t(P, S, Hkv, head_dim, dt=dtype), t(P, S, Hkv, head_dim, dt=dtype),
+        t(B, M, dt=torch.int32), t(B, dt=torch.int32), scale=head_dim ** -0.5,
+        alibi_slopes=t(Hq) if alibi else None, slot_pos=t(P, S, Hkv, dt=torch.int32) if alibi else None,
+        q_pos=t(B, dt=torch.int32) if alibi else None,
+        score=t(P, S, Hkv) if scored else None, score_mode=score_mode, decay=0.9,
+        gumbel_noise=t(B, Hq, M * S) if score_mode == "gumbel" else None,
+        temperature=t(1) if score_mode == "gumbel" else None,
+        k_scale=t(P, S, Hkv) if restore else None, v_scale=t(P, S, Hkv) if restore else None,
+        slot_mask=t(P, S, Hkv, dt=torch.uint8) if restore else None, mask_bit=restore or 1,
+        num_splits=num_splits)

@@ -28,7 +28,7 @@ import torch
 from kvkernels._checks import FLOAT_DTYPES, check_choice, check_shape, check_tensor
 from kvkernels._modes import SCORE_MODES
 from kvkernels._noise import _as_int32, gumbel_noise_hash, seed_key
-from kvkernels._triton import HAS_TRITON, INTERPRET, require_triton, tl, triton, use_triton
+from kvkernels._triton import HAS_TRITON, INTERPRET, covering, launch, require_triton, tl, triton, use_triton
 
 if HAS_TRITON:
     from kvkernels._noise import gumbel_noise_tl
@@ -156,8 +156,9 @@ def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mod
         # fp32 inputs: exact fp32 products, not TF32, so scores match the reference closely.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    _row_stats_kernel[(triton.cdiv(n_rows, block), Hq)](q, k, slopes, m, l, **common)
-    _column_scores_kernel[(triton.cdiv(L, block), Hkv)](
+    launch(_row_stats_kernel, (triton.cdiv(n_rows, block), Hq), q, k, slopes, m, l, **common)
+    launch(
+        _column_scores_kernel, (triton.cdiv(L, block), Hkv),
         q, k, slopes, m, l, out, log2_decay=math.log2(decay), DECAY=mode == "decay",
         COUNT_LOW=mode == "count_low", **common)
     return out
@@ -340,3 +341,40 @@ def prefill_scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str,
         check_shape("alibi_slopes", alibi_slopes, [Hq], "one slope per query head")
     return _prefill_scores_op(q, k, float(scale), mode, window, float(decay), seed, float(temperature),
                               alibi_slopes, chunk)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compile variants (kvkernels.compile_check)
+# ----------------------------------------------------------------------------------------------------
+
+# Every option the launcher turns into a different kernel: each mode, ALiBi, GQA group sizes, every dtype,
+# head dims that are and are not powers of two, and prompt lengths / windows whose row counts are 1 (an
+# int argument equal to 1 is specialised as a constant), not a multiple of 16, and a multiple of 16.
+COMPILE_AXES: dict[str, tuple] = {
+    "mode": tuple(m for m in SCORE_MODES if m != "none"),  # "none" launches nothing
+    "alibi": (False, True),
+    "group": (1, 2, 4, 8),
+    "dtype": FLOAT_DTYPES,
+    "head_dim": (64, 128, 96),
+    "length": (1, 50, 1024),
+    "window": (0, 32),
+}
+
+
+def compile_variants(full: bool = False):
+    """``(label, thunk)`` pairs: each thunk calls :func:`prefill_scores_triton` on ``meta`` tensors with
+    one configuration of :data:`COMPILE_AXES` (a pairwise covering set, or all with ``full``)."""
+    for cfg in covering(COMPILE_AXES, full=full):
+        label = "prefill_scores " + " ".join(f"{k}={v}" for k, v in cfg.items())
+        yield label, (lambda cfg=cfg: _meta_launch(**cfg))
+
+
+def _meta_launch(mode: str, alibi: bool, group: int, dtype: torch.dtype, head_dim: int, length: int,
+                 window: int) -> None:
+    Hkv = 2
+    meta = torch.device("meta")
+    q = torch.empty(length, Hkv * group, head_dim, dtype=dtype, device=meta)
+    k = torch.empty(length, Hkv, head_dim, dtype=dtype, device=meta)
+    slopes = torch.empty(Hkv * group, dtype=torch.float32, device=meta) if alibi else None
+    prefill_scores_triton(q, k, scale=head_dim ** -0.5, mode=mode, window=min(window, length), decay=0.9,
+                          seed=3, temperature=1.5, alibi_slopes=slopes)

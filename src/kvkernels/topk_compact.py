@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from kvkernels._checks import FLOAT_DTYPES, check_page_table, check_seq_lens, check_shape, check_tensor
-from kvkernels._triton import HAS_TRITON, require_triton, use_triton
+from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
 
 if HAS_TRITON:
     import triton
@@ -190,7 +190,8 @@ def topk_compact_triton(
         width = x4.shape[3]
         block_w = min(triton.next_power_of_2(width), 64)
         grid = (batch * n_heads, triton.cdiv(width, block_w))
-        _move_slots_kernel[grid](
+        launch(
+            _move_slots_kernel, grid,
             x4, src_map, page_table, n_move,
             x4.stride(0), x4.stride(1), x4.stride(2),
             src_map.stride(0), src_map.stride(1), page_table.stride(0),
@@ -357,3 +358,40 @@ def topk_compact(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score:
                   free_pages, n_free, extra)
     torch.ops.kvkernels.topk_compact(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets,
                                      n_sink, n_recent, free_pages, n_free, extra)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compile variants (kvkernels.compile_check)
+# ----------------------------------------------------------------------------------------------------
+
+# The launcher runs one move kernel per pool tensor: K/V in every dtype and head dim, the int32 positions,
+# the float32 scores and, with MiniCache, the float32 magnitudes and the uint8 mask (the ``extra`` tensors).
+COMPILE_AXES: dict[str, tuple] = {
+    "dtype": FLOAT_DTYPES,
+    "head_dim": (64, 128, 96),
+    "n_kv_heads": (1, 8),
+    "minicache": (False, True),
+}
+
+
+def compile_variants(full: bool = False):
+    """``(label, thunk)`` pairs: each thunk calls :func:`topk_compact_triton` on ``meta`` tensors with one
+    configuration of :data:`COMPILE_AXES` (a pairwise covering set, or all with ``full``)."""
+    for cfg in covering(COMPILE_AXES, full=full):
+        label = "topk_compact " + " ".join(f"{k}={v}" for k, v in cfg.items())
+        yield label, (lambda cfg=cfg: _meta_launch(**cfg))
+
+
+def _meta_launch(dtype: torch.dtype, head_dim: int, n_kv_heads: int, minicache: bool) -> None:
+    B, P, S, M = 3, 40, 16, 12
+    meta = torch.device("meta")
+
+    def t(*shape: int, dt: torch.dtype = torch.float32) -> Tensor:
+        return torch.empty(shape, dtype=dt, device=meta)
+
+    slot = (P, S, n_kv_heads)
+    extra = [t(*slot) for _ in range(4)] + [t(*slot, dt=torch.uint8)] if minicache else []
+    topk_compact_triton(t(*slot, head_dim, dt=dtype), t(*slot, head_dim, dt=dtype), t(*slot, dt=torch.int32),
+                        t(*slot), t(B, M, dt=torch.int32), t(B, dt=torch.int32), t(B, dt=torch.int32),
+                        t(B, dt=torch.int32), t(B, dt=torch.int32), t(P + 1, dt=torch.int32),
+                        t(1, dt=torch.int64), extra)
