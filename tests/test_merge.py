@@ -19,6 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from devices import DEVICE, on_device
 from kvkernels.merge import (
     SLERP_EPS,
     magnitude_direction_merge,
@@ -104,7 +105,8 @@ def pairs(draw):
 @given(case=pairs())
 def test_reference_matches_float64_oracle(case):
     x_a, x_b, t, ratio = case
-    direction, mag_a, mag_b, retained = magnitude_direction_merge(x_a, x_b, t=t, retain_ratio=ratio)
+    merge = on_device(magnitude_direction_merge)
+    direction, mag_a, mag_b, retained = merge(x_a, x_b, t=t, retain_ratio=ratio)
     want_dir, want_theta = oracle(x_a, x_b, t)
     assert direction.dtype == x_a.dtype and mag_a.dtype == torch.float32 and retained.dtype == torch.bool
     # Away from exact antipodes (direction there is ill-conditioned and such tokens are retained anyway).
@@ -121,7 +123,7 @@ def test_reference_matches_float64_oracle(case):
 def test_triton_launcher_matches_reference(case):
     x_a, x_b, t, ratio = case
     ref = magnitude_direction_merge_ref(x_a, x_b, t=t, retain_ratio=ratio)
-    tri = magnitude_direction_merge_triton(x_a, x_b, t=t, retain_ratio=ratio)
+    tri = on_device(magnitude_direction_merge_triton)(x_a, x_b, t=t, retain_ratio=ratio)
     _, theta = oracle(x_a, x_b, t)
     ok = theta < math.pi - 1e-2
     assert tri[0].dtype == x_a.dtype
@@ -156,6 +158,7 @@ def test_restore_error_bound_and_retained_exact(case):
 @pytest.mark.parametrize("impl", [magnitude_direction_merge, pytest.param(magnitude_direction_merge_triton,
                                                                           marks=pytest.mark.interpret)])
 def test_endpoints_zero_vectors_and_tiny_n(impl):
+    impl = on_device(impl)
     g = torch.Generator().manual_seed(0)
     x_a, x_b = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
     u_a = x_a / x_a.norm(dim=-1, keepdim=True)
@@ -180,6 +183,7 @@ def test_endpoints_zero_vectors_and_tiny_n(impl):
 @pytest.mark.parametrize("impl", [magnitude_direction_merge, pytest.param(magnitude_direction_merge_triton,
                                                                           marks=pytest.mark.interpret)])
 def test_retention_ties_go_to_the_lower_index_and_count_is_exact(impl):
+    impl = on_device(impl)
     row_a, row_b = torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.6, 0.8, 0.0])
     x_a, x_b = row_a.repeat(100, 1, 1), row_b.repeat(100, 1, 1)  # 100 identical tokens, 1 head
     retained = impl(x_a, x_b, retain_ratio=0.07)[3]
@@ -199,6 +203,7 @@ def test_retention_ties_go_to_the_lower_index_and_count_is_exact(impl):
     (torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), dict(retain_ratio=-0.1), ValueError, "retain_ratio=-0.1"),
 ])
 def test_bad_input(x_a, x_b, kwargs, error, match):
+    x_a, x_b = (x if x.device.type == "meta" else x.to(DEVICE) for x in (x_a, x_b))
     with pytest.raises(error, match=match):
         magnitude_direction_merge(x_a, x_b, **kwargs)
 
@@ -209,7 +214,7 @@ def test_restore_checks_shapes():
 
 
 def test_compiles_without_graph_breaks():
-    x_a, x_b = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    x_a, x_b = torch.randn(6, 2, 8, device=DEVICE), torch.randn(6, 2, 8, device=DEVICE)
     fn = lambda a, b: magnitude_direction_merge(a, b, t=0.3, retain_ratio=0.2)
     for got, want in zip(torch.compile(fn, fullgraph=True, backend="aot_eager")(x_a, x_b), fn(x_a, x_b)):
         assert torch.equal(got, want)

@@ -12,6 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from devices import DEVICE  # noqa: E402
+
 # Imported from the submodule: `from kvkernels import topk_compact` can yield the same-named submodule
 # (see the report on kvkernels/__init__.py).
 from kvkernels.topk_compact import topk_compact, topk_compact_ref, topk_compact_torch, topk_compact_triton
@@ -40,10 +42,12 @@ class Pool:
     def pool_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.pos, self.score, *self.extra]
 
-    def clone(self) -> Pool:
-        c = lambda ts: [t.clone() for t in ts]
-        return Pool(self.k.clone(), self.v.clone(), self.pos.clone(), self.score.clone(), self.free.clone(),
-                    self.n_free.clone(), c(self.tables), c(self.lens), c(self.extra))
+    def clone(self, device: torch.device | str | None = None) -> Pool:
+        """A copy, on ``device`` (default: where it is)."""
+        c = lambda t: t.to(device or t.device, copy=True)  # noqa: E731
+        cs = lambda ts: [c(t) for t in ts]  # noqa: E731
+        return Pool(c(self.k), c(self.v), c(self.pos), c(self.score), c(self.free), c(self.n_free),
+                    cs(self.tables), cs(self.lens), cs(self.extra))
 
     def dense(self, layer: int, b: int, h: int) -> list[torch.Tensor]:
         """Every pool tensor of sequence b, head h, in logical order: list of [L, ...]."""
@@ -125,10 +129,17 @@ def scenarios(draw):
     return pool, budgets, n_sink, n_recent
 
 
-def run(impl, pool: Pool, budgets, n_sink, n_recent) -> None:
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+def run(impl, before: Pool, budgets, n_sink, n_recent) -> Pool:
+    """Run ``impl`` on a copy of ``before`` on the device it is tested on; return the result on the CPU.
+
+    The Triton launcher and the public op run on :data:`DEVICE` (CUDA under ``nox -s gpu``, else the CPU
+    through the interpreter / the torch path); the reference and the batched torch path are CPU code."""
+    device = DEVICE if impl in (topk_compact, topk_compact_triton) else torch.device("cpu")
+    pool = before.clone(device)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     impl(pool.k, pool.v, pool.pos, pool.score, pool.tables[0], pool.lens[0], i32(budgets), i32(n_sink),
          i32(n_recent), pool.free, pool.n_free, pool.extra)
+    return pool.clone("cpu")
 
 
 IMPLS = {"op": topk_compact, "ref": topk_compact_ref, "torch": topk_compact_torch,
@@ -140,8 +151,7 @@ FAST_IMPLS = {k: v for k, v in IMPLS.items() if k in ("torch", "triton")}  # com
 @given(case=scenarios())
 def test_matches_dense_oracle_and_keeps_pages_consistent(impl, case):
     before, budgets, n_sink, n_recent = case
-    pool = before.clone()
-    run(impl, pool, budgets, n_sink, n_recent)
+    pool = run(impl, before, budgets, n_sink, n_recent)
     S = pool.page_size
     n_heads = pool.k.shape[2]
 
@@ -186,9 +196,8 @@ def test_matches_dense_oracle_and_keeps_pages_consistent(impl, case):
 def test_fast_paths_equal_reference_everywhere(impl, case):
     """Beyond the oracle's view: the whole pool, tables and stack agree (the stack's sink entry aside)."""
     before, budgets, n_sink, n_recent = case
-    ref, tri = before.clone(), before.clone()
-    run(topk_compact_ref, ref, budgets, n_sink, n_recent)
-    run(impl, tri, budgets, n_sink, n_recent)
+    ref = run(topk_compact_ref, before, budgets, n_sink, n_recent)
+    tri = run(impl, before, budgets, n_sink, n_recent)
     for x_ref, x_tri in zip(ref.pool_tensors() + ref.tables + ref.lens + [ref.n_free, ref.free[:-1]],
                             tri.pool_tensors() + tri.tables + tri.lens + [tri.n_free, tri.free[:-1]]):
         assert torch.equal(bits(x_ref), bits(x_tri))
@@ -200,18 +209,16 @@ def test_nan_scores_rank_lowest():
     pool.score[...] = float("nan")
     page0 = int(pool.tables[0][0, 0])
     pool.score[page0, 2, 0] = -1e30  # the only real score: it must win over every NaN
-    results = []
-    for impl in (topk_compact_ref, topk_compact_torch, topk_compact_triton):
-        results.append(pool.clone())
-        run(impl, results[-1], [2], [1], [0])
+    results = [run(impl, pool, [2], [1], [0])
+               for impl in (topk_compact_ref, topk_compact_torch, topk_compact_triton, topk_compact)]
     for p in results:
         assert p.dense(0, 0, 0)[2].tolist() == [0, 2]
 
 
 def _small_args(batch: int = 2):
     pool = build_pool(1, [[7, 3][:batch], [0] * batch], page_size=4, n_heads=2, dim=4, dtype=torch.float32,
-                      score_kind="float", spare_pages=1, with_extra=False)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+                      score_kind="float", spare_pages=1, with_extra=False).clone(DEVICE)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
     args = dict(k_pages=pool.k, v_pages=pool.v, slot_pos=pool.pos, slot_score=pool.score,
                 page_table=pool.tables[0], seq_lens=pool.lens[0], budgets=i32([4] * batch),
                 n_sink=i32([1] * batch), n_recent=i32([1] * batch), free_pages=pool.free, n_free=pool.n_free)
@@ -236,7 +243,11 @@ def _small_args(batch: int = 2):
 def test_bad_input_raises_before_writing(change, error, match):
     args = _small_args()
     snapshot = {k: v.clone() for k, v in args.items()}
-    args.update(change)
+    # On the suite's device, except the argument whose device is the error.
+    args.update({k: v if isinstance(v, list) or v.device.type == "meta" else v.to(DEVICE)
+                 for k, v in change.items()})
+    if "extra" in change:
+        args["extra"] = [t.to(DEVICE) for t in change["extra"]]
     with pytest.raises(error, match=match):
         topk_compact(**args)
     for name, value in snapshot.items():

@@ -50,6 +50,10 @@ def require_triton() -> None:
                            "imported to run them on CPU through the interpreter")
 
 
+# (signature, constexprs, attrs) of triton.compiler.ASTSource
+_Specialization = tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch exactly as a launcher chose it.
@@ -75,7 +79,7 @@ class Launch:
     def name(self) -> str:
         return self.kernel.__name__
 
-    def specialization(self, backend: Any) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]:
+    def specialization(self, backend: Any) -> _Specialization:
         """``(signature, constexprs, attrs)`` for ``triton.compiler.ASTSource``, specialised the way a real
         launch specialises (an int equal to 1 becomes a constant; pointers and ints divisible by 16 carry
         ``tt.divisibility``), using Triton's own specialisation function."""

@@ -608,11 +608,12 @@ def paged_decode_attention(
         # Inductor (torch 2.13) cannot lower this op with its mutable argument None ("getitem is not an
         # OpOverload"); an empty score with score_mode "none" is never read or written.
         score = torch.empty(0, 1, 1, device=q.device)
+    # Every argument positionally: torch < 2.13 bumps the version of a mutated argument (``score``) by its
+    # position in ``args`` and raised IndexError when it came as a keyword (seen with torch 2.11 on CUDA).
     return _paged_decode_attention_op(
-        q, k_pages, v_pages, page_table, seq_lens, scale=float(scale), alibi_slopes=alibi_slopes,
-        slot_pos=slot_pos, q_pos=q_pos, score=score, score_mode=score_mode, decay=float(decay),
-        gumbel_noise=gumbel_noise, temperature=temperature, k_scale=k_scale, v_scale=v_scale,
-        slot_mask=slot_mask, mask_bit=int(mask_bit), num_splits=int(num_splits))
+        q, k_pages, v_pages, page_table, seq_lens, float(scale), alibi_slopes, slot_pos, q_pos, score,
+        score_mode, float(decay), gumbel_noise, temperature, k_scale, v_scale, slot_mask, int(mask_bit),
+        int(num_splits))
 
 
 # ----------------------------------------------------------------------------------------------------

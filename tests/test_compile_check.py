@@ -1,0 +1,111 @@
+"""Every Triton kernel variant the launchers can pick compiles for sm_80 and sm_90 on a machine without a
+GPU.
+
+The check (``python -m kvkernels.compile_check``) runs in a subprocess: it needs ``TRITON_INTERPRET`` unset,
+and this process imported triton with the interpreter on (conftest). Under the oldest supported Triton
+CI runs it again (``.ci/oldest-triton``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvkernels._triton import covering
+
+pytest.importorskip("triton")
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _run(args: list[str], tmp_path: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [env.get("PYTHONPATH")])])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default, said explicitly (Triton 3.9 warns)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_every_kernel_variant_compiles_for_sm80_and_sm90(tmp_path):
+    proc = _run(["-m", "kvkernels.compile_check", "--arch", "80,90"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert " 0 failures" in proc.stdout
+
+
+def test_lists_a_configuration_for_every_kernel_and_option(tmp_path):
+    proc = _run(["-m", "kvkernels.compile_check", "--list"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    labels = proc.stdout.splitlines()
+    from kvkernels._modes import SCORE_MODES
+
+    for mode in SCORE_MODES:
+        assert any(line.startswith("paged_decode_attention ") and f"score_mode={mode} " in line
+                   for line in labels), mode
+    for kernel in ("paged_decode_attention", "prefill_scores", "topk_compact", "magnitude_direction_merge",
+                   "gumbel_noise_hash"):
+        assert any(line.startswith(kernel + " ") for line in labels), kernel
+    for dtype in ("torch.float16", "torch.bfloat16", "torch.float32"):
+        assert any(f"dtype={dtype}" in line for line in labels if line.startswith("paged_decode_attention "))
+
+
+def test_a_kernel_that_does_not_compile_is_reported(tmp_path):
+    """The check can fail: a kernel calling a ``triton.language`` name that does not exist (what
+    ``tl.to_tensor`` was under Triton 3.6) is reported with its cause and the configuration that launched
+    it."""
+    (tmp_path / "broken_kernels.py").write_text(textwrap.dedent('''
+        import torch
+        import triton
+        import triton.language as tl
+
+        from kvkernels._triton import launch
+
+        @triton.jit
+        def _broken(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, tl.no_such_function(offs), mask=offs < n)
+
+        @triton.jit
+        def _fine(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, offs.to(tl.float32), mask=offs < n)
+
+        def compile_variants(full=False):
+            x = torch.empty(64, device="meta")
+            yield "fine block=64", lambda: launch(_fine, (1,), x, 64, BLOCK=64)
+            yield "broken block=64", lambda: launch(_broken, (1,), x, 64, BLOCK=64)
+    '''))
+    script = textwrap.dedent('''
+        import sys
+        sys.path.insert(0, ".")
+        import broken_kernels
+        from kvkernels import compile_check
+        compile_check._modules = lambda: [broken_kernels]
+        sys.exit(compile_check.main(["--arch", "90", "--jobs", "1"]))
+    ''')
+    proc = _run(["-c", script], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "2 distinct kernel variants for sm_90, 1 failures" in proc.stdout
+    assert "FAILED _broken for sm_90" in proc.stdout and "no_such_function" in proc.stdout
+    assert "broken block=64" in proc.stdout and "FAILED _fine" not in proc.stdout
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=5))
+def test_covering_holds_every_pair_of_values(sizes):
+    axes = {f"a{i}": tuple(range(n)) for i, n in enumerate(sizes)}
+    configs = covering(axes)
+    seen = {(a, c[a], b, c[b]) for c in configs for a, b in itertools.combinations(axes, 2)}
+    want = {(a, va, b, vb) for a, b in itertools.combinations(axes, 2) for va in axes[a] for vb in axes[b]}
+    assert want <= seen
+    assert all(set(c) == set(axes) and all(c[k] in axes[k] for k in c) for c in configs)
+    full = covering(axes, full=True)
+    assert len(full) == len({tuple(c.values()) for c in full}) == __import__("math").prod(sizes)
