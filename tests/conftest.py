@@ -15,6 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from devices import DEVICE  # noqa: E402
+
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # CI: deterministic and modest (CI sets CI=true).
 settings.register_profile("ci", max_examples=15, derandomize=True, print_blob=True, **_common)
@@ -27,10 +29,6 @@ settings.register_profile("gpu", max_examples=200, derandomize=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-
-
-def test_device() -> torch.device:
-    return torch.device(os.environ.get("KVPOLICIES_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +45,7 @@ def one_thread():
 
 @pytest.fixture
 def device() -> torch.device:
-    dev = test_device()
+    dev = DEVICE
     if dev.type == "cuda" and not torch.cuda.is_available():
         pytest.skip("KVPOLICIES_TEST_DEVICE=cuda but no CUDA device")
     return dev

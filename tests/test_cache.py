@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given
 
+from devices import DEVICE, assert_within
 from kvmodels.cache import CacheReport, PagedKVCache
 from kvpolicies import compose
 
@@ -33,29 +34,29 @@ class FakeRun:
         self.prompt_lens, self.n_steps, self.dtype = list(prompt_lens), n_steps, dtype
         self.scale = head_dim ** -0.5
 
-        def rand(*shape):
-            return torch.randn(*shape, generator=g).to(dtype)
+        def rand(*shape):  # drawn on the CPU (the same data on every device), used on the suite's device
+            return torch.randn(*shape, generator=g).to(DEVICE, dtype)
 
         self.prompt = [[(rand(L, hq, head_dim), rand(L, n_kv_heads, head_dim), rand(L, n_kv_heads, head_dim))
                         for L in prompt_lens] for _ in range(n_layers)]
         B = len(prompt_lens)
         self.steps = [[(rand(B, hq, head_dim), rand(B, n_kv_heads, head_dim), rand(B, n_kv_heads, head_dim))
                        for _ in range(n_layers)] for _ in range(n_steps)]
-        self.alibi = torch.rand(hq, generator=g) * 0.5 if alibi else None
+        self.alibi = (torch.rand(hq, generator=g) * 0.5).to(DEVICE) if alibi else None
 
     def cache(self, policy=None, *, page_size=4, max_new=None, num_pages=None, seed=0, **kw) -> PagedKVCache:
         max_new = self.n_steps if max_new is None else max_new
         return PagedKVCache(n_layers=self.n_layers, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                             n_q_heads=self.n_q_heads, max_batch=kw.pop("max_batch", len(self.prompt_lens)),
                             max_tokens=max(self.prompt_lens) + max_new, page_size=page_size,
-                            num_pages=num_pages, dtype=self.dtype,
+                            num_pages=num_pages, dtype=self.dtype, device=kw.pop("device", DEVICE),
                             policy=policy if policy is not None else compose("full"), seed=seed, **kw)
 
     def positions(self, b: int) -> torch.Tensor:
-        return torch.arange(self.prompt_lens[b], dtype=torch.int32)
+        return torch.arange(self.prompt_lens[b], dtype=torch.int32, device=DEVICE)
 
     def step_positions(self, t: int) -> torch.Tensor:
-        return torch.tensor([L + t for L in self.prompt_lens], dtype=torch.int32)
+        return torch.tensor([L + t for L in self.prompt_lens], dtype=torch.int32, device=DEVICE)
 
     def prefill(self, cache: PagedKVCache, cos_sim=None) -> None:
         cache.start(self.prompt_lens, self.n_steps)
@@ -87,21 +88,23 @@ class FakeRun:
         return torch.cat(k), torch.cat(v)
 
 
-def dense_attention(q, k, v, scale, alibi=None, q_pos=0):
-    """Naive GQA attention of one query ``[Hq, D]`` over ``k, v`` ``[n, Hkv, D]`` (positions 0..n-1)."""
+def dense_attention(q, k, v, scale, alibi=None, q_pos=0, dtype=torch.float32):
+    """Naive GQA attention of one query ``[Hq, D]`` over ``k, v`` ``[n, Hkv, D]`` (positions 0..n-1),
+    computed in ``dtype``."""
     group = q.shape[0] // k.shape[1]
-    kq = k.float().repeat_interleave(group, dim=1)  # [n, Hq, D]
-    vq = v.float().repeat_interleave(group, dim=1)
-    x = scale * torch.einsum("hd,nhd->hn", q.float(), kq)  # [Hq, n]
+    kq = k.to(dtype).repeat_interleave(group, dim=1)  # [n, Hq, D]
+    vq = v.to(dtype).repeat_interleave(group, dim=1)
+    x = scale * torch.einsum("hd,nhd->hn", q.to(dtype), kq)  # [Hq, n]
     if alibi is not None:
-        x = x + alibi[:, None] * (torch.arange(k.shape[0]) - q_pos).float()[None, :]
+        rel = (torch.arange(k.shape[0], device=k.device) - q_pos).to(dtype)  # [n]
+        x = x + alibi[:, None].to(dtype) * rel[None, :]
     return torch.einsum("hn,nhd->hd", torch.softmax(x, dim=-1), vq)
 
 
 def check_invariants(cache: PagedKVCache, *, evict_bound: bool = True) -> None:
     """Host mirror = device state; every page owned once; reported bytes = pages held; budget bounds."""
     S, n = cache.page_size, cache.batch_size
-    lens = cache.seq_lens.numpy()
+    lens = cache.seq_lens.cpu().numpy()
     assert (lens == cache._lens).all(), (lens, cache._lens)
     assert int(cache.n_free) == cache._free
     owners = []
@@ -163,7 +166,7 @@ def test_full_cache_equals_dense_attention(shape, alibi, data):
         for b in range(B):
             got = cache.layer_contents(l, b)
             torch.testing.assert_close(got["k"], run.prompt[l][b][1], rtol=0, atol=0)
-            assert (got["pos"] == torch.arange(prompt_lens[b])[:, None]).all()
+            assert (got["pos"].cpu() == torch.arange(prompt_lens[b])[:, None]).all()
     for t in range(n_steps):
         for b in range(B):
             if stop[b] == t:
@@ -176,8 +179,9 @@ def test_full_cache_equals_dense_attention(shape, alibi, data):
                     assert (outs[l][b] == 0).all(), "a finished sequence must give a zero row"
                     continue
                 k, v = run.seen(l, b, t)
-                want = dense_attention(run.steps[t][l][0][b], k, v, run.scale, run.alibi, prompt_lens[b] + t)
-                torch.testing.assert_close(outs[l][b], want, rtol=1e-5, atol=1e-5)
+                args = (run.steps[t][l][0][b], k, v, run.scale, run.alibi, prompt_lens[b] + t)
+                assert_within(outs[l][b], dense_attention(*args, dtype=torch.float64), dense_attention(*args),
+                              torch.float32)
                 got = cache.layer_contents(l, b)
                 assert torch.equal(got["k"], k) and torch.equal(got["v"], v)
     for b in range(B):
@@ -350,6 +354,8 @@ def test_noise_helpers_are_what_the_cache_draws():
     run.prefill(cache)
     cache.prepare_decode(0)
     width = int(cache._lens.max())
-    want = draw_gumbel_(torch.empty(2, 2, 2, width), torch.Generator().manual_seed(noise_seed(7, 3)))
+    # The cache draws on its device with a generator of that device (CUDA and CPU streams differ).
+    gen = torch.Generator(device=cache.device).manual_seed(noise_seed(7, 3))
+    want = draw_gumbel_(torch.empty(2, 2, 2, width, device=cache.device), gen)
     assert torch.equal(cache.gumbel_noise[:, :, :, :width], want)
     assert torch.isfinite(want).all() and want.std() > 0.5  # Gumbel(0, 1): std pi / sqrt(6)

@@ -72,14 +72,17 @@ def check_against_reference(name: str, case) -> None:
     for b in range(B):
         for l in range(n_layers):
             cache.prefill_layer(l, b, *run.prompt[l][b], run.positions(b), scale=run.scale)
-    pre = [[[cache.layer_contents(l, b)] for b in range(B)] for l in range(n_layers)]
+    def contents(l: int, b: int) -> dict[str, torch.Tensor]:  # on the CPU, beside the reference
+        return {key: x.cpu() for key, x in cache.layer_contents(l, b).items()}
+
+    pre = [[[contents(l, b)] for b in range(B)] for l in range(n_layers)]
     cache.finish_prefill()
-    kept = [[[cache.layer_contents(l, b)] for b in range(B)] for l in range(n_layers)]
+    kept = [[[contents(l, b)] for b in range(B)] for l in range(n_layers)]
     noise = []  # noise[t][l] [B, Hq, Lmax]
     for t in range(n_steps):
         cache.prepare_decode(t)
         if cache.gumbel_noise is not None:
-            noise.append(cache.gumbel_noise.clone())
+            noise.append(cache.gumbel_noise.cpu())
         pos = run.step_positions(t)
         for l in range(n_layers):
             q, k, v = run.steps[t][l]
@@ -87,27 +90,29 @@ def check_against_reference(name: str, case) -> None:
             cache.attend(l, q, pos, scale=run.scale)
         for l in range(n_layers):
             for b in range(B):
-                pre[l][b].append(cache.layer_contents(l, b))
+                pre[l][b].append(contents(l, b))
         cache.after_step(t)
         check_invariants(cache)
         for l in range(n_layers):
             for b in range(B):
-                kept[l][b].append(cache.layer_contents(l, b))
+                kept[l][b].append(contents(l, b))
 
     compared = diverged = 0
     for l in range(n_layers):
         for b in range(B):
             L = prompt_lens[b]
-            q_steps = torch.stack([run.steps[t][l][0][b] for t in range(n_steps)]) if n_steps else \
+            # The reference runs on the CPU, on the same data.
+            q_steps = torch.stack([run.steps[t][l][0][b].cpu() for t in range(n_steps)]) if n_steps else \
                 torch.zeros(0, n_kv * group, head_dim)
-            k_steps = torch.stack([run.steps[t][l][1][b] for t in range(n_steps)]) if n_steps else \
+            k_steps = torch.stack([run.steps[t][l][1][b].cpu() for t in range(n_steps)]) if n_steps else \
                 torch.zeros(0, n_kv, head_dim)
             ref = simulate(
-                name, params, run.prompt[l][b][0], run.prompt[l][b][1], q_steps, k_steps, budget, seed,
+                name, params, run.prompt[l][b][0].cpu(), run.prompt[l][b][1].cpu(), q_steps, k_steps, budget,
+                seed,
                 evict_every=evict_every, max_new_tokens=n_steps, scale=run.scale,
                 prefill_noise=default_prefill_noise(cache.prefill_seed(l, b), n_kv * group, L),
                 decode_noise=(lambda t, n, l=l, b=b: noise[t][l, b, :, :n]) if noise else None)
-            k_all, v_all = run.seen(l, b, n_steps - 1)  # [L + T, Hkv, D], row = position
+            k_all, v_all = (x.cpu() for x in run.seen(l, b, n_steps - 1))  # [L + T, Hkv, D], row = position
             for h in range(n_kv):
                 for t in range(n_steps + 1):
                     got = kept[l][b][t]

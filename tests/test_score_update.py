@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import conftest
+from devices import DEVICE
 from kvkernels import SCORE_MODES, update_scores_ref
 from kvkernels._noise import gumbel_noise_hash, gumbel_noise_hash_triton, hash_u32
 from kvkernels.score_update import (
@@ -24,7 +24,6 @@ from kvkernels.score_update import (
 # The two pure-torch forms: the clear reference (the oracle) and the fast CPU path the op runs.
 TORCH_IMPLS = {"ref": prefill_scores_ref, "torch": prefill_scores_torch}
 
-DEVICE = conftest.test_device()
 ON_CUDA = DEVICE.type == "cuda"
 EULER_GAMMA = 0.5772156649015329
 # Lengths around the 16-row blocks the interpreter uses and around typical page sizes.
