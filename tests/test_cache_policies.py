@@ -82,7 +82,7 @@ def check_against_reference(name: str, case) -> None:
     for t in range(n_steps):
         cache.prepare_decode(t)
         if cache.gumbel_noise is not None:
-            noise.append(cache.gumbel_noise.cpu())
+            noise.append(cache.gumbel_noise.to("cpu", copy=True))  # a copy: the next step redraws it
         pos = run.step_positions(t)
         for l in range(n_layers):
             q, k, v = run.steps[t][l]
