@@ -3,6 +3,8 @@ cannot download interpreters, and torch is installed once (``pip install torch==
 
     nox -s tests          # CPU suite, Triton kernels through the interpreter
     nox -s gpu            # same suite on CUDA with compiled Triton, plus GPU-only checks
+    nox -s compile        # every Triton kernel variant compiled for sm_80/sm_90 (no GPU needed)
+    nox -s oldest         # the oldest supported Triton and transformers
     nox -s bench          # kernel + model benchmarks -> bench/results/<device>-*.json
     nox -s lint           # ruff + mypy
     nox -s quality        # small quality sweep on SmolLM2 (full sweep: nox -s quality -- --full)
@@ -36,6 +38,21 @@ def gpu(session: nox.Session) -> None:
     _install(session, "test")
     session.run("python", "-m", "pytest", "-q", *[a for a in session.posargs if a != "--no-install"],
                 env={"KVPOLICIES_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0", "HYPOTHESIS_PROFILE": "gpu"})
+
+
+@nox.session(default=False)
+def compile(session: nox.Session) -> None:
+    """Compile every kernel variant the launchers can pick for sm_80/sm_90 (``-- --full``: all of them)."""
+    args = [a for a in session.posargs if a != "--no-install"]
+    session.run("python", "-m", "kvkernels.compile_check", *args, env={"TRITON_INTERPRET": "0"})
+
+
+@nox.session(default=False)
+def oldest(session: nox.Session) -> None:
+    """The oldest supported Triton (compile check + interpreter kernel tests) and transformers (bridge)."""
+    _install(session, "test")
+    session.run("bash", ".ci/oldest-triton", external=True)
+    session.run("bash", ".ci/oldest-transformers", external=True)
 
 
 @nox.session(default=False)

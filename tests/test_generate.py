@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from devices import DEVICE
 from kvmodels.generate import CausalLM, GenerationResult, generate
 from kvmodels.llama import Llama, LlamaConfig
 from kvpolicies import compose
@@ -25,7 +26,7 @@ def tiny_llama(seed: int = 0, n_layers: int = 2, n_heads: int = 4, n_kv_heads: i
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
-    return model
+    return model.to(DEVICE)
 
 
 MODEL = tiny_llama()
@@ -36,7 +37,7 @@ def greedy_oracle(model: Llama, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            seq.append(int(model.prefill(torch.tensor(seq), None, 0)[-1].argmax()))
+            seq.append(int(model.prefill(torch.tensor(seq, device=DEVICE), None, 0)[-1].argmax()))
     return seq[len(prompt):]
 
 

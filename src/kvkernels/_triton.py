@@ -160,13 +160,16 @@ def covering(axes: Mapping[str, tuple[Any, ...]], *, full: bool = False) -> list
         return sum((a, config[a], name, value) in uncovered if names.index(a) < names.index(name)
                    else (name, value, a, config[a]) in uncovered for a in config)
 
+    def order(p: tuple[str, Any, str, Any]) -> tuple[int, int, int, int]:  # deterministic: axes order
+        return names.index(p[0]), names.index(p[2]), axes[p[0]].index(p[1]), axes[p[2]].index(p[3])
+
     while uncovered:
-        a, va, b, vb = min(uncovered, key=lambda p: (names.index(p[0]), names.index(p[2]),
-                                                     axes[p[0]].index(p[1]), axes[p[2]].index(p[3])))
+        a, va, b, vb = min(uncovered, key=order)
         config = {a: va, b: vb}
         for name in names:
             if name not in config:
-                config[name] = max(axes[name], key=lambda v, name=name: gain(config, name, v))
+                gains = [gain(config, name, v) for v in axes[name]]
+                config[name] = axes[name][gains.index(max(gains))]  # the first value of the best gain
         config = {n: config[n] for n in names}
         configs.append(config)
         uncovered -= {(x, config[x], y, config[y]) for x, y in itertools.combinations(names, 2)}

@@ -473,9 +473,12 @@ class PolicyCache(Cache):
         # The logical length: generate derives input slicing and (without a mask) positions from it.
         return self._seen
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
         # Sized like an uncompressed cache so the model's own mask matches its 2-D attention mask; the hooks
-        # then replace each layer's mask by one sized to that layer's compacted K/V.
+        # then replace each layer's mask by one sized to that layer's compacted K/V. transformers < 5.x
+        # (5.2 included) passes the step's cache_position tensor [q_len] instead of the query length.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self._seen + query_length, 0
 
     # --- driven by the hooks -----------------------------------------------------------------------
@@ -955,7 +958,8 @@ def _mpt_forward(
     ctx["slopes"] = slopes
     layer = cache.layers[self.layer_idx]
     mask = cache._layer_mask(layer, q_len, "mpt", q.dtype)  # [B, 1, q, N + q], True = masked out
-    k, v = cache.update(k, v, self.layer_idx, query=q)
+    # The layer's own update: Cache.update forwards extra keywords only from transformers 5.3 on.
+    k, v = layer.update(k, v, query=q)
     scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # [B, H, q, N + q]
     # Bias relative to the last query of the chunk (a per-row constant away from the true distance, which
     # softmax ignores) so that an uncompressed cache reproduces the stock module's numbers.

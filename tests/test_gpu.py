@@ -1,0 +1,123 @@
+"""GPU-only checks (``nox -s gpu``; skipped without CUDA): bf16 end to end, split-K at 32k context, and the
+compiled decode step replayed as a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devices import DEVICE, assert_within
+from kvkernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from kvmodels.generate import generate
+from kvmodels.llama import Llama, LlamaConfig
+from kvpolicies import compose
+
+pytestmark = pytest.mark.gpu
+
+POLICIES = ["full", "h2o", "keyformer", "snapkv", "squeeze+tova", "streaming+minicache"]
+
+
+def tiny_llama(dtype: torch.dtype) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=97, dim=128, n_layers=4, n_heads=8, n_kv_heads=2, intermediate=256,
+                              max_seq_len=512)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.to(DEVICE, dtype)
+
+
+def forced_logits(model: Llama, prompts: list[list[int]], forced: list[list[int]], policy, step_fn=None):
+    """Decode logits ``[T, B, V]`` (float32, CPU) with the tokens fed at each step forced to ``forced``
+    (teacher forcing), so runs that would diverge on a near-tie still see the same inputs."""
+    from kvmodels.cache import PagedKVCache
+
+    param = next(iter(model.parameters()))
+    layout, B, T = model.cache_layout(), len(prompts), len(forced[0])
+    cache = PagedKVCache(n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+                         n_q_heads=layout.n_q_heads, max_batch=B, max_tokens=max(map(len, prompts)) + T + 1,
+                         dtype=param.dtype, device=param.device, policy=policy)
+    step_fn = step_fn or model.decode_step
+    out = []
+    with torch.no_grad():
+        cache.start([len(p) for p in prompts], T + 1)
+        for b, p in enumerate(prompts):
+            model.prefill(torch.tensor(p, device=param.device), cache, b, last_only=True)
+        cache.finish_prefill()
+        positions = torch.tensor([len(p) for p in prompts], device=param.device)
+        for t in range(T):
+            cache.prepare_decode(t)
+            if param.is_cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            tokens = torch.tensor([f[t] for f in forced], device=param.device)
+            out.append(step_fn(tokens, positions + t, cache).float().cpu())
+            cache.after_step(t)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bf16_compiled_step_within_twice_eager_error(policy):
+    """Every layer of the stack in bf16 on the GPU (compiled kernels, compiled step, compressed cache): the
+    compiled step's logits are within twice the error of the eager bf16 step, both against the same model
+    in fp32, fed the same tokens."""
+    from kvmodels.generate import compile_decode_step
+
+    model = tiny_llama(torch.bfloat16)
+    reference = tiny_llama(torch.bfloat16).float()  # the same bf16 weights, computed in fp32
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (200, 37, 129)]
+    forced = [torch.randint(0, 97, (16,), generator=gen).tolist() for _ in prompts]
+    composed = compose(policy, budget=0.3)
+    truth = forced_logits(reference, prompts, forced, composed)
+    eager = forced_logits(model, prompts, forced, composed)
+    compiled = forced_logits(model, prompts, forced, composed, compile_decode_step(model))
+    assert_within(compiled, truth, eager, torch.bfloat16)
+    result = generate(model, prompts, 8, composed, compile=True)
+    if policy != "full":
+        assert result.report.total_bytes < result.report.full_cache_bytes
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 16])
+def test_split_k_at_32k_context_bf16(num_splits):
+    """One 32k-token sequence (and a short one beside it): the split-K reduction stays within twice the error
+    of plain bf16 torch against a float64 reference; the fused h2o update adds one unit of mass per head."""
+    gen = torch.Generator().manual_seed(5)
+    S, Hkv, G, D = 16, 8, 4, 128
+    lens = [32768, 100]
+    pages_per_seq = [-(-n // S) for n in lens]
+    P = sum(pages_per_seq)
+    k_pages = torch.randn(P, S, Hkv, D, generator=gen).to(torch.bfloat16)
+    v_pages = torch.randn(P, S, Hkv, D, generator=gen).to(torch.bfloat16)
+    table = torch.full((2, max(pages_per_seq)), -1, dtype=torch.int32)
+    perm = torch.randperm(P, generator=gen).to(torch.int32)
+    table[0, :pages_per_seq[0]] = perm[:pages_per_seq[0]]
+    table[1, :pages_per_seq[1]] = perm[pages_per_seq[0]:]
+    q = torch.randn(2, Hkv * G, D, generator=gen).to(torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    args = (q, k_pages, v_pages, table, seq_lens)
+    scale = D ** -0.5
+    exact = (a.double() if a.is_floating_point() else a for a in args)
+    truth = paged_decode_attention_ref(*exact, scale=scale)
+    plain = paged_decode_attention_ref(*args, scale=scale)  # torch at bf16 inputs, fp32 math
+    score = torch.zeros(P, S, Hkv, device=DEVICE)
+    out = paged_decode_attention(*(a.to(DEVICE) for a in args), scale=scale, score=score,
+                                 score_mode="accumulate", num_splits=num_splits)
+    assert_within(out, truth, plain, torch.bfloat16)
+    mass = [score.cpu()[table[b, :pages_per_seq[b]].long()].flatten(0, 1)[:lens[b]].sum(0) for b in range(2)]
+    for m in mass:  # [Hkv]
+        torch.testing.assert_close(m, torch.ones(Hkv), atol=1e-3, rtol=0)
+
+
+@pytest.mark.xfail(reason="issue 13: cache.append mutates cache tensors that inductor's CUDA graph trees "
+                          "do not treat as static, so capture is skipped ('mutated inputs')", strict=False)
+def test_compiled_decode_step_is_captured_as_a_cuda_graph():
+    """Fails if inductor skips CUDA graph capture of the compiled decode step (reduce-overhead)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(torch.bfloat16)
+    counters.clear()
+    result = generate(model, [[1, 2, 3, 4, 5], [6, 7]], 8, compose("h2o", budget=4), compile=True)
+    assert len(result.tokens[0]) == 8
+    skips = counters["inductor"].get("cudagraph_skips", 0)
+    assert skips == 0, f"inductor skipped CUDA graph capture {skips} time(s)"
