@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from devices import DEVICE
 from kvmodels.eval import plots, sweep, tasks
 from kvmodels.eval.sweep import Config, Plan
 from kvmodels.generate import generate
@@ -251,7 +252,7 @@ def tiny():
     model = Llama(cfg).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)  # sharp attention, so evictions change the logits
-    return model
+    return model.to(DEVICE)
 
 
 @pytest.mark.parametrize("name", ["squeeze+h2o", "keyformer"])
@@ -273,7 +274,7 @@ def test_perplexity_full_cache_matches_dense(tiny):
     g = torch.Generator().manual_seed(2)
     text = torch.randint(0, 64, (24,), generator=g).tolist()
     with torch.no_grad():
-        logits = tiny.prefill(torch.tensor(text), None, 0)  # [T, V] plain dense forward
+        logits = tiny.prefill(torch.tensor(text, device=DEVICE), None, 0).cpu()  # [T, V] plain dense forward
     dense = -torch.log_softmax(logits.double(), -1)[:-1].gather(1, torch.tensor(text[1:])[:, None]).mean()
     # Full cache: streaming from 12 tokens on gives the dense perplexity; budget T is pure prefill.
     rows = tasks.run_perplexity(tiny, text, compose("full"), [24, 12])

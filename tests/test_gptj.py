@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import DEVICE
 from test_model_policy_matrix import teacher_forced, widen
 
 transformers = pytest.importorskip("transformers")
@@ -20,7 +21,7 @@ def tiny_pair(n_heads: int, rotary_dim: int, head_dim: int, seed: int = 0):
                                   n_head=n_heads, rotary_dim=rotary_dim, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     hf = widen(transformers.GPTJForCausalLM(cfg), seed=seed)
-    return hf, GPTJ.from_hf(hf)
+    return hf, GPTJ.from_hf(hf).to(DEVICE)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -30,7 +31,7 @@ def test_prefill_and_decode_match_transformers(case):
     seqs = [torch.randint(0, 61, (n,)) for n in (11, 4, 7)]
     with torch.no_grad():
         want = [hf(s[None]).logits[0] for s in seqs]
-        dense = [ours.prefill(s, None, 0) for s in seqs]
+        dense = [ours.prefill(s.to(DEVICE), None, 0).cpu() for s in seqs]
     got = teacher_forced(ours, seqs, [6, 1, 7])
     for w, d, g in zip(want, dense, got):
         torch.testing.assert_close(d, w, atol=1e-4, rtol=1e-4)
@@ -54,7 +55,7 @@ def test_from_pretrained_directory(tmp_path):
     loaded = GPTJ.from_pretrained(str(tmp_path))
     t = torch.randint(0, 61, (9,))
     with torch.no_grad():
-        torch.testing.assert_close(loaded.prefill(t, None, 0), ours.prefill(t, None, 0))
+        torch.testing.assert_close(loaded.prefill(t, None, 0), ours.cpu().prefill(t, None, 0))
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(rotary_dim=3), "rotary_dim"),

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from devices import DEVICE  # noqa: E402
 from kvpolicies import compose  # noqa: E402
 from kvpolicies.hf import PolicyCache, UnsupportedModelError, compressed, hf_cache  # noqa: E402
 
@@ -80,7 +81,7 @@ def tiny(kind: str, attn: str = "sdpa", n_layers: int = 3) -> torch.nn.Module:
     # No eos: generate(min_new_tokens=...) would mask it (Llama's eos is token 2) where kvmodels does not,
     # and every run here must produce exactly NEW tokens on both sides.
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model.eval().to(DEVICE)
 
 
 _MODELS: dict[tuple[str, str, int], torch.nn.Module] = {}
@@ -104,7 +105,7 @@ def left_pad(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     for b, p in enumerate(batch):
         ids[b, width - len(p) :] = torch.tensor(p)
         mask[b, width - len(p) :] = 1
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 def run(model: torch.nn.Module, batch: list[list[int]], policy=None, new: int = NEW):
@@ -401,7 +402,7 @@ def smollm2_hf(monkeypatch):
         pytest.skip(str(e))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         loaded.directory, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    ).eval().to(DEVICE)
     # kvmodels' generate runs every row to max_new_tokens (no eos given); make transformers do the same, so
     # a row that happens to emit <|im_end|> is not padded by generate while the in-house row goes on.
     monkeypatch.setattr(model.generation_config, "eos_token_id", None)

@@ -10,6 +10,7 @@ from importlib.resources import files
 import pytest
 import torch
 
+from devices import DEVICE
 from kvmodels.generate import generate
 from kvmodels.lckv import LCKV, LCKVConfig, train_step
 from kvmodels.llama import Llama, LlamaConfig
@@ -23,7 +24,8 @@ def tiny(warmup_bottom: int, warmup_top: int, n_layers: int = 4, seed: int = 0, 
     lc = LlamaConfig(vocab_size=vocab, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, intermediate=48,
                      max_seq_len=128)
     torch.manual_seed(seed)
-    return widen(LCKV(LCKVConfig(lc, warmup_bottom=warmup_bottom, warmup_top=warmup_top)), seed=seed)
+    model = LCKV(LCKVConfig(lc, warmup_bottom=warmup_bottom, warmup_top=warmup_top))
+    return widen(model, seed=seed).to(DEVICE)
 
 
 @pytest.mark.parametrize("warmup", WARMUPS)
@@ -32,8 +34,8 @@ def test_theorem1_parallel_iterations_equal_sequential_decoding(warmup):
     n = 9
     seq = torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        parallel = model.prefill(seq, None, 0, iterations=n)
-        short = model.prefill(seq, None, 0, iterations=2)
+        parallel = model.prefill(seq.to(DEVICE), None, 0, iterations=n).cpu()
+        short = model.prefill(seq.to(DEVICE), None, 0, iterations=2).cpu()
     # Sequential: the first token alone (one pass is exact for it), then one decode step per token.
     sequential = teacher_forced(model, [seq], [1])[0]
     torch.testing.assert_close(parallel, sequential, atol=1e-4, rtol=1e-4)
@@ -45,7 +47,7 @@ def test_kv_convergence_is_traced():
     model = tiny(1, 1)
     seq = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        _, changes = model.iterate(seq, 12, trace=True)
+        _, changes = model.iterate(seq.to(DEVICE), 12, trace=True)
     assert len(changes) == 11
     assert changes[0] > 1e-3 and changes[-1] < 1e-6 * changes[0]
 
@@ -68,8 +70,8 @@ def test_init_from_llama_checkpoint():
                      max_seq_len=64)
     torch.manual_seed(0)
     hf = widen(transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_to_hf(lc))))
-    llama: Llama = from_transformers(hf)
-    seq = torch.randint(0, 50, (10,))
+    llama: Llama = from_transformers(hf).to(DEVICE)
+    seq = torch.randint(0, 50, (10,), device=DEVICE)
     # All layers warmup: LCKV is exactly the Llama it came from (the weight map is right).
     same = LCKV.from_llama(llama, warmup_bottom=2, warmup_top=2)
     with torch.no_grad():

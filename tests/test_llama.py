@@ -2,7 +2,8 @@
 
 Random tiny configs drawn by Hypothesis: GQA ratios, odd head counts, RoPE scaling variants, tied and
 untied embeddings. Decoding goes through a plain dense reference cache written here for clarity (the
-protocol's oracle) and through the product ``PagedKVCache`` with the ``full`` policy.
+protocol's oracle) and through the product ``PagedKVCache`` with the ``full`` policy. transformers runs
+on the CPU (the oracle); the in-house model and its caches run on the suite's device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from devices import DEVICE  # noqa: E402
 from kvmodels.llama import Llama, LlamaConfig, rope_inv_freq  # noqa: E402
 from kvmodels.loading import from_transformers, llama_config_to_hf  # noqa: E402
 
@@ -39,7 +41,7 @@ class DenseCache:
         self.v = [[None] * len(prompt_lens) for _ in range(self.n_layers)]
 
     def prefill_layer(self, l, b, q, k, v, positions, *, scale, alibi_slopes=None):
-        assert torch.equal(positions, torch.arange(len(positions)))
+        assert torch.equal(positions.cpu(), torch.arange(len(positions)))
         self.k[l][b], self.v[l][b] = k.clone(), v.clone()
 
     def record_cos_sim(self, l, b, value):
@@ -79,7 +81,7 @@ def tiny_pair(seed: int, n_kv_heads: int, group: int, head_dim: int, n_layers: i
                 p.normal_(0, 0.2)
     ours = from_transformers(hf)
     assert ours.config == config
-    return hf, ours
+    return hf, ours.to(DEVICE)
 
 
 configs = st.fixed_dictionaries({
@@ -99,7 +101,7 @@ def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item() + 1e-6, rtol=1e-4)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5 * want.abs().max().item() + 1e-6, rtol=1e-4)
 
 
 @given(cfg=configs, length=st.integers(1, 40))
@@ -107,8 +109,8 @@ def test_prefill_logits_match_transformers(cfg, length):
     hf, ours = tiny_pair(**cfg)
     tokens = torch.randint(0, 61, (length,), generator=torch.Generator().manual_seed(cfg["seed"]))
     with torch.no_grad():
-        got = ours.prefill(tokens, None, 0)
-        last = ours.prefill(tokens, None, 0, last_only=True)
+        got = ours.prefill(tokens.to(DEVICE), None, 0)
+        last = ours.prefill(tokens.to(DEVICE), None, 0, last_only=True)
     want = hf_logits(hf, tokens)
     assert got.shape == (length, 61)
     assert_close(got, want)
@@ -138,14 +140,15 @@ def test_decode_through_cache_matches_transformers(cache_kind, cfg, lens, n_new)
     cache.start(lens, n_new)
     with torch.no_grad():
         for b, (seq, n) in enumerate(zip(seqs, lens)):
-            assert_close(ours.prefill(seq[:n], cache, b, last_only=True), hf_logits(hf, seq[:n])[-1:])
+            got = ours.prefill(seq[:n].to(DEVICE), cache, b, last_only=True)
+            assert_close(got, hf_logits(hf, seq[:n])[-1:])
         cache.finish_prefill()
         wants = [hf_logits(hf, seq) for seq in seqs]
         for step in range(n_new):
             if cache_kind == "paged":
                 cache.prepare_decode(step)
-            tokens = torch.stack([seq[n + step] for seq, n in zip(seqs, lens)])
-            positions = torch.tensor(lens) + step
+            tokens = torch.stack([seq[n + step] for seq, n in zip(seqs, lens)]).to(DEVICE)
+            positions = torch.tensor(lens, device=DEVICE) + step
             logits = ours.decode_step(tokens, positions, cache)
             if cache_kind == "paged":
                 cache.after_step(step)
@@ -177,7 +180,7 @@ def test_cos_sim_statistic_matches_transformers_hidden_states(cfg, length):
     cache = DenseCache(ours.n_cache_layers)
     cache.start([length], 1)
     with torch.no_grad():
-        ours.prefill(tokens, cache, 0)
+        ours.prefill(tokens.to(DEVICE), cache, 0)
     for l in range(ours.n_cache_layers):
         h_in, attn = captured["in", l], captured["attn", l]
         want = torch.nn.functional.cosine_similarity(h_in, h_in + attn, dim=-1).mean().item()

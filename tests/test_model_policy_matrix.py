@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from devices import DEVICE
 from kvmodels.cache import PagedKVCache
 from kvmodels.generate import compile_decode_step, generate
 from kvmodels.gptj import GPTJ, GPTJConfig
@@ -57,15 +58,18 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
                                 warmup_top=1, forward_iterations=3, backward_iterations=1))
     else:
         raise ValueError(family)
-    return widen(model, seed=seed)
+    return widen(model, seed=seed).to(DEVICE)
 
 
 def teacher_forced(model, seqs: list[torch.Tensor], prompt_lens: list[int], policy=None, *,
                    page_size: int = 4, before_step=None) -> list[torch.Tensor]:
     """Logits ``[len(seq), V]`` per sequence: prompt by ``prefill``, then the rest fed one token per decode
     step (all sequences batched, shortest ones finishing early). ``before_step(cache, step)`` runs after
-    ``prepare_decode`` (to inspect what each layer holds)."""
+    ``prepare_decode`` (to inspect what each layer holds). Runs on the model's device; the logits come
+    back on the CPU."""
     policy = policy or compose("full")
+    device = next(model.parameters()).device
+    seqs = [s.to(device) for s in seqs]
     n_new = max(len(s) - L for s, L in zip(seqs, prompt_lens))
     cache = PagedKVCache(**vars(model.cache_layout()), max_batch=len(seqs),
                          max_tokens=max(prompt_lens) + n_new, page_size=page_size, policy=policy)
@@ -82,14 +86,14 @@ def teacher_forced(model, seqs: list[torch.Tensor], prompt_lens: list[int], poli
             cache.prepare_decode(step)
             if before_step is not None:
                 before_step(cache, step)
-            pos = torch.tensor([min(L + step, len(s) - 1) for s, L in zip(seqs, prompt_lens)])
+            pos = torch.tensor([min(L + step, len(s) - 1) for s, L in zip(seqs, prompt_lens)], device=device)
             tok = torch.stack([s[p] for s, p in zip(seqs, pos)])
             logits = model.decode_step(tok, pos, cache)
             cache.after_step(step)
             for b, (s, L) in enumerate(zip(seqs, prompt_lens)):
                 if L + step < len(s):
                     out[b].append(logits[b : b + 1])
-    return [torch.cat(o) for o in out]
+    return [torch.cat(o).cpu() for o in out]
 
 
 FAMILIES = ["llama", "gptj", "mpt", "lckv"]
@@ -146,7 +150,7 @@ def test_cache_holds_at_most_budget_plus_evict_every(models, family, spec):
 
     def before_step(cache, step):
         n = cache.batch_size
-        held.append((cache.seq_lens[:, :n].clone(), cache.budgets[:, :n].clone(), cache.active[:n].clone()))
+        held.append((cache.seq_lens[:, :n].cpu(), cache.budgets[:, :n].cpu(), cache.active[:n].cpu()))
 
     teacher_forced(model, seqs, lens, policy, before_step=before_step)
     for seq_lens, budgets, active in held:
@@ -172,9 +176,9 @@ def test_full_policy_equals_dense_forward(models, family):
     for s, g in zip(seqs, got):
         if family == "lckv":
             # Decoding is sequential; the dense equivalent is the parallel form with one pass per token.
-            want = model.prefill(s, None, 0, iterations=len(s))
+            want = model.prefill(s.to(DEVICE), None, 0, iterations=len(s)).cpu()
         else:
-            want = model.prefill(s, None, 0)
+            want = model.prefill(s.to(DEVICE), None, 0).cpu()
         torch.testing.assert_close(g, want, atol=1e-4, rtol=1e-4)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import DEVICE
 from test_model_policy_matrix import teacher_forced, widen
 
 transformers = pytest.importorskip("transformers")
@@ -20,7 +21,7 @@ def tiny_pair(n_heads: int, clip_qkv=None, seed: int = 0):
                                  max_seq_len=64, attn_config={"clip_qkv": clip_qkv})
     torch.manual_seed(seed)
     hf = widen(transformers.MptForCausalLM(cfg), seed=seed)
-    return hf, MPT.from_hf(hf)
+    return hf, MPT.from_hf(hf).to(DEVICE)
 
 
 @pytest.mark.parametrize("n_heads", [1, 2, 3, 4, 5, 6, 8, 12])
@@ -38,7 +39,7 @@ def test_prefill_and_decode_match_transformers(n_heads, clip):
     seqs = [torch.randint(0, 61, (n,)) for n in (12, 3, 8)]
     with torch.no_grad():
         want = [hf(s[None]).logits[0] for s in seqs]
-        dense = [ours.prefill(s, None, 0) for s in seqs]
+        dense = [ours.prefill(s.to(DEVICE), None, 0).cpu() for s in seqs]
     got = teacher_forced(ours, seqs, [7, 1, 5])
     for w, d, g in zip(want, dense, got):
         torch.testing.assert_close(d, w, atol=1e-4, rtol=1e-4)
@@ -47,7 +48,9 @@ def test_prefill_and_decode_match_transformers(n_heads, clip):
 
 def masked_forward(model: MPT, tokens: torch.Tensor, visible: list[torch.Tensor]) -> torch.Tensor:
     """Dense MPT over ``tokens [L]`` where layer ``l``'s query ``i`` of head ``h`` sees key ``j`` iff
-    ``visible[l][h, i, j]``; ALiBi from the true positions. Written for clarity (the oracle)."""
+    ``visible[l][h, i, j]``; ALiBi from the true positions. Written for clarity (the oracle); runs on the
+    CPU."""
+    model = model.cpu()
     c = model.config
     L = tokens.shape[0]
     pos = torch.arange(L)
@@ -76,7 +79,7 @@ def test_alibi_after_eviction_equals_full_cache_restricted_to_kept_tokens(spec):
     def before_step(cache, step):
         i = prompt_len + step  # the query's position; it sees the kept tokens and itself
         for l in range(L_layers):
-            kept = cache.layer_contents(l, 0)["pos"].long()  # [n_kept, H] original positions
+            kept = cache.layer_contents(l, 0)["pos"].long().cpu()  # [n_kept, H] original positions
             row = torch.zeros(H, n, dtype=torch.bool)
             row.scatter_(1, kept.t(), True)
             row[:, i] = True

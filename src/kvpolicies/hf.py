@@ -777,7 +777,8 @@ class PolicyCache(Cache):
         total = int(nbytes.sum())
         self.peak_bytes = max(self.peak_bytes, total)
         pairs = tuple(self.merged_pairs)
-        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, self.layer_budgets, pairs)
+        budgets = None if self.layer_budgets is None else self.layer_budgets.cpu()
+        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, budgets, pairs)
 
     def kept_positions(self, layer_idx: int, b: int) -> torch.Tensor:
         """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``.
