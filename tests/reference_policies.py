@@ -113,13 +113,17 @@ def default_decode_noise(seed: int, n_q_heads: int) -> Callable[[int, int], torc
 
 # ---------------------------------------------------------------------------------------------------------
 # the papers' rules
-def resolve_budget(name: str, params: dict[str, Any], budget: float | int, prompt_len: int) -> int:
-    """Tokens per head for one sequence (docs/contract.md §4), or the prompt length for ``full``."""
+def resolve_budget(name: str, params: dict[str, Any], budget: float | int, prompt_len: int,
+                   min_tokens: int = 4) -> int:
+    """Tokens per head for one sequence (docs/contract.md §4), or the prompt length for ``full``.
+
+    A fraction of the prompt, rounded up, at most the prompt; an int is a cache size, taken as is. Then
+    raised to the floor: ``min_tokens`` or, for streaming, its sinks + 1 if that is more.
+    """
     if name == "full":
         return prompt_len
-    b = math.ceil(budget * prompt_len - 1e-9) if isinstance(budget, float) else budget
-    b = min(b, prompt_len)
-    minimum = params["sinks"] + 1 if name == "streaming" else 1
+    b = min(math.ceil(budget * prompt_len - 1e-9), prompt_len) if isinstance(budget, float) else budget
+    minimum = max(min_tokens, params["sinks"] + 1 if name == "streaming" else 1)
     return max(b, minimum)
 
 

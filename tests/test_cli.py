@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from kvmodels.cli import build_parser, main  # noqa: E402
+from kvmodels.cli import CPU_COMPILE_FROM, build_parser, choose_compile, conversion_note, main  # noqa: E402
 
 WORDS = ["<eos>", "hello", "world", "the", "cache", "is", "small", "big", "a", "b"]
 
@@ -61,7 +61,10 @@ def test_help_explains_every_option(capsys):
     (["--model", "/no/such/model", "hi"], "checkpoint not found"),
     (["--max-new-tokens", "0", "hi"], "--max-new-tokens"),
     (["--batch-file", "/no/such/file.txt"], "cannot read --batch-file"),
+    (["--prompt-file", "/no/such/file.txt"], "cannot read --prompt-file"),
     ([], "no prompt given"),
+    ([""], "the prompt is empty"),
+    (["  ", " "], "the prompt is empty"),
 ])
 def test_bad_input_is_one_line(capsys, argv, needle):
     rc, out, err = run_cli(capsys, *argv)
@@ -84,13 +87,42 @@ def test_generation_on_a_tiny_checkpoint(capsys, tiny_ckpt, tmp_path):
                            "--policy", "streaming", "--budget", "0.5", "hello world the cache is small " * 3)
     assert rc == 0
     assert len(out.split()) == 5 and all(w in WORDS for w in out.split())
-    assert "decode 4 tokens" in err and "KV cache:" in err and "(50.0%)" in err
+    assert "decode 4 tokens" in err and "KV cache:" in err and "(50.0%; full = every prompt" in err
+    assert "cpu float32, eager decode step" in err
     assert "layer budgets (sequence 0): 9 9" in err  # ceil(0.5 * 18)
     (tmp_path / "batch.txt").write_text("hello world\nthe cache is big\n")
     rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "3",
                            "--batch-file", str(tmp_path / "batch.txt"))
     assert rc == 0 and "[0] hello world" in out and "[1] the cache is big" in out
     assert "layer budgets (sequence 1)" in err
+
+
+def test_prompt_file_is_one_prompt(capsys, tiny_ckpt, tmp_path):
+    (tmp_path / "p.txt").write_text("hello world\nthe cache is small\n")
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "2",
+                           "--prompt-file", str(tmp_path / "p.txt"))
+    assert rc == 0 and "1 prompt(s), 6 tokens" in err
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    rc, _, err = run_cli(capsys, "--prompt-file", str(tmp_path / "empty.txt"))
+    assert rc == 2 and "is empty" in err and err.count("\n") == 1
+
+
+def test_compile_default_is_the_faster_path():
+    assert choose_compile(None, "cuda", 1)[0] is True
+    assert choose_compile(None, "cpu", CPU_COMPILE_FROM - 1)[0] is False
+    assert choose_compile(None, "cpu", CPU_COMPILE_FROM)[0] is True
+    assert choose_compile(False, "cuda", 10**6) == (False, "as asked")
+    assert "compiling costs" in choose_compile(None, "cpu", 10)[1]
+
+
+def test_conversion_note_names_place_size_and_variable(tmp_path):
+    from kvmodels.loading import LoadedModel
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 3_000_000)
+    fresh = LoadedModel(model=None, tokenizer=None, hf_config={}, directory=tmp_path, converted=True)
+    note = conversion_note(fresh)
+    assert str(tmp_path) in note and "(3 MB)" in note and "KVPOLICIES_CACHE" in note
+    assert conversion_note(LoadedModel(None, None, {}, tmp_path)) is None  # a cache hit says nothing
 
 
 def test_entry_point_error_has_no_traceback():

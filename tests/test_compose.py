@@ -133,23 +133,31 @@ def test_budget_tokens(lens, budget, name):
     policy = compose(name, budget=budget)
     got = policy.budget_tokens(torch.tensor(lens, dtype=torch.int32))
     assert got.dtype == torch.int64
-    m = policy.eviction.min_budget()
+    m = policy.floor
+    assert m == max(4, policy.eviction.min_budget())
     for L, b in zip(lens, got.tolist()):
         if name == "full":
             assert b == L
             continue
+        if isinstance(budget, int):  # a cache size: not capped at the prompt
+            assert b == max(m, budget)
+            continue
         assert b >= m and (b <= L or b == m)
-        if isinstance(budget, int):
-            assert b == max(m, min(L, budget))
-        elif m < b < L:   # not clamped: b is the fraction rounded up
+        if m < b < L:   # not clamped: b is the fraction rounded up
             assert budget * L - 1e-6 <= b < budget * L + 1
 
 
 def test_budget_tokens_examples():
     policy = compose("h2o", budget=0.2)
-    assert policy.budget_tokens(torch.tensor([0, 1, 5, 10, 11, 100])).tolist() == [1, 1, 1, 2, 3, 20]
-    assert compose("h2o", budget=8).budget_tokens(torch.tensor([3, 8, 50])).tolist() == [3, 8, 8]
+    assert policy.budget_tokens(torch.tensor([0, 1, 5, 10, 11, 100])).tolist() == [4, 4, 4, 4, 4, 20]
+    one = compose("h2o", budget=0.2, min_tokens=1)
+    assert one.budget_tokens(torch.tensor([0, 1, 5, 10, 11, 100])).tolist() == [1, 1, 1, 2, 3, 20]
+    # An int is a cache size, whatever the prompt length (the prompt is kept whole while it fits).
+    assert compose("h2o", budget=8).budget_tokens(torch.tensor([3, 8, 50])).tolist() == [8, 8, 8]
+    assert compose("h2o", budget=256).budget_tokens(torch.tensor([36])).tolist() == [256]
+    assert compose("h2o", budget=1).budget_tokens(torch.tensor([36])).tolist() == [4]  # the floor
     assert compose("streaming", budget=2).budget_tokens(torch.tensor([3, 50])).tolist() == [5, 5]
+    assert compose("streaming", budget=2, streaming={"sinks": 8}).floor == 9
     assert compose(budget=0.1).budget_tokens(torch.tensor([7])).tolist() == [7]
     with pytest.raises(TypeError, match="prompt_lens"):
         policy.budget_tokens(torch.tensor([1.0]))

@@ -357,14 +357,57 @@ def test_policy_must_be_composed():
         hf_cache(H2O(), model_of("llama"))
 
 
-def test_keyformer_needs_max_new_tokens():
+@pytest.mark.parametrize("name", ["h2o", "keyformer", "tova", "a2sf", "scissorhands", "squeeze+snapkv"])
+def test_generate_tells_the_cache_its_length(name):
+    """hf_cache(policy, model) needs no max_new_tokens: generate's own (keyword or max_length) reaches the
+    cache, and the run equals one given the length explicitly."""
+    model = model_of("llama")
+    ids, mask = left_pad(prompts([12, 9], seed=5))
+    policy = compose(name, budget=0.4)
+    for length in (dict(max_new_tokens=5), dict(max_length=ids.shape[1] + 5)):
+        cache = policy.hf_cache(model)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, past_key_values=cache,
+                                 pad_token_id=0, **length)
+        assert cache.max_new_tokens == 5
+        explicit, _ = run(model, prompts([12, 9], seed=5), policy, new=5)
+        assert out[:, ids.shape[1]:].tolist() == explicit
+
+
+def test_keyformer_by_hand_needs_max_new_tokens():
+    """Outside generate nobody knows the generation length; Keyformer's schedule says what to pass."""
     model = model_of("llama")
     cache = PolicyCache(compose("keyformer", budget=0.5), model)
     ids, mask = left_pad(prompts([9]))
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache
-        )
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        nxt = torch.ones(1, 1, dtype=torch.int64, device=DEVICE)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                  past_key_values=cache, use_cache=True)
+
+
+def test_report_is_a_table_and_keeps_its_fields():
+    model = model_of("llama")
+    _, cache = run(model, prompts([20, 12], seed=2), compose("h2o", budget=0.25))
+    rep = cache.report()
+    text = str(rep)
+    assert text.splitlines()[0].split()[:3] == ["layer", "MiB", "tokens"]
+    assert len(text.splitlines()) == len(cache.layers) + 2  # header, one row per layer, the total
+    assert "full = every prompt and generated token" in text and "tensor(" not in text
+    # full: K+V x 3 layers x (20 + 12 prompt + 2 x 7 generated tokens) x 2 KV heads x 16 dims x fp32
+    assert rep.full_cache_bytes == 2 * 3 * (20 + 12 + 2 * (NEW - 1)) * 2 * 16 * 4
+    assert 0 < rep.total_bytes < rep.full_cache_bytes and rep.tokens_per_layer.shape == (3, 2)
+
+
+def test_hf_is_reachable_from_the_package_lazily():
+    code = (
+        "import sys, kvpolicies\n"
+        "assert 'transformers' not in sys.modules and 'kvpolicies.hf' not in sys.modules\n"
+        "print(kvpolicies.hf.compressed.__name__, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["compressed", "True"]
 
 
 def test_beam_search_is_refused():

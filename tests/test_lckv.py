@@ -93,7 +93,7 @@ def test_policies_on_lckv_cache_layers(spec):
     res = generate(model, prompts, 5, policy)
     assert len(res.report.bytes_per_layer) == 2
     budgets = torch.tensor(res.report.layer_budgets)  # [Lc, B]
-    assert torch.equal(budgets.sum(0), 2 * torch.tensor([max(policy.eviction.min_budget(), -(-len(p) // 2))
+    assert torch.equal(budgets.sum(0), 2 * torch.tensor([max(policy.floor, -(-len(p) // 2))
                                                          for p in prompts]))
 
 

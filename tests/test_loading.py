@@ -122,7 +122,9 @@ def test_quantized_gguf_loads_to_matching_logits(tmp_path, monkeypatch):
     _, sd = read_gguf(tmp_path / "q.gguf")
     hf.load_state_dict(sd)  # transformers on the dequantised tensors is the oracle
     loaded = load_checkpoint(tmp_path / "q.gguf")
-    assert loaded.directory.parent == tmp_path / "cache"
+    assert loaded.directory.parent == tmp_path / "cache" and loaded.converted
+    weights = (loaded.directory / "model.safetensors").stat().st_size
+    assert loading.directory_bytes(loaded.directory) >= weights
     tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model.prefill(tokens, None, 0), hf(tokens[None]).logits[0],
@@ -133,7 +135,7 @@ def test_quantized_gguf_loads_to_matching_logits(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loading, "convert_gguf", no_convert)
     again = load_checkpoint(tmp_path / "q.gguf")
-    assert again.directory == loaded.directory
+    assert again.directory == loaded.directory and not again.converted
     st = os.stat(tmp_path / "q.gguf")
     os.utime(tmp_path / "q.gguf", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file
     with pytest.raises(AssertionError, match="converted again"):

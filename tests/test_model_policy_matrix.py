@@ -159,7 +159,7 @@ def test_cache_holds_at_most_budget_plus_evict_every(models, family, spec):
         # Before this step's append a layer holds at most budget + evict_every - 1 tokens.
         assert bool((seq_lens[:, active] <= budgets[:, active] + evict_every - 1).all())
     budgets = held[0][1].to(torch.int64)
-    per_layer = torch.tensor([max(policy.eviction.min_budget(), -(-L // 2)) for L in lens])
+    per_layer = torch.tensor([max(policy.floor, -(-L // 2)) for L in lens])
     if spec[0] != "full":
         assert torch.equal(budgets.sum(0), model.n_cache_layers * per_layer)
 

@@ -328,6 +328,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     hf_config: dict[str, Any]
     directory: Path
+    converted: bool = False  # this call wrote ``directory`` (a GGUF's first load, see :func:`cache_dir`)
 
 
 def default_model_path() -> Path:
@@ -373,14 +374,21 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
     return out
 
 
-def _cached_conversion(path: Path) -> Path:
+def _cached_conversion(path: Path) -> tuple[Path, bool]:
+    """The converted copy of the GGUF ``path`` under :func:`cache_dir`, and whether this call wrote it."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / f"{path.stem}-{key}"
-    if not (out / "config.json").exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(path, out)
-    return out
+    if (out / "config.json").exists():
+        return out, False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convert_gguf(path, out)
+    return out, True
+
+
+def directory_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of the files under ``path`` (the size a converted model takes on disk)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.dtype | None = torch.float32,
@@ -406,13 +414,14 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.
     from safetensors.torch import load_file
 
     p = Path(path) if path is not None else default_model_path()
+    converted = False
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p}; pass a Hugging Face directory (config.json + "
                                 "*.safetensors) or a .gguf file")
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise CheckpointError(f"{p} is not a .gguf file; pass a .gguf file or a checkpoint directory")
-        p = _cached_conversion(p)
+        p, converted = _cached_conversion(p)
     if not (p / "config.json").exists():
         raise CheckpointError(f"{p} has no config.json; pass a Hugging Face checkpoint directory or a "
                               ".gguf file")
@@ -428,4 +437,4 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.
         sd.update(load_file(str(f)))
     model = _build(cfg, sd, dtype=dtype, device=device)
     tokenizer = Tokenizer(p) if (p / "tokenizer.json").exists() else None
-    return LoadedModel(model=model, tokenizer=tokenizer, hf_config=cfg, directory=p)
+    return LoadedModel(model=model, tokenizer=tokenizer, hf_config=cfg, directory=p, converted=converted)

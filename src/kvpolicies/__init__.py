@@ -7,7 +7,8 @@
 
 Three roles: eviction (which tokens a layer keeps), budget (how many each layer keeps), merge (which
 layers share storage). ``available()`` lists the registered policies; third-party packages add their own
-through the ``kvpolicies.policies`` entry-point group.
+through the ``kvpolicies.policies`` entry-point group. ``kvpolicies.hf`` (the ``transformers`` bridge) is
+imported on first use, so ``transformers`` stays an optional extra.
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ from . import budget, eviction, merge  # noqa: F401  (importing registers the bu
 from .base import BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, Policy
 from .compose import ComposedPolicy, compose
 from .registry import PolicyInfo, UnknownPolicyError, available, get_policy, register_policy
+
+
+def __getattr__(name: str):
+    """``kvpolicies.hf`` on first access (it imports ``transformers``, an optional extra)."""
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'kvpolicies' has no attribute {name!r}")
+
 
 __all__ = [
     "BudgetPolicy",

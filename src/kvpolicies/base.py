@@ -100,6 +100,8 @@ class EvictionPolicy(Policy):
     prefill_mode: ClassVar[ScoreMode | None] = None
     prefill_compress: ClassVar[bool] = True   # compress the prompt to the budget after prefill
     decode_evict: ClassVar[bool] = True       # evict during decoding
+    # Whether ``decode_kwargs`` depends on the generation length (Keyformer's temperature schedule).
+    needs_max_new_tokens: ClassVar[bool] = False
 
     def prefill_window(self, prompt_len: int) -> int:
         """Query rows (the last ``window``) that score the prompt; 0 = all rows."""

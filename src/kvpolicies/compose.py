@@ -28,7 +28,8 @@ from .registry import _REGISTRY, available, get_policy
 # Roles left out of a composition get these; their names are omitted from ``ComposedPolicy.name``.
 DEFAULTS = {"eviction": "full", "budget": "uniform", "merge": "none"}
 _NAME_ORDER = ("budget", "eviction", "merge")      # canonical order of names: "squeeze+keyformer"
-_OPTIONS = ("budget", "evict_every", "seed")       # compose's keywords that are not policy names
+_OPTIONS = ("budget", "evict_every", "seed", "min_tokens")  # compose's keywords that are not policy names
+MIN_TOKENS = 4  # default floor of every layer's budget: StreamingLLM's four attention sinks
 
 
 def _check_budget(budget: object) -> None:
@@ -60,10 +61,13 @@ class ComposedPolicy:
     Attributes
     ----------
     eviction, budget_policy, merge : the three role policies.
-    budget : float in (0, 1] (fraction of each prompt) or int >= 1 (tokens per layer); docs/contract.md §4.
+    budget : float in (0, 1] (fraction of each prompt) or int >= 1 (cache size in tokens per layer: what a
+        layer may grow to and is held at while decoding, whatever the prompt length); docs/contract.md §4.
     evict_every : int >= 1 — decode-time eviction runs every ``evict_every`` steps, so a layer holds at most
         ``budget + evict_every - 1`` tokens between steps.
     seed : int — seeds stochastic scores (Keyformer's Gumbel noise).
+    min_tokens : int >= 1 — no layer's budget falls below ``max(min_tokens, eviction.min_budget())``
+        (:attr:`floor`), however small the budget or however far a layer-budget policy moves it.
     """
 
     eviction: EvictionPolicy
@@ -72,6 +76,7 @@ class ComposedPolicy:
     budget: float | int = 1.0
     evict_every: int = 1
     seed: int = 0
+    min_tokens: int = MIN_TOKENS
 
     def __post_init__(self) -> None:
         roles = (("eviction", EvictionPolicy), ("budget_policy", BudgetPolicy), ("merge", MergePolicy))
@@ -81,6 +86,7 @@ class ComposedPolicy:
         _check_budget(self.budget)
         _check_count("evict_every", self.evict_every, 1)
         _check_count("seed", self.seed, None)
+        _check_count("min_tokens", self.min_tokens, 1)
         if self.eviction.name == DEFAULTS["eviction"] and self.budget_policy.name != DEFAULTS["budget"]:
             name = self.budget_policy.name
             raise ValueError(f"budget policy {name!r} needs an eviction policy: 'full' keeps every token; "
@@ -102,7 +108,8 @@ class ComposedPolicy:
     def spec(self) -> dict[str, Any]:
         """A JSON-able dict that ``compose`` turns back into an equal object."""
         out: dict[str, Any] = {"policies": self.name.split("+"), "budget": self.budget,
-                               "evict_every": self.evict_every, "seed": self.seed}
+                               "evict_every": self.evict_every, "seed": self.seed,
+                               "min_tokens": self.min_tokens}
         for p in self.policies().values():
             if p.params():
                 out[p.name] = p.params()
@@ -114,8 +121,9 @@ class ComposedPolicy:
 
     def __repr__(self) -> str:
         params = "".join(f", {p.name}={p.params()!r}" for p in self.policies().values() if p.params())
+        floor = "" if self.min_tokens == MIN_TOKENS else f", min_tokens={self.min_tokens}"
         return (f"ComposedPolicy({self.name!r}, budget={self.budget!r}, evict_every={self.evict_every}, "
-                f"seed={self.seed}{params})")
+                f"seed={self.seed}{floor}{params})")
 
     def __str__(self) -> str:
         parts = []
@@ -137,13 +145,19 @@ class ComposedPolicy:
         return hf_cache(self, model, **kw)
 
     # -- budgets ------------------------------------------------------------------------------------------
+    @property
+    def floor(self) -> int:
+        """The fewest tokens any layer's budget holds: ``max(min_tokens, eviction.min_budget())``."""
+        return max(self.min_tokens, self.eviction.min_budget())
+
     def budget_tokens(self, prompt_lens: torch.Tensor) -> torch.Tensor:
         """Per-sequence, per-layer token budgets (docs/contract.md §4).
 
-        ``min(prompt_len, ceil(budget * prompt_len))`` for a fraction or ``min(prompt_len, budget)`` for
-        an int, then raised to the eviction policy's ``min_budget`` (so only a prompt shorter than
-        ``min_budget`` gets a budget above its length). ``full`` keeps everything: its budget is the
-        prompt length.
+        A fraction gives ``ceil(budget * prompt_len)``: the prompt is compressed to that and, with
+        decode-time eviction, the cache is held there. An int is a cache size (StreamingLLM's and H2O's
+        "cache size"): the prompt is kept whole while it fits, the cache grows to ``budget`` tokens per layer
+        while decoding and is held there; it is not capped at the prompt length. Both are then raised to
+        :attr:`floor`. ``full`` keeps everything: its budget is the prompt length.
 
         Parameters
         ----------
@@ -164,10 +178,10 @@ class ComposedPolicy:
             return lens.clone()
         if isinstance(self.budget, float):
             # The 1e-9 guard keeps binary rounding from adding a token (0.2 * 5 = 1.0000000000000002).
-            raw = torch.ceil(lens.to(torch.float64) * self.budget - 1e-9).to(torch.int64)
+            raw = torch.minimum(torch.ceil(lens.to(torch.float64) * self.budget - 1e-9).to(torch.int64), lens)
         else:
             raw = torch.full_like(lens, self.budget)
-        return torch.clamp(torch.minimum(raw, lens), min=self.eviction.min_budget())
+        return torch.clamp(raw, min=self.floor)
 
     def layer_budgets(self, budget_tokens: torch.Tensor, n_layers: int,
                       stats: LayerStats | None = None, capacity: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,7 +191,7 @@ class ComposedPolicy:
             tokens). Budgets above it are capped and the overflow goes to the other layers
             (``cap_budgets``), so the total is conserved as far as the sequence allows.
         """
-        budgets = self.budget_policy.allocate(budget_tokens, n_layers, stats, self.eviction.min_budget())
+        budgets = self.budget_policy.allocate(budget_tokens, n_layers, stats, self.floor)
         if capacity is not None:
             budgets = cap_budgets(budgets, torch.as_tensor(capacity))
         return budgets
@@ -250,6 +264,8 @@ def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
         Run decode-time eviction every ``n`` steps.
     seed : int, default 0
         Seed of stochastic scores.
+    min_tokens : int >= 1, default 4
+        Floor of every layer's budget (with the eviction policy's own minimum, e.g. streaming's sinks + 1).
     **params
         ``<policy name>={param: value}`` for the policies composed, e.g. ``keyformer={"tau_end": 3.0}``.
 
@@ -300,10 +316,10 @@ def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
         else:
             options_known = list(_OPTIONS) + [r.name for r in available()]
             raise TypeError(f"compose() got an unknown keyword {key!r}; it takes budget=, evict_every=, "
-                            f"seed= or <policy name>={{params}}{_suggest(key, options_known)}")
+                            f"seed=, min_tokens= or <policy name>={{params}}{_suggest(key, options_known)}")
 
     built = {role: _make(*chosen.get(role, (DEFAULTS[role], {}))) for role in ROLES}
     return ComposedPolicy(eviction=built["eviction"], budget_policy=built["budget"],  # type: ignore[arg-type]
                           merge=built["merge"], budget=settings.get("budget", 1.0),  # type: ignore[arg-type]
                           evict_every=settings.get("evict_every", 1),
-                          seed=settings.get("seed", 0))
+                          seed=settings.get("seed", 0), min_tokens=settings.get("min_tokens", MIN_TOKENS))

@@ -3,7 +3,7 @@
 This is the only module of the library that imports ``transformers`` (an optional extra,
 ``pip install kvpolicies[hf]``); the core packages never import it.
 
-    >>> cache = hf_cache(compose("h2o", budget=0.25), model, max_new_tokens=64)
+    >>> cache = hf_cache(compose("h2o", budget=0.25), model)
     >>> out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)
     >>> with compressed(model, compose("squeeze", "keyformer", budget=0.2)) as caches:
     ...     out = model.generate(**inputs, max_new_tokens=64)      # a fresh cache per call
@@ -212,6 +212,10 @@ class HFCacheReport:
         under ``a``: its slots (a shared slot once, each layer's private slots), its bytes (K/V plus the four
         float32 magnitudes and the uint8 visibility mask per (slot, KV head)) and the pair's budget
         ``B_a + B_b``; ``b`` lists 0 of each, so every column still sums to what the cache holds.
+    full_cache_bytes: what an uncompressed cache would hold now: K/V of every token each sequence has seen
+        (prompt and generated, padding excluded) in every layer, at the cache's dtype.
+
+    ``print(report)`` shows it as a table (:meth:`__str__`).
     """
 
     tokens_per_layer: torch.Tensor
@@ -220,6 +224,25 @@ class HFCacheReport:
     peak_bytes: int
     layer_budgets: torch.Tensor | None
     merged_pairs: tuple[tuple[int, int], ...] = ()
+    full_cache_bytes: int = 0
+
+    def __str__(self) -> str:
+        mib = 2.0**-20
+        lines = [f"{'layer':>5} {'MiB':>9}  {'tokens per sequence':<24} {'budgets':<24}"]
+        for l, nbytes in enumerate(self.bytes_per_layer.tolist()):
+            toks = " ".join(str(t) for t in self.tokens_per_layer[l].tolist())
+            row = [] if self.layer_budgets is None else self.layer_budgets[l].tolist()
+            budgets = " ".join(str(t) for t in row) or "-"
+            lines.append(f"{l:>5} {nbytes * mib:>9.3f}  {toks:<24} {budgets:<24}")
+        ratio = self.total_bytes / self.full_cache_bytes if self.full_cache_bytes else float("nan")
+        lines.append(
+            f"KV cache: {self.total_bytes * mib:.3f} MiB kept vs {self.full_cache_bytes * mib:.3f} MiB full "
+            f"({ratio:.1%}; full = every prompt and generated token in every layer); peak "
+            f"{self.peak_bytes * mib:.3f} MiB"
+        )
+        if self.merged_pairs:
+            lines.append(f"merged pairs (stored under the first layer): {list(self.merged_pairs)}")
+        return "\n".join(lines)
 
 
 class PolicyLayer(DynamicLayer):
@@ -726,7 +749,7 @@ class PolicyCache(Cache):
         keys restored through its magnitudes, only the slots it sees, and the update added into the region's
         one score array (a shared slot collects both layers' mass)."""
         ev = self.eviction
-        kw = ev.decode_kwargs(self._decode_step, self._max_new_tokens())
+        kw = ev.decode_kwargs(self._decode_step, self._max_new_tokens() if ev.needs_max_new_tokens else 1)
         decay = float(kw.get("decay", 1.0))
         tau = kw.get("temperature", 1.0)
         tau = float(tau.item() if isinstance(tau, torch.Tensor) else tau)
@@ -760,10 +783,11 @@ class PolicyCache(Cache):
             store.scores = torch.where(visible, new, store.scores)
 
     def _max_new_tokens(self) -> int:
-        if self.max_new_tokens is None:
+        if self.max_new_tokens is None:  # model.generate fills it in (_install); a hand-written loop must not
             raise ValueError(
-                f"{self.policy.name}: the policy's decode schedule needs max_new_tokens; pass "
-                "hf_cache(policy, model, max_new_tokens=...) or use kvpolicies.hf.compressed(...)"
+                f"{self.policy.name}: the policy's decode schedule needs the generation length; it is taken "
+                "from model.generate(max_new_tokens=...) automatically; outside generate pass "
+                "hf_cache(policy, model, max_new_tokens=...)"
             )
         return int(self.max_new_tokens)
 
@@ -778,7 +802,14 @@ class PolicyCache(Cache):
         self.peak_bytes = max(self.peak_bytes, total)
         pairs = tuple(self.merged_pairs)
         budgets = None if self.layer_budgets is None else self.layer_budgets.cpu()
-        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, budgets, pairs)
+        full = 0
+        if self.prompt_lens is not None:
+            seen = int(self.prompt_lens.sum()) + self._decode_step * int(self.prompt_lens.numel())
+            shaped = [x for x in self.layers if getattr(x, "keys", None) is not None and x.keys.numel()]
+            if shaped:
+                k = shaped[0].keys  # [B, Hkv, N, D]
+                full = 2 * len(self.layers) * seen * k.shape[1] * k.shape[3] * k.element_size()
+        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, budgets, pairs, full)
 
     def kept_positions(self, layer_idx: int, b: int) -> torch.Tensor:
         """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``.
@@ -995,7 +1026,38 @@ def _install(model: torch.nn.Module) -> _Family:
             handles.append(attn.k_proj.register_forward_hook(functools.partial(_proj_hook, "k", l)))
     model._kvpolicies_family = fam
     model._kvpolicies_handles = handles
+    model._kvpolicies_generate = model.__dict__.get("generate")  # an instance override to restore, if any
+    model.generate = _length_aware(model, model.generate)
     return fam
+
+
+def _new_tokens(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """How many tokens this ``generate`` call may produce, as transformers resolves it: ``max_new_tokens``
+    (keyword, then the ``generation_config`` given, then the model's), else ``max_length`` minus the
+    prompt width."""
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    n = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
+    if n is None:
+        max_length = kwargs.get("max_length", getattr(gc, "max_length", None))
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if max_length is not None and isinstance(ids, torch.Tensor):
+            n = int(max_length) - ids.shape[-1]
+    return None if n is None else int(n)
+
+
+def _length_aware(model: torch.nn.Module, generate: Any) -> Any:
+    """``model.generate`` that tells a :class:`PolicyCache` passed to it the generation length, so
+    ``hf_cache(policy, model)`` needs no ``max_new_tokens`` (Keyformer's schedule and the layer-budget cap
+    read it)."""
+
+    @functools.wraps(generate)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, PolicyCache) and cache.max_new_tokens is None:
+            cache.max_new_tokens = _new_tokens(model, args, kwargs)
+        return generate(*args, **kwargs)
+
+    return wrapped
 
 
 def _uninstall(model: torch.nn.Module) -> None:
@@ -1004,6 +1066,11 @@ def _uninstall(model: torch.nn.Module) -> None:
         return
     for h in model._kvpolicies_handles:
         h.remove()
+    if model._kvpolicies_generate is None:
+        del model.generate
+    else:
+        model.generate = model._kvpolicies_generate
+    del model._kvpolicies_generate
     if fam.kind == "mpt":
         for attn in fam.attns:
             del attn.forward
@@ -1027,8 +1094,9 @@ def hf_cache(
     model : transformers.PreTrainedModel
         A decoder-only causal LM: Llama-style attention (``sdpa`` or ``eager``), GPT-J or MPT.
     max_new_tokens : int, optional
-        Needed by policies whose decode schedule depends on the generation length (Keyformer's
-        temperature); defaults to ``model.generation_config.max_new_tokens``.
+        The generation length. Not needed with ``model.generate``, which tells the cache the length it
+        resolves (its ``max_new_tokens`` / ``max_length``); pass it only when driving the model by hand with
+        a policy whose decode schedule depends on it (Keyformer's temperature).
     seed : int
         Seeds, with ``policy.seed``, the Gumbel noise of stochastic scores (Keyformer), exactly as
         ``kvmodels.generate(..., seed=seed)`` does, so both keep the same tokens.
@@ -1043,8 +1111,6 @@ def hf_cache(
     UnsupportedModelError
         For model families or attention implementations the bridge cannot drive, naming what to change.
     """
-    if max_new_tokens is None:
-        max_new_tokens = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
     return PolicyCache(policy, model, max_new_tokens=max_new_tokens, seed=seed)
 
 
@@ -1058,16 +1124,12 @@ def compressed(model: torch.nn.Module, policy: Any, *, seed: int = 0) -> Iterato
     caches: list[PolicyCache] = []
     installed_here = getattr(model, "_kvpolicies_family", None) is None
     _install(model)
-    original = model.generate
+    original = model.generate  # the length-aware generate _install put on the instance
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("past_key_values") is None:
-            max_new = kwargs.get("max_new_tokens")
-            gc = kwargs.get("generation_config")
-            if max_new is None and gc is not None:
-                max_new = gc.max_new_tokens
-            kwargs["past_key_values"] = hf_cache(policy, model, max_new_tokens=max_new, seed=seed)
+            kwargs["past_key_values"] = hf_cache(policy, model, seed=seed)
             kwargs.setdefault("use_cache", True)
             caches.append(kwargs["past_key_values"])
         return original(*args, **kwargs)
@@ -1076,7 +1138,7 @@ def compressed(model: torch.nn.Module, policy: Any, *, seed: int = 0) -> Iterato
     try:
         yield caches
     finally:
-        del model.generate
+        model.generate = original
         if installed_here:
             _uninstall(model)
 

@@ -45,6 +45,8 @@ class Keyformer(EvictionPolicy):
         check_number("keyformer", "recent", self.recent)
         check_range("keyformer", "recent", self.recent, 0.0, 1.0)
 
+    needs_max_new_tokens = True  # tau rises from tau_init to tau_end over the generation
+
     def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n_recent = fraction_count(budgets, self.recent)
         return torch.zeros_like(n_recent), n_recent
