@@ -50,7 +50,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "a2sf": {"decay": 0.9, "recent": 0.5},
     "snapkv": {"window": 32, "kernel": 7, "pooling": "max"},
     "scissorhands": {"recent": 0.5},
-    "tova": {},
+    "tova": {"per_head": False, "decode": True},
 }
 
 
@@ -179,6 +179,8 @@ def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.T
                 scores[h, : i + 1] -= below_average(a, i + 1).to(dtype)
             elif name == "tova":                          # the latest query's attention
                 scores[h, : i + 1] = a.to(dtype)
+    if name == "tova" and not params["per_head"]:        # the paper: averaged over the layer's heads
+        scores[:] = scores.mean(0)
     if name == "snapkv":
         n_prefix = L - min(params["window"], L)
         if n_prefix > 0:
@@ -202,8 +204,8 @@ def step_update(name: str, params: dict[str, Any], old: torch.Tensor, a: torch.T
     return old   # full, window, streaming, snapkv keep no decode scores
 
 
-def evicts_during_decode(name: str) -> bool:
-    return name not in ("full", "snapkv")
+def evicts_during_decode(name: str, params: dict[str, Any]) -> bool:
+    return name not in ("full", "snapkv") and params.get("decode", True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,6 +256,11 @@ def simulate(policy: str, params: dict[str, Any] | None, q_prompt: torch.Tensor,
     head_scores = [scores[h].tolist() for h in range(n_kv_heads)]
 
     def evict() -> None:
+        if policy == "tova" and not p["per_head"]:  # one ranking for the layer: every head holds the same ids
+            assert all(ids[h] == ids[0] for h in range(n_kv_heads))
+            mean = [sum(col) / n_kv_heads for col in zip(*head_scores)]
+            for h in range(n_kv_heads):
+                head_scores[h] = list(mean)
         for h in range(n_kv_heads):
             chosen = keep(policy, p, ids[h], head_scores[h], b)
             ids[h] = [ids[h][i] for i in chosen]
@@ -279,7 +286,7 @@ def simulate(policy: str, params: dict[str, Any] | None, q_prompt: torch.Tensor,
             a = group_probs(q_steps[t, h * group:(h + 1) * group], keys, scale, noise=noise_h,
                             temperature=tau)
             head_scores[h] = step_update(policy, p, torch.tensor(head_scores[h], dtype=dtype), a).tolist()
-        if evicts_during_decode(policy) and (t + 1) % evict_every == 0:
+        if evicts_during_decode(policy, p) and (t + 1) % evict_every == 0:
             evict()
         out.append(snapshot())
     return out

@@ -84,6 +84,8 @@ def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps
             scores[h] = update_scores_ref(scores[h], c, policy.score_mode, decay=kw.get("decay", 1.0),
                                           n_valid=ids.shape[1])
         if policy.decode_evict and (t + 1) % evict_every == 0:
+            if policy.heads_share_selection:
+                scores = scores.mean(0, keepdim=True).expand_as(scores).clone()
             compact()
         out.append(ids.clone())
     return out
@@ -118,6 +120,8 @@ def cases(draw, name: str):
                       pooling=draw(st.sampled_from(["max", "avg"])))
     if name == "a2sf":
         params["decay"] = draw(st.sampled_from([0.5, 0.9, 1.0]))
+    if name == "tova":
+        params.update(per_head=draw(st.booleans()), decode=draw(st.booleans()))
     seed = draw(st.integers(0, 3))
     return q_prompt, k_prompt, q_steps, k_steps, budget, evict_every, params, seed
 

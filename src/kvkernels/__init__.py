@@ -26,7 +26,15 @@ from .score_update import prefill_scores, prefill_scores_ref, prefill_scores_tor
 
 # The submodule ``topk_compact`` shares its name with the op it defines; importing the op last binds
 # ``kvkernels.topk_compact`` to the function, not the module.
-from .topk_compact import topk_compact, topk_compact_ref, topk_compact_torch, topk_compact_triton  # noqa: I001
+from .topk_compact import (  # noqa: I001
+    topk_compact,
+    topk_compact_ref,
+    topk_compact_torch,
+    topk_compact_triton,
+    topk_evict,
+    topk_evict_ref,
+    topk_evict_torch,
+)
 
 __all__ = [
     "SCORE_MODES",
@@ -47,5 +55,8 @@ __all__ = [
     "topk_compact_ref",
     "topk_compact_torch",
     "topk_compact_triton",
+    "topk_evict",
+    "topk_evict_ref",
+    "topk_evict_torch",
     "update_scores_ref",
 ]

@@ -361,6 +361,160 @@ def topk_compact(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Eviction in place: the same tokens kept, only the evicted slots refilled
+# ----------------------------------------------------------------------------------------------------
+
+def topk_evict_ref(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor] | tuple[Tensor, ...] = (),
+) -> None:
+    """Pure-torch reference of :func:`topk_evict` (loops on the host, written for clarity)."""
+    page_size, n_heads = k_pages.shape[1], k_pages.shape[2]
+    pool = [k_pages, v_pages, slot_pos, slot_score, *extra]
+    top = int(n_free[0])
+    for b in range(page_table.shape[0]):
+        length, budget = int(seq_lens[b]), int(budgets[b])
+        if length <= budget:
+            continue
+        n_pages = _ceil_div(length, page_size)
+        slot_page = page_table[b, :n_pages].long().repeat_interleave(page_size)[:length]  # [L]
+        slot_off = torch.arange(length, device=k_pages.device) % page_size  # [L]
+        for h in range(n_heads):
+            # The row in position order is what topk_compact sees; select there, then map back to slots.
+            by_pos = torch.sort(slot_pos[slot_page, slot_off, h].long(), stable=True).indices  # [L]
+            keep_ord = _select_ref(slot_score[slot_page, slot_off, h][by_pos], budget, int(n_sink[b]),
+                                   int(n_recent[b]))
+            kept = set(by_pos[keep_ord].tolist())
+            holes = [d for d in range(budget) if d not in kept]
+            movers = [j for j in range(budget, length) if j in kept]
+            assert len(holes) == len(movers)
+            for d, j in zip(holes, movers):
+                for x in pool:
+                    x[slot_page[d], slot_off[d], h] = x[slot_page[j], slot_off[j], h]
+        for col in range(_ceil_div(budget, page_size), n_pages):
+            free_pages[top] = page_table[b, col]
+            top += 1
+            page_table[b, col] = -1
+        seq_lens[b] = budget
+    n_free[0] = top
+
+
+def _plan_evict(slot_score: Tensor, slot_pos: Tensor, table: Tensor, seq_lens: Tensor, budgets: Tensor,
+                n_sink: Tensor, n_recent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Which slots each (sequence, head) refills and from where, no host sync.
+
+    ``table [B, W/S]`` covers the ``W`` slots in use. Returns ``holes [B, Hkv, W]`` (evicted slots below
+    the budget), ``movers [B, Hkv, W]`` (kept slots at or past it), equal in number per (b, h) and paired in
+    slot order, and ``new_lens [B]`` int64.
+    """
+    batch, n_cols = table.shape
+    page_size, n_heads = slot_score.shape[1], slot_score.shape[2]
+    width = n_cols * page_size
+    lens, budget = seq_lens.long(), budgets.long()
+    compress = lens > budget
+    new_lens = torch.where(compress, budget, lens)
+    rows = table.long().clamp_min(0)  # unused entries (-1) read page 0; those slots are invalid below
+
+    def view(x: Tensor) -> Tensor:  # [P, S, Hkv] -> [B, Hkv, W]
+        return x[rows].reshape(batch, width, n_heads).transpose(1, 2)
+
+    j = torch.arange(width, device=slot_score.device)
+    valid = (j < lens[:, None])[:, None, :].expand(batch, n_heads, width)  # [B, Hkv, W]
+    # The row in position order (invalid slots last): rank[b, h, j] = place of slot j in that order.
+    key = torch.where(valid, view(slot_pos).long(), torch.iinfo(torch.int64).max)
+    by_pos = torch.sort(key, dim=-1, stable=True).indices  # [B, Hkv, W]: ordered index -> slot
+    rank = torch.empty_like(by_pos).scatter_(-1, by_pos, j.expand(batch, n_heads, width).contiguous())
+    first_recent = (lens - n_recent.long())[:, None, None]
+    forced = valid & ((rank < n_sink.long()[:, None, None]) | (rank >= first_recent))
+    normal = valid & ~forced
+    scores = torch.where(torch.isnan(view(slot_score)), float("-inf"), view(slot_score))  # NaN ranks lowest
+    # Descending by score over the position-ordered row, stable: the earlier token wins a tie.
+    order = torch.sort(scores.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices
+    slots = by_pos.gather(-1, order)  # [B, Hkv, W]: slots from best to worst
+    normal_sorted = normal.gather(-1, slots)
+    quota = (budget - n_sink.long() - n_recent.long())[:, None, None]
+    keep = torch.zeros_like(normal).scatter_(-1, slots, normal_sorted & (normal_sorted.cumsum(-1) <= quota))
+    keep |= forced
+    below = j < budget[:, None]  # [B, W]
+    holes = compress[:, None, None] & below[:, None, :] & ~keep
+    movers = compress[:, None, None] & ~below[:, None, :] & keep
+    return holes, movers, new_lens
+
+
+def topk_evict_torch(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor] | tuple[Tensor, ...] = (),
+) -> None:
+    """Batched torch implementation of :func:`topk_evict` (no input checks), on any device.
+
+    The plan reads every slot's score and position once; the bytes that move are only the kept slots past
+    the budget, one gather and one scatter per pool tensor.
+    """
+    batch = page_table.shape[0]
+    num_pages, page_size, n_heads = k_pages.shape[:3]
+    if batch == 0 or num_pages == 0 or not bool((seq_lens.long() > budgets.long()).any()):
+        return
+    width = _ceil_div(int(seq_lens.max()), page_size) * page_size
+    table = page_table[:, : width // page_size].long()  # [B, W/S]
+    holes, movers, new_lens = _plan_evict(slot_score, slot_pos, table, seq_lens, budgets, n_sink, n_recent)
+    # Both enumerate (b, h) blocks in the same order with equal counts: the i-th hole takes the i-th mover.
+    b_idx, h_idx, d_idx = holes.nonzero(as_tuple=True)
+    j_idx = movers.nonzero(as_tuple=True)[2]
+    src_row = (table[b_idx, j_idx // page_size] * page_size + j_idx % page_size) * n_heads + h_idx
+    dst_row = (table[b_idx, d_idx // page_size] * page_size + d_idx % page_size) * n_heads + h_idx
+    for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
+        rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]; D = 1 for per-slot tensors
+        rows.index_copy_(0, dst_row, rows.index_select(0, src_row))  # sources and destinations are disjoint
+    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+
+
+@torch.library.custom_op(
+    "kvkernels::topk_evict",
+    mutates_args=("k_pages", "v_pages", "slot_pos", "slot_score", "page_table", "seq_lens", "free_pages",
+                  "n_free", "extra"),
+)
+def _topk_evict_op(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor],
+) -> None:
+    topk_evict_torch(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
+                     free_pages, n_free, extra)
+
+
+@_topk_evict_op.register_fake
+def _(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent, free_pages,
+      n_free, extra) -> None:
+    return None
+
+
+def topk_evict(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+               seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor,
+               n_free: Tensor, extra: list[Tensor] | None = None) -> None:
+    """Keep the tokens :func:`topk_compact` keeps, moving only the kept slots past the budget.
+
+    Attention does not depend on slot order (each slot stores its token's position), so decode-time
+    eviction need not move every kept token. Per (sequence ``b``, KV head ``h``) with
+    ``seq_lens[b] > budgets[b]``: the forced tokens are the ``n_sink[b]`` of lowest and the ``n_recent[b]``
+    of highest stored *position* (not slot); the rest compete by score (ties: the lower position wins; NaN
+    ranks lowest), exactly as :func:`topk_compact` on the row sorted by position. Each evicted slot below
+    ``budgets[b]`` is refilled by a kept slot at or past it (paired in slot order), so ``seq_lens[b]``
+    becomes ``budgets[b]`` with every kept token's K, V, position, score and ``extra`` values bit-identical;
+    pages past ``ceil(budgets[b] / S)`` go onto the free stack as in :func:`topk_compact`. Evicting ``k``
+    tokens moves at most ``k`` slots per (sequence, head). Slot order afterwards is not position order.
+
+    Parameters, errors: as :func:`topk_compact`.
+    """
+    extra = list(extra or [])
+    _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
+                  free_pages, n_free, extra)
+    torch.ops.kvkernels.topk_evict(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets,
+                                   n_sink, n_recent, free_pages, n_free, extra)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Compile variants (kvkernels.compile_check)
 # ----------------------------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from kvkernels._checks import check_shape, check_tensor
 from kvkernels.merge import _retained_mask, magnitude_direction_merge, merge_restore
 from kvkernels.paged_attention import paged_decode_attention
 from kvkernels.score_update import prefill_scores
-from kvkernels.topk_compact import topk_compact
+from kvkernels.topk_compact import topk_compact, topk_evict
 from kvpolicies.base import LayerStats
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -620,10 +620,11 @@ class PagedKVCache:
         self._state = "decode"
 
     def _compact(self, layers: list[int], seqs: list[int], budgets: np.ndarray, n_sink: np.ndarray,
-                 n_recent: np.ndarray, extra: list[torch.Tensor] | None = None) -> None:
-        """``topk_compact`` storage layers ``layers`` x sequences ``seqs`` in one op call, to host
-        ``budgets [len(layers), len(seqs)]`` (with the forced counts beside them), and update the host
-        mirror without a sync.
+                 n_recent: np.ndarray, extra: list[torch.Tensor] | None = None, *,
+                 in_place: bool = False) -> None:
+        """``topk_compact`` (or, ``in_place``, ``topk_evict``) storage layers ``layers`` x sequences ``seqs``
+        in one op call, to host ``budgets [len(layers), len(seqs)]`` (with the forced counts beside them),
+        and update the host mirror without a sync.
 
         The pool is shared, so the rows' page tables stacked into ``[len(layers) * len(seqs), M]`` are one
         batch to the kernel (an eviction over 30 layers is one call, not 30); the free stack receives the
@@ -635,9 +636,9 @@ class PagedKVCache:
         def dev(x: np.ndarray) -> torch.Tensor:
             return torch.as_tensor(x).to(self.device, torch.int32).flatten()
 
-        topk_compact(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1),
-                     lens.view(-1), dev(budgets), dev(n_sink), dev(n_recent), self.free_pages, self.n_free,
-                     extra=extra or [])
+        op = topk_evict if in_place else topk_compact
+        op(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1), lens.view(-1),
+           dev(budgets), dev(n_sink), dev(n_recent), self.free_pages, self.n_free, extra=extra or [])
         self.page_table[ix], self.seq_lens[ix] = table, lens
         host = np.ix_(layers, seqs)
         old = self._lens[host]
@@ -704,9 +705,15 @@ class PagedKVCache:
             self._lens[a, i] = n_slots
             self._lens[b, i] = 0
 
-    def _compress(self, layers: list[int] | None = None) -> None:
+    def _compress(self, layers: list[int] | None = None, in_place: bool = False) -> None:
         """``topk_compact`` every storage layer (of ``layers``) holding more than its budget: one op call
-        per storage width (plain layers, merged regions)."""
+        per storage width (plain layers, merged regions).
+
+        ``in_place`` (decode-time eviction): plain layers evict with ``topk_evict``, which keeps the same
+        tokens but moves only the kept slots past the budget, not every kept token after an evicted one.
+        Keyformer stays on ``topk_compact``: its decode noise is indexed by slot, and kept slot order is
+        what the bridge and the reference policies index it by. Merged regions stay in order too.
+        """
         n = self.batch_size
         budgets, n_sink, n_recent = self._budgets, self._n_sink, self._n_recent
         assert budgets is not None and n_sink is not None and n_recent is not None  # set by finish_prefill
@@ -717,7 +724,8 @@ class PagedKVCache:
             if not ls:
                 continue
             self._compact(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls],
-                          extra=self._region_extra() if width == 2 else [])
+                          extra=self._region_extra() if width == 2 else [],
+                          in_place=in_place and width == 1 and not self.gumbel)
 
     # ------------------------------------------------------------------ decode
     def prepare_decode(self, step: int) -> None:
@@ -874,7 +882,9 @@ class PagedKVCache:
             raise RuntimeError(f"after_step(step={step}) must follow prepare_decode(step={step}); the next "
                                f"step is {self._step}")
         if self.eviction.decode_evict and (step + 1) % self.policy.evict_every == 0:
-            self._compress()
+            if self.eviction.heads_share_selection:  # every slot holds one token in all heads of its layer
+                self.slot_score.copy_(self.slot_score.mean(-1, keepdim=True).expand_as(self.slot_score))
+            self._compress(in_place=True)
         self._step += 1
         self._state = "decode"
 
@@ -901,12 +911,14 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ inspection
     def layer_contents(self, l: int, b: int) -> dict[str, torch.Tensor]:
-        """Kept tokens of layer ``l``, sequence ``b`` in slot order (for tests and debugging; syncs).
+        """Kept tokens of layer ``l``, sequence ``b`` in position order per KV head (for tests and debugging;
+        syncs). Decode-time eviction in place leaves slots out of position order; this view sorts them.
 
         Returns ``k``/``v`` ``[n, Hkv, D]``, ``pos`` ``[n, Hkv]`` int32 and ``score`` ``[n, Hkv]`` float32,
-        ``n = seq_lens[l, b]``. For a layer of a merged pair these are the slots of the pair's region, with
-        ``k``/``v`` restored through this layer's magnitudes, plus ``visible`` ``[n, Hkv]`` bool (the slots
-        this layer attends to; the others are the other layer's private slots).
+        ``n = seq_lens[l, b]``. For a layer of a merged pair these are the slots of the pair's region in slot
+        order (a region is always compacted in order), with ``k``/``v`` restored through this layer's
+        magnitudes, plus ``visible`` ``[n, Hkv]`` bool (the slots this layer attends to; the others are the
+        other layer's private slots).
         """
         self._check_layer(l)
         s = self._storage[l]
@@ -924,7 +936,10 @@ class PagedKVCache:
             out["k"] = merge_restore(out["k"], rows(self.k_mag[m]))
             out["v"] = merge_restore(out["v"], rows(self.v_mag[m]))
             out["visible"] = (rows(self.slot_mask) & (1 << m)) != 0
-        return out
+            return out
+        order = torch.sort(out["pos"].long(), dim=0, stable=True).indices  # [n, Hkv]
+        return {name: x.gather(0, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x))
+                for name, x in out.items()}
 
     def report(self) -> CacheReport:
         """Bytes and tokens held now, the peak since ``start`` and the uncompressed equivalent."""

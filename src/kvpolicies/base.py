@@ -38,6 +38,12 @@ def check_number(policy: str, name: str, value: object) -> None:
         raise TypeError(f"{policy}: parameter {name} must be a number, got {value!r}")
 
 
+def check_bool(policy: str, name: str, value: object) -> None:
+    """Raise ``TypeError`` naming ``policy.name`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{policy}: parameter {name} must be True or False, got {value!r}")
+
+
 def check_int(policy: str, name: str, value: object, lo: int) -> None:
     """Raise naming ``policy.name`` unless ``value`` is an int ``>= lo`` (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -130,6 +136,14 @@ class EvictionPolicy(Policy):
     def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Transform ``[Hkv, L]`` prompt scores before selection (e.g. SnapKV pooling)."""
         return scores
+
+    @property
+    def heads_share_selection(self) -> bool:
+        """Whether every KV head of a layer keeps the same tokens: before each decode-time eviction the
+        cache replaces each slot's per-head scores by their mean over the layer's KV heads (the policy's
+        ``postprocess_prefill_scores`` does the same for the prompt). Heads then rank identically and, as
+        they hold the same tokens in the same slots, evict the same ones."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -570,6 +570,10 @@ class PolicyCache(Cache):
             self._decode_step += 1
             every = int(getattr(self.policy, "evict_every", 1) or 1)
             if self.eviction.decode_evict and (step + 1) % every == 0:
+                if self.eviction.heads_share_selection:  # every head of a layer holds the same tokens
+                    for layer in self.layers:
+                        if layer.store is layer and layer.scores is not None:
+                            layer.scores = layer.scores.mean(1, keepdim=True).expand_as(layer.scores).clone()
                 self._evict()
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
 
