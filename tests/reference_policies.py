@@ -48,7 +48,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "h2o": {"recent": 0.5},
     "keyformer": {"tau_init": 1.0, "tau_end": 2.0, "recent": 0.3},
     "a2sf": {"decay": 0.9, "recent": 0.5},
-    "snapkv": {"window": 32, "kernel": 7, "pooling": "max"},
+    "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "chunk": 1},
+    "chunkkv": {"window": 32, "chunk": 10, "reuse": 1},
     "scissorhands": {"recent": 0.5},
     "tova": {"per_head": False, "decode": True},
 }
@@ -144,7 +145,7 @@ def keep(name: str, params: dict[str, Any], ids: list[int], scores: list[float],
         return list(range(s)) + list(range(n - (b - s), n))
     if name == "tova":                      # the b highest current attention, nothing forced
         n_recent = 0
-    elif name == "snapkv":                  # the observation window + the best of the rest
+    elif name in ("snapkv", "chunkkv"):     # the observation window + the best of the rest
         n_recent = min(params["window"], b)
     else:                                   # h2o, keyformer, a2sf, scissorhands: recent + the best
         n_recent = recent_count(params["recent"], b)
@@ -162,7 +163,7 @@ def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.T
     scores = torch.zeros(n_kv_heads, L, dtype=dtype)
     if name in ("full", "window", "streaming"):
         return scores
-    first_row = max(0, L - params["window"]) if name == "snapkv" else 0
+    first_row = max(0, L - params["window"]) if name in ("snapkv", "chunkkv") else 0
     for h in range(n_kv_heads):
         qh = q[:, h * group:(h + 1) * group]                           # [L, G, D]
         for i in range(first_row, L):
@@ -171,7 +172,7 @@ def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.T
                 a = group_probs(qh[i], k[: i + 1, h], scale, noise=noise_i, temperature=params["tau_init"])
             else:
                 a = group_probs(qh[i], k[: i + 1, h], scale)
-            if name in ("h2o", "keyformer", "snapkv"):    # accumulated attention
+            if name in ("h2o", "keyformer", "snapkv", "chunkkv"):    # accumulated attention
                 scores[h, : i + 1] += a
             elif name == "a2sf":                          # accumulated with forgetting
                 scores[h, : i + 1] = params["decay"] * scores[h, : i + 1] + a
@@ -188,6 +189,12 @@ def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.T
             k_size = params["kernel"]
             prefix = scores[:, None, :n_prefix]                          # [Hkv, 1, L - W]
             scores[:, :n_prefix] = pool(prefix, k_size, stride=1, padding=k_size // 2)[:, 0]
+    if name in ("snapkv", "chunkkv") and params["chunk"] > 1:  # every prefix token scores its chunk's total
+        n_prefix = L - min(params["window"], L)
+        c = params["chunk"]
+        for start in range(0, n_prefix, c):
+            end = min(start + c, n_prefix)
+            scores[:, start:end] = scores[:, start:end].sum(-1, keepdim=True)
     return scores
 
 
@@ -205,7 +212,7 @@ def step_update(name: str, params: dict[str, Any], old: torch.Tensor, a: torch.T
 
 
 def evicts_during_decode(name: str, params: dict[str, Any]) -> bool:
-    return name not in ("full", "snapkv") and params.get("decode", True)
+    return name not in ("full", "snapkv", "chunkkv") and params.get("decode", True)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from test_cache import FakeRun, check_invariants
 
 EVICTION = [row.name for row in available(role="eviction")]
 # Parameters that make small prompts interesting (SnapKV's default window of 32 would force everything).
-PARAMS = {"snapkv": {"window": 3, "kernel": 3}, "streaming": {"sinks": 2}}
+PARAMS = {"snapkv": {"window": 3, "kernel": 3}, "streaming": {"sinks": 2},
+          "chunkkv": {"window": 3, "chunk": 3}}
 TIE_TOL = 1e-4
 
 

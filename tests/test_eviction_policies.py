@@ -117,7 +117,10 @@ def cases(draw, name: str):
         params["sinks"] = draw(st.integers(0, 3))
     if name == "snapkv":
         params.update(window=draw(st.integers(1, 5)), kernel=draw(st.sampled_from([1, 3, 5])),
-                      pooling=draw(st.sampled_from(["max", "avg"])))
+                      pooling=draw(st.sampled_from(["max", "avg"])),
+                      chunk=draw(st.sampled_from([1, 1, 2, 3])))
+    if name == "chunkkv":
+        params.update(window=draw(st.integers(1, 5)), chunk=draw(st.sampled_from([1, 2, 3, 4])))
     if name == "a2sf":
         params["decay"] = draw(st.sampled_from([0.5, 0.9, 1.0]))
     if name == "tova":
@@ -204,6 +207,56 @@ def test_snapkv_pools_only_the_prefix():
     out = policy.postprocess_prefill_scores(scores)
     # Max pooling with kernel 3 over the first 4 entries; the window (last 2) is untouched.
     assert out.tolist() == [[5.0, 5.0, 5.0, 0.0, 9.0, 1.0]]
+
+
+def test_chunkkv_scores_chunks_of_the_prefix():
+    policy = get_policy("chunkkv")(window=2, chunk=3)
+    scores = torch.tensor([[1.0, 0.0, 2.0, 4.0, 0.5, 0.0, 1.0, 7.0, 8.0]])
+    out = policy.postprocess_prefill_scores(scores)
+    # Prefix of 7 tokens in chunks [0, 3), [3, 6), [6, 7); the window (last 2) is untouched.
+    assert out.tolist() == [[3.0, 3.0, 3.0, 4.5, 4.5, 4.5, 1.0, 7.0, 8.0]]
+    assert get_policy("snapkv")(window=2, kernel=1, chunk=3).postprocess_prefill_scores(scores).tolist() == \
+        out.tolist()  # snapkv's chunk option: the same chunk totals (kernel 1 = no pooling)
+
+
+@given(L=st.integers(1, 40), chunk=st.integers(1, 6), window=st.integers(1, 6), budget=st.integers(1, 40),
+       seed=st.integers(0, 99))
+def test_chunkkv_keeps_whole_chunks(L, chunk, window, budget, seed):
+    """Kept prefix tokens form whole chunks, except one chunk cut short, which keeps its earliest tokens."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(L, 2, 4, generator=g), torch.randn(L, 1, 4, generator=g)
+    kept = simulate("chunkkv", {"window": window, "chunk": chunk}, q, k, q[:0], k[:0], budget)[0].kept[0]
+    n_prefix = L - min(window, L)
+    prefix = [int(t) for t in kept if t < n_prefix]
+    by_chunk: dict[int, list[int]] = {}
+    for t in prefix:
+        by_chunk.setdefault(t // chunk, []).append(t)
+    partial = 0
+    for c, toks in by_chunk.items():
+        full = list(range(c * chunk, min((c + 1) * chunk, n_prefix)))
+        if toks != full:
+            partial += 1
+            assert toks == full[: len(toks)], (c, toks)
+    assert partial <= 1
+
+
+def test_chunkkv_index_reuse_shares_one_ranking_per_group_of_layers():
+    """reuse=2 in the paged cache: layers 0 and 1 keep the same tokens (the same budget), layer 2 its own."""
+    from kvmodels.cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(3)
+    L, n_layers = 24, 3
+    policy = compose("chunkkv", budget=0.5, chunkkv={"window": 2, "chunk": 3, "reuse": 2})
+    cache = PagedKVCache(n_layers=n_layers, n_kv_heads=1, head_dim=4, n_q_heads=2, max_batch=1, max_tokens=L,
+                         page_size=4, policy=policy)
+    cache.start([L], 0)
+    for l in range(n_layers):
+        q, k = torch.randn(L, 2, 4, generator=g), torch.randn(L, 1, 4, generator=g)
+        cache.prefill_layer(l, 0, q, k, k.clone(), torch.arange(L), scale=0.5)
+    cache.finish_prefill()
+    kept = [cache.layer_contents(l, 0)["pos"][:, 0].tolist() for l in range(n_layers)]
+    assert kept[0] == kept[1] and len(kept[0]) == 12
+    assert kept[2] != kept[0]  # scored by its own queries (these random layers rank differently)
 
 
 def test_keyformer_is_reproducible_with_a_seed():

@@ -342,6 +342,7 @@ class PagedKVCache:
         self._active = np.zeros(self.max_batch, dtype=bool)
         self._prefilled = np.zeros((self.n_layers, self.max_batch), dtype=bool)
         self._compressed = np.zeros(self.max_batch, dtype=bool)  # prompt compressed by compress_prompt
+        self._shared_scores: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> scores others reuse
         self._budgets: np.ndarray | None = None  # [Lc, n] layer budgets and forced counts (finish_prefill)
         self._n_sink: np.ndarray | None = None
         self._n_recent: np.ndarray | None = None
@@ -504,13 +505,19 @@ class PagedKVCache:
         return ((self._noise_seed * 1_000_033 + l) * 1_000_037 + b) % 2**62
 
     def _prefill_scores(self, l, b, q, k, scale, alibi_slopes) -> torch.Tensor:
+        source = self.eviction.score_source_layer(l)
+        if source != l:  # layer-wise index reuse: the scores an earlier layer of this sequence computed
+            return self._shared_scores[source, b]
         L = q.shape[0]
         kwargs = {"seed": self.prefill_seed(l, b), **self.eviction.prefill_kwargs(L)}
         mode = self.eviction.prefill_mode
         assert mode is not None  # callers check
         scores = prefill_scores(q, k, scale=scale, mode=mode,
                                 window=self.eviction.prefill_window(L), alibi_slopes=alibi_slopes, **kwargs)
-        return self.eviction.postprocess_prefill_scores(scores)
+        scores = self.eviction.postprocess_prefill_scores(scores)
+        if l + 1 < self.n_layers and self.eviction.score_source_layer(l + 1) == l:
+            self._shared_scores[l, b] = scores  # [Hkv, L], read by the layers that reuse this one's
+        return scores
 
     def record_cos_sim(self, l: int, b: int, value: float | torch.Tensor) -> None:
         """Record SqueezeAttention's prefill statistic of cache layer ``l`` for sequence ``b``."""

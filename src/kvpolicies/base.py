@@ -52,6 +52,18 @@ def check_int(policy: str, name: str, value: object, lo: int) -> None:
         raise ValueError(f"{policy}: parameter {name}={value!r} is out of range [{lo}, inf)")
 
 
+def chunk_sums(scores: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Each token's score replaced by the sum over its chunk: ``[H, n] -> [H, n]``, chunks of ``chunk``
+    consecutive tokens from the first (the last one may be shorter). Top-k over the result keeps whole
+    chunks, best chunk first (ties inside a chunk go to the earlier token, so a chunk fills in order)."""
+    if chunk <= 1 or scores.shape[-1] == 0:
+        return scores
+    n = scores.shape[-1]
+    padded = torch.nn.functional.pad(scores, (0, -n % chunk))  # [H, ceil(n / chunk) * chunk]
+    sums = padded.view(*scores.shape[:-1], -1, chunk).sum(-1)  # [H, n_chunks]
+    return sums.repeat_interleave(chunk, dim=-1)[..., :n]
+
+
 def fraction_count(budgets: torch.Tensor, fraction: float) -> torch.Tensor:
     """``floor(fraction * budgets)`` as int32 ``[B]``: how many of a budget's slots a fraction names.
 
@@ -136,6 +148,11 @@ class EvictionPolicy(Policy):
     def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Transform ``[Hkv, L]`` prompt scores before selection (e.g. SnapKV pooling)."""
         return scores
+
+    def score_source_layer(self, layer: int) -> int:
+        """The cache layer whose prompt scores ``layer`` selects by (itself; ChunkKV's layer-wise index
+        reuse names an earlier one). Layers are prefilled in order, so the source is always scored first."""
+        return layer
 
     @property
     def heads_share_selection(self) -> bool:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import sys
 import types
@@ -185,10 +186,13 @@ def _llama_rope(
 
 def _gptj_rope(attn: torch.nn.Module, proj_out: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
     x = proj_out.view(*proj_out.shape[:2], attn.num_attention_heads, attn.head_dim)  # [B, L, H, D]
-    position_ids = ctx["position_ids"]
-    embed = attn._get_embed_positions(position_ids)
-    sincos = torch.gather(embed, 1, position_ids.unsqueeze(-1).repeat(1, 1, embed.shape[-1])).to(x.dtype)
-    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+    if ctx.get("position_embeddings") is not None:  # transformers >= 5.24 hands (sin, cos) to the attention
+        sin, cos = (t.to(x.dtype) for t in ctx["position_embeddings"])
+    else:  # older releases: the attention looks its table up by position
+        position_ids = ctx["position_ids"]
+        embed = attn._get_embed_positions(position_ids)
+        sincos = torch.gather(embed, 1, position_ids.unsqueeze(-1).repeat(1, 1, embed.shape[-1])).to(x.dtype)
+        sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
     rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     if attn.rotary_dim is not None:
         x = torch.cat([rope(x[..., : attn.rotary_dim], sin, cos), x[..., attn.rotary_dim :]], dim=-1)
@@ -724,6 +728,10 @@ class PolicyCache(Cache):
         import kvkernels
 
         ev = self.eviction
+        source = ev.score_source_layer(layer.layer_idx)
+        if source != layer.layer_idx:  # layer-wise index reuse: rank by an earlier layer's prompt scores
+            layer.scores = self.layers[source].scores.clone()
+            return
         for b in range(q.shape[0]):
             idx = self._step.valid[b].nonzero().squeeze(-1)  # real (unpadded) prompt tokens
             L = int(idx.numel())
@@ -851,7 +859,7 @@ def _scale_and_slopes(fam: _Family, l: int, ctx: dict[str, Any]) -> tuple[float,
     attn = fam.attns[l]
     if fam.kind == "mpt":
         return float(attn.softmax_scale), ctx.get("slopes")
-    if fam.kind == "gptj":
+    if fam.kind == "gptj" and hasattr(attn, "scale_attn"):  # GPT-J before transformers 5.24
         return 1.0 / float(attn.scale_attn), None
     return float(attn.scaling), None
 
@@ -892,8 +900,19 @@ _CTX: dict[int, dict[str, Any]] = {}  # id(cache) -> per-forward captures (queri
 _ACTIVE: list[PolicyCache] = []  # the cache of the forward now running (forwards do not nest)
 
 
+# What forward passes call the cache: ``cache`` from transformers 5.24 on (``past_key_values`` is deprecated
+# there), ``past_key_values`` before; MPT's blocks hand it to their attention as ``layer_past``.
+_CACHE_NAMES = ("cache", "past_key_values", "layer_past")
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword this model's ``generate`` takes a cache by (``cache`` from transformers 5.24 on)."""
+    params = inspect.signature(model.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _cache_from(kwargs: dict[str, Any]) -> PolicyCache | None:
-    for name in ("past_key_values", "layer_past"):
+    for name in _CACHE_NAMES:
         c = kwargs.get(name)
         if isinstance(c, PolicyCache):
             return c
@@ -949,10 +968,11 @@ def _attn_pre(
     ctx["position_ids"] = kwargs.get("position_ids")
     if cache._prefilled and fam.kind != "mpt":
         layer = cache.layers[l]
-        kind = "eager" if fam.kind == "gptj" else module.config._attn_implementation
-        dtype = (
-            torch.float32 if fam.kind == "gptj" else args[0].dtype if args else kwargs["hidden_states"].dtype
-        )
+        # GPT-J before transformers 5.24 ran its own eager attention on a float32 additive mask; from 5.24
+        # on it goes through the attention interface like Llama.
+        legacy = fam.kind == "gptj" and hasattr(module, "scale_attn")
+        kind = "eager" if legacy else module.config._attn_implementation
+        dtype = torch.float32 if legacy else args[0].dtype if args else kwargs["hidden_states"].dtype
         kwargs["attention_mask"] = cache._layer_mask(layer, ctx["q_len"], kind, dtype)
     return args, kwargs
 
@@ -975,14 +995,22 @@ def _mpt_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
     position_bias: torch.Tensor,
-    past_key_values: Any = None,
-    attention_mask: torch.Tensor | None = None,
+    *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MPT attention over a compacted cache: ALiBi from each slot's original position."""
-    if not isinstance(past_key_values, PolicyCache):
-        return self._kvp_forward(hidden_states, position_bias, past_key_values, attention_mask, **kwargs)
-    cache = past_key_values
+    """MPT attention over a compacted cache: ALiBi from each slot's original position.
+
+    The cache comes third, by position or by name (``cache`` from transformers 5.24 on, ``past_key_values``
+    before), then ``attention_mask``."""
+    if args:
+        found = args[0]
+    else:
+        found = kwargs.pop("cache", None)
+        found = kwargs.pop("past_key_values", found)
+    attention_mask = args[1] if len(args) > 1 else kwargs.pop("attention_mask", None)
+    if not isinstance(found, PolicyCache):  # both versions take the cache third, the mask fourth
+        return self._kvp_forward(hidden_states, position_bias, found, attention_mask, *args[2:], **kwargs)
+    cache = found
     B, q_len = hidden_states.shape[:2]
     qkv = self.Wqkv(hidden_states)
     if self.clip_qkv:
@@ -1056,8 +1084,8 @@ def _length_aware(model: torch.nn.Module, generate: Any) -> Any:
 
     @functools.wraps(generate)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("past_key_values")
-        if isinstance(cache, PolicyCache) and cache.max_new_tokens is None:
+        cache = _cache_from(kwargs)
+        if cache is not None and cache.max_new_tokens is None:
             cache.max_new_tokens = _new_tokens(model, args, kwargs)
         return generate(*args, **kwargs)
 
@@ -1132,10 +1160,11 @@ def compressed(model: torch.nn.Module, policy: Any, *, seed: int = 0) -> Iterato
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("past_key_values") is None:
-            kwargs["past_key_values"] = hf_cache(policy, model, seed=seed)
+        if all(kwargs.get(name) is None for name in _CACHE_NAMES):
+            cache = hf_cache(policy, model, seed=seed)
+            kwargs[_cache_kwarg(model)] = cache
             kwargs.setdefault("use_cache", True)
-            caches.append(kwargs["past_key_values"])
+            caches.append(cache)
         return original(*args, **kwargs)
 
     model.generate = generate

@@ -1,6 +1,7 @@
 """Built-in eviction policies; each module registers one policy."""
 
 from .a2sf import A2SF
+from .chunkkv import ChunkKV
 from .full import Full
 from .h2o import H2O
 from .keyformer import Keyformer
@@ -10,4 +11,5 @@ from .streaming import Streaming
 from .tova import TOVA
 from .window import Window
 
-__all__ = ["A2SF", "Full", "H2O", "Keyformer", "Scissorhands", "SnapKV", "Streaming", "TOVA", "Window"]
+__all__ = ["A2SF", "ChunkKV", "Full", "H2O", "Keyformer", "Scissorhands", "SnapKV", "Streaming", "TOVA",
+           "Window"]

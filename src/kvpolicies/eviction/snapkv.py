@@ -7,6 +7,9 @@ with a 1-D pooling (``pooling="max"`` or ``"avg"``, odd ``kernel``, default 7, s
 padding; the window's own scores are left alone, they are forced). Keep the window plus the top
 ``b - W`` prefix tokens (ties: the earlier token). Decoding appends without evicting
 (``decode_evict = False``, ``score_mode = "none"``), as in the paper.
+
+``chunk > 1`` (not in the paper; ChunkKV's idea, see ``chunkkv``) then sums the pooled prefix scores over
+chunks of ``chunk`` consecutive tokens, so whole chunks are kept.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import EvictionPolicy, check_int
+from ..base import EvictionPolicy, check_int, chunk_sums
 from ..registry import register_policy
 
 
@@ -28,6 +31,7 @@ class SnapKV(EvictionPolicy):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
+    chunk: int = 1
 
     prefill_mode = "accumulate"
     decode_evict = False
@@ -35,6 +39,7 @@ class SnapKV(EvictionPolicy):
     def __post_init__(self) -> None:
         check_int("snapkv", "window", self.window, 1)
         check_int("snapkv", "kernel", self.kernel, 1)
+        check_int("snapkv", "chunk", self.chunk, 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"snapkv: parameter kernel={self.kernel} must be odd (the pooling keeps length)")
         if self.pooling not in ("max", "avg"):
@@ -56,4 +61,4 @@ class SnapKV(EvictionPolicy):
         prefix = scores[:, None, :n_prefix]   # [Hkv, 1, L - W]: pooling wants a channel dim
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
-        return torch.cat([pooled, scores[:, n_prefix:]], dim=-1)
+        return torch.cat([chunk_sums(pooled, self.chunk), scores[:, n_prefix:]], dim=-1)
