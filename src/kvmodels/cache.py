@@ -315,11 +315,24 @@ class PagedKVCache:
                                             device=dev)
         self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
         self.decay = 1.0
+        # The compiled decode step mutates these in place (K/V, slot positions and scores, lengths).
+        # Inductor's CUDA graph trees replay a graph that mutates its inputs only if those inputs have
+        # static addresses, as module buffers do; marked, they do too (unguarded: a new cache re-records
+        # the graph instead of recompiling the step). They are allocated once and only ever updated in place.
+        for buf in self.static_buffers():
+            torch._dynamo.mark_static_address(buf)
         self.page_bytes = S * H * (2 * D * self.k_pages.element_size() + 4 + 4 + extra_bytes)
 
         self.batch_size = 0
         self._state = "idle"
         self._reset_pool()
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        """Every device tensor the decode step reads or writes; allocated once, updated only in place."""
+        bufs = [self.k_pages, self.v_pages, self.slot_pos, self.slot_score, self.free_pages, self.n_free,
+                self.page_table, self.seq_lens, self.active, self.budgets, self.cos_sim, self.temperature]
+        bufs += [t for t in (self.k_mag, self.v_mag, self.slot_mask, self.gumbel_noise) if t is not None]
+        return bufs
 
     # ------------------------------------------------------------------ host bookkeeping
     def _reset_pool(self) -> None:

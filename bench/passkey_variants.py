@@ -1,0 +1,82 @@
+"""Passkey retrieval for policy *variants* (parameters the sweep's names cannot carry): TOVA as the paper
+describes it (one selection per layer, at every decode step) against the per-KV-head variant and the
+prompt-only selection NVIDIA kvpress's ``TOVAPress`` makes, and ChunkKV against SnapKV.
+
+Same samples, prompts, replayed prefills and scoring as ``python -m kvmodels.eval`` (SmolLM2-135M, greedy,
+question inside the prompt). One JSON line per (variant, budget), appended to ``--out``; a rerun skips the
+lines already there. Run: ``python bench/passkey_variants.py --context 1024 --n 24``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
+    "full": (("full",), {}),
+    "h2o": (("h2o",), {}),
+    "snapkv": (("snapkv",), {}),
+    "snapkv chunk=10": (("snapkv",), {"snapkv": {"chunk": 10}}),
+    "chunkkv": (("chunkkv",), {}),
+    "tova (paper: per layer, every step)": (("tova",), {}),
+    "tova per_head": (("tova",), {"tova": {"per_head": True}}),
+    "tova decode=False (kvpress's)": (("tova",), {"tova": {"decode": False}}),
+    "keyformer": (("keyformer",), {}),
+    "squeeze+snapkv": (("squeeze", "snapkv"), {}),
+    "squeeze p=0.8+snapkv": (("squeeze", "snapkv"), {"squeeze": {"p": 0.8}}),
+    "pyramid+snapkv": (("pyramid", "snapkv"), {}),
+    "squeeze+keyformer": (("squeeze", "keyformer"), {}),
+    "squeeze+h2o": (("squeeze", "h2o"), {}),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvmodels.eval import tasks
+    from kvmodels.eval.sweep import Runner, device_name
+    from kvpolicies import compose
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--n", type=int, default=24)
+    p.add_argument("--budgets", default="0.2,0.5")
+    p.add_argument("--variants", default=None, help="comma-separated subset of the variant names")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="bench/results/passkey-variants.jsonl")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    done = set()
+    if out.exists():
+        done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
+    names = list(VARIANTS) if args.variants is None else args.variants.split(",")
+    runner = Runner()
+    samples = runner.samples("passkey", args.context, args.n)
+    runner.replay.record([list(s.prompt) for s in samples])
+    for budget in [float(b) for b in args.budgets.split(",")]:
+        for name in names:
+            key = f"passkey|ctx={args.context}|n={args.n}|{name}|{budget if name != 'full' else 1.0:g}"
+            if key in done:
+                continue
+            done.add(key)
+            spec, params = VARIANTS[name]
+            policy = compose(*spec, budget=budget if name != "full" else 1.0, seed=runner.seed, **params)
+            t0 = time.perf_counter()
+            res = tasks.run_passkey(runner.replay, runner.tokenizer, samples, policy, batch_size=args.n)
+            record = {"key": key, "variant": name, "policy": repr(policy), "budget": budget, "context": args.context,
+                      "n": args.n, "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
+                      "torch": torch.__version__, **res.metrics, "outputs": res.outputs}
+            with out.open("a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+            print(f"{name:40s} {budget:4.2f} {res.metrics.get('correct')}/{args.n} ({record['seconds']} s)",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
