@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             policy = compose(*spec, budget=budget if name != "full" else 1.0, seed=runner.seed, **params)
             t0 = time.perf_counter()
             res = tasks.run_passkey(runner.replay, runner.tokenizer, samples, policy, batch_size=args.n)
-            record = {"key": key, "variant": name, "policy": repr(policy), "budget": budget, "context": args.context,
-                      "n": args.n, "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
+            record = {"key": key, "variant": name, "policy": repr(policy), "budget": budget,
+                      "context": args.context, "n": args.n,
+                      "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
                       "torch": torch.__version__, **res.metrics, "outputs": res.outputs}
             with out.open("a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
