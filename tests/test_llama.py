@@ -40,7 +40,7 @@ class DenseCache:
         self.k = [[None] * len(prompt_lens) for _ in range(self.n_layers)]
         self.v = [[None] * len(prompt_lens) for _ in range(self.n_layers)]
 
-    def prefill_layer(self, l, b, q, k, v, positions, *, scale, alibi_slopes=None):
+    def prefill_layer(self, l, b, q, k, v, positions, *, scale, alibi_slopes=None, lse=None):
         assert torch.equal(positions.cpu(), torch.arange(len(positions)))
         self.k[l][b], self.v[l][b] = k.clone(), v.clone()
 

@@ -15,6 +15,7 @@ from kvkernels import SCORE_MODES, update_scores_ref
 from kvkernels._noise import gumbel_noise_hash, gumbel_noise_hash_triton, hash_u32
 from kvkernels.score_update import (
     _prefill_scores_op,
+    prefill_attention,
     prefill_scores,
     prefill_scores_ref,
     prefill_scores_torch,
@@ -221,6 +222,78 @@ def test_triton_multi_block_gqa(mode):
                         rtol=1e-4)
 
 
+# --- a known row log-sum-exp (the model's attention returns it) ----------------------------------------
+
+LSE_MODES = ("accumulate", "decay", "replace")
+
+
+def true_lse(q, k, scale, alibi_slopes=None):
+    """``[Hq, L]`` float32 log-sum-exp of each row's visible logits, from float64 dense logits."""
+    L, Hq, _ = q.shape
+    i = torch.arange(L, device=q.device)[:, None]
+    j = torch.arange(L, device=q.device)[None, :]
+    k_per_q_head = k.double().repeat_interleave(Hq // k.shape[1], dim=1)
+    logits = torch.einsum("ihd,jhd->hij", q.double(), k_per_q_head) * scale  # [Hq, L, L]
+    if alibi_slopes is not None:
+        logits = logits + alibi_slopes.double()[:, None, None] * (j - i)
+    return torch.logsumexp(logits.masked_fill(j > i, float("-inf")), dim=-1).float()
+
+
+@given(problems(max_len=300), st.integers(1, 300), st.sampled_from([torch.float32, torch.float16]))
+@settings(max_examples=30)
+def test_scores_from_a_given_lse_match_ref(problem, chunk, dtype):
+    """With the row normaliser given, the single-pass tiled path (and the Triton launcher without its
+    row-stats pass) equal the reference; modes that must not use it ignore it."""
+    q, k, kwargs = to_device(*problem, dtype=dtype)
+    lse = true_lse(q, k, kwargs["scale"], kwargs["alibi_slopes"])
+    expected = prefill_scores_ref(q, k, **kwargs)
+    impls = [prefill_scores_torch] if not ON_CUDA else [prefill_scores_triton]
+    for impl in [prefill_scores, *impls]:
+        actual = impl(q, k, chunk=chunk, lse=lse, **kwargs)
+        assert actual.dtype == torch.float32 and actual.shape == expected.shape
+        assert_scores_close(actual, expected, kwargs["mode"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", LSE_MODES)
+def test_a_given_lse_is_used(mode):
+    """The normaliser really comes from ``lse`` in the modes that take it: shifting it by log 2 halves
+    every probability, hence every score (the test fails if ``lse`` were ignored)."""
+    L, D = 70, 8
+    q, k = torch.randn(L, 4, D, device=DEVICE), torch.randn(L, 2, D, device=DEVICE)
+    lse = true_lse(q, k, 0.5)
+    run = lambda lse: prefill_scores(q, k, scale=0.5, mode=mode, window=33, decay=0.9, lse=lse)
+    torch.testing.assert_close(run(lse + math.log(2.0)), run(None) / 2, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", LSE_MODES)
+def test_triton_with_lse_matches_ref(mode):
+    L, Hkv, G, D = 40, 2, 2, 40
+    q, k = torch.randn(L, Hkv * G, D, device=DEVICE), torch.randn(L, Hkv, D, device=DEVICE)
+    slopes = torch.rand(Hkv * G, device=DEVICE)
+    kwargs = dict(scale=D**-0.5, mode=mode, window=27, decay=0.8, alibi_slopes=slopes)
+    actual = prefill_scores_triton(q, k, lse=true_lse(q, k, D**-0.5, slopes), **kwargs)
+    assert_scores_close(actual, prefill_scores_ref(q, k, **kwargs), mode, rtol=1e-4)
+
+
+@given(st.integers(1, 70), st.sampled_from([(4, 2), (3, 3), (9, 3)]),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+@settings(max_examples=10)
+def test_prefill_attention_is_sdpa_with_its_lse(L, heads, dtype):
+    """Output equals F.scaled_dot_product_attention's; on CPU the returned lse is the rows' log-sum-exp."""
+    Hq, Hkv = heads
+    D = 16
+    q, k, v = (torch.randn(L, h, D, device=DEVICE, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    out, lse = prefill_attention(q, k, v, scale=0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=0.3, enable_gqa=Hq != Hkv)
+    torch.testing.assert_close(out, want[0].transpose(0, 1), rtol=0, atol=0)
+    if DEVICE.type == "cpu":
+        torch.testing.assert_close(lse, true_lse(q, k, 0.3), rtol=1e-4, atol=1e-4)
+    else:
+        assert lse is None
+
+
 # --- the noise hash --------------------------------------------------------------------------------
 
 def _hash_python(seed, head, q_idx, k_idx):
@@ -301,6 +374,8 @@ def _good():
     (dict(scale="0.3"), TypeError, "scale"),
     (dict(alibi_slopes=torch.rand(2)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=torch.rand(4).double()), TypeError, "alibi_slopes"),
+    (dict(lse=torch.randn(2, 6)), ValueError, "lse"),
+    (dict(lse=torch.randn(4, 6).double()), TypeError, "lse"),
 ])
 def test_bad_input_names_the_argument(change, error, names):
     args = _good() | change
@@ -310,8 +385,10 @@ def test_bad_input_names_the_argument(change, error, names):
 
 def test_op_schema_and_fake():
     q, k = torch.randn(9, 4, 8), torch.randn(9, 2, 8)
-    torch.library.opcheck(_prefill_scores_op, (q, k, 0.3, "count_low", 4, 0.9, 3, 1.0, torch.rand(4), 4))
-    torch.library.opcheck(_prefill_scores_op, (q, k, 0.3, "gumbel", 0, 1.0, 3, 2.0, None, 256))
+    op = _prefill_scores_op
+    torch.library.opcheck(op, (q, k, 0.3, "count_low", 4, 0.9, 3, 1.0, torch.rand(4), 4, None))
+    torch.library.opcheck(op, (q, k, 0.3, "gumbel", 0, 1.0, 3, 2.0, None, 256, None))
+    torch.library.opcheck(op, (q, k, 0.3, "decay", 2, 0.9, 3, 1.0, None, 4, true_lse(q, k, 0.3)))
 
 
 @pytest.mark.slow

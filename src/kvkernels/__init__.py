@@ -22,7 +22,13 @@ from .paged_attention import (
     paged_decode_attention_torch,
     paged_decode_attention_triton,
 )
-from .score_update import prefill_scores, prefill_scores_ref, prefill_scores_torch, prefill_scores_triton
+from .score_update import (
+    prefill_attention,
+    prefill_scores,
+    prefill_scores_ref,
+    prefill_scores_torch,
+    prefill_scores_triton,
+)
 
 # The submodule ``topk_compact`` shares its name with the op it defines; importing the op last binds
 # ``kvkernels.topk_compact`` to the function, not the module.
@@ -47,6 +53,7 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_decode_attention_torch",
     "paged_decode_attention_triton",
+    "prefill_attention",
     "prefill_scores",
     "prefill_scores_ref",
     "prefill_scores_torch",

@@ -450,7 +450,7 @@ class PagedKVCache:
 
     def prefill_layer(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,
-                      alibi_slopes: torch.Tensor | None = None) -> None:
+                      alibi_slopes: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
         """Store one sequence's prompt K/V for cache layer ``l`` and score it if the policy needs scores.
 
         Parameters
@@ -463,6 +463,10 @@ class PagedKVCache:
             ``[L]`` int absolute positions of the prompt tokens.
         scale, alibi_slopes:
             Logit scale and optional ``[Hq]`` float32 ALiBi slopes, as used by the model.
+        lse:
+            Optional ``[Hq, L]`` float32 log-sum-exp of each row of this layer's causal attention logits
+            (``kvkernels.prefill_attention`` returns it on CPU): the scorer then skips its own softmax
+            normaliser pass (``prefill_scores(lse=...)``).
         """
         if self._state != "prefill":
             raise RuntimeError(f"prefill_layer called in state {self._state!r}; call start(...) first and "
@@ -488,7 +492,7 @@ class PagedKVCache:
             raise self._out_of_pages(n_pages, f"prefill of sequence {b} layer {l}")
         scores = None
         if self.eviction.prefill_mode is not None:
-            scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes)  # [H, L]
+            scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes, lse)  # [H, L]
 
         pages = self.free_pages[self._free - n_pages:self._free].to(torch.int64)  # [n_pages]
         self.n_free -= n_pages
@@ -517,7 +521,7 @@ class PagedKVCache:
         """
         return ((self._noise_seed * 1_000_033 + l) * 1_000_037 + b) % 2**62
 
-    def _prefill_scores(self, l, b, q, k, scale, alibi_slopes) -> torch.Tensor:
+    def _prefill_scores(self, l, b, q, k, scale, alibi_slopes, lse) -> torch.Tensor:
         source = self.eviction.score_source_layer(l)
         if source != l:  # layer-wise index reuse: the scores an earlier layer of this sequence computed
             return self._shared_scores[source, b]
@@ -526,7 +530,8 @@ class PagedKVCache:
         mode = self.eviction.prefill_mode
         assert mode is not None  # callers check
         scores = prefill_scores(q, k, scale=scale, mode=mode,
-                                window=self.eviction.prefill_window(L), alibi_slopes=alibi_slopes, **kwargs)
+                                window=self.eviction.prefill_window(L), alibi_slopes=alibi_slopes, lse=lse,
+                                **kwargs)
         scores = self.eviction.postprocess_prefill_scores(scores)
         if l + 1 < self.n_layers and self.eviction.score_source_layer(l + 1) == l:
             self._shared_scores[l, b] = scores  # [Hkv, L], read by the layers that reuse this one's

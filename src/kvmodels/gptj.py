@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvkernels import prefill_attention
 from kvmodels.generate import CacheLayout
 from kvpolicies.budget.squeeze import residual_cos_sim
 
@@ -165,13 +166,11 @@ class GPTJ(nn.Module):
         for l, blk in enumerate(self.blocks):
             hn = blk.ln_1(x)
             q, k, v = blk.qkv(hn, positions)
+            # On CPU the flash kernel's row log-sum-exp comes back too: the scorer reuses it.
+            attn, lse = prefill_attention(q, k, v, scale=self.scale)           # [L, H, D], [H, L] or None
             if cache is not None:
-                cache.prefill_layer(l, b, q, k, v, positions, scale=self.scale)
-            # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the L x L math path.
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                  v.transpose(0, 1)[None], is_causal=True,
-                                                  scale=self.scale)[0]       # [H, L, D]
-            attn = blk.out_proj(attn.transpose(0, 1).reshape(L, -1))          # [L, h]
+                cache.prefill_layer(l, b, q, k, v, positions, scale=self.scale, lse=lse)
+            attn = blk.out_proj(attn.reshape(L, -1))                          # [L, h]
             if cache is not None:
                 # SqueezeAttention: how little the attention branch turns the residual stream.
                 cache.record_cos_sim(l, b, residual_cos_sim(x, attn).mean())

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvkernels import prefill_attention
 from kvmodels.generate import CacheLayout
 from kvpolicies.budget.squeeze import residual_cos_sim
 
@@ -249,14 +250,11 @@ class Llama(nn.Module):
         cos, sin = self._rope(positions, x.dtype)
         for l, layer in enumerate(self.blocks):
             q, k, v = layer.qkv(x, cos, sin)
+            # On CPU the flash kernel's row log-sum-exp comes back too: the scorer reuses it.
+            attn, lse = prefill_attention(q, k, v, scale=layer.scale)  # [L, Hq, D], [Hq, L] or None
             if cache is not None:
-                cache.prefill_layer(l, b, q, k, v, positions, scale=layer.scale)
-            # 4-D inputs: with 3-D ones torch 2.13's CPU SDPA falls back to the L x L math path (6x slower
-            # at 4k tokens); with a batch dim it takes the flash kernel, GQA included.
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # [1, H, L, D]
-                is_causal=True, scale=layer.scale, enable_gqa=layer.n_heads != layer.n_kv_heads)[0]
-            attn_out = layer.wo(attn.transpose(0, 1).reshape(L, -1))  # [L, dim]
+                cache.prefill_layer(l, b, q, k, v, positions, scale=layer.scale, lse=lse)
+            attn_out = layer.wo(attn.reshape(L, -1))  # [L, dim]
             if cache is not None:
                 # SqueezeAttention: how little this layer's attention moves the residual stream.
                 cos_sim = residual_cos_sim(x, attn_out).mean()

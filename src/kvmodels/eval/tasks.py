@@ -218,16 +218,16 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 @dataclass
 class _Recorded:
-    layers: list[tuple[Tensor, Tensor, Tensor, Tensor, float]] = field(default_factory=list)
+    layers: list[tuple[Tensor, Tensor, Tensor, Tensor, float, Tensor | None]] = field(default_factory=list)
     cos_sim: list[Tensor] = field(default_factory=list)
     logits: Tensor | None = None
 
     # The recording "cache": receives what the model hands a PagedKVCache during prefill.
     def prefill_layer(self, l: int, b: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, *,
-                      scale: float, alibi_slopes: Tensor | None = None) -> None:
+                      scale: float, alibi_slopes: Tensor | None = None, lse: Tensor | None = None) -> None:
         if alibi_slopes is not None:
             raise NotImplementedError("PrefillReplay records Llama-style (RoPE) models only")
-        self.layers.append((q, k, v, positions, scale))
+        self.layers.append((q, k, v, positions, scale, lse))
 
     def record_cos_sim(self, l: int, b: int, value: float | Tensor) -> None:
         self.cos_sim.append(torch.as_tensor(value))
@@ -237,9 +237,10 @@ class PrefillReplay:
     """A :class:`~kvmodels.generate.CausalLM` that prefills each distinct prompt once and replays it.
 
     ``record(prompts)`` runs the wrapped model's dense prefill on each prompt, keeping every layer's
-    ``q, k, v, positions`` and SqueezeAttention statistic plus the last logits. ``prefill`` then feeds
-    those to the cache exactly as the model would (same tensors, same order), so generation through the
-    replay is identical to generation through the model. ``decode_step`` is the model's.
+    ``q, k, v, positions`` (and the attention's row log-sum-exp) and SqueezeAttention statistic plus the
+    last logits. ``prefill`` then feeds those to the cache exactly as the model would (same tensors, same
+    order), so generation through the replay is identical to generation through the model.
+    ``decode_step`` is the model's.
 
     Parameters
     ----------
@@ -295,8 +296,8 @@ class PrefillReplay:
         if not last_only:
             raise ValueError("PrefillReplay keeps only the last position's logits; call with last_only=True")
         rec = self._store[key]
-        for l, (q, k, v, positions, scale) in enumerate(rec.layers):
-            cache.prefill_layer(l, b, q, k, v, positions, scale=scale)
+        for l, (q, k, v, positions, scale, lse) in enumerate(rec.layers):
+            cache.prefill_layer(l, b, q, k, v, positions, scale=scale, lse=lse)
             cache.record_cos_sim(l, b, rec.cos_sim[l])
             if on_layer is not None:
                 on_layer(l)
