@@ -346,7 +346,7 @@ def test_attend_without_score_update_reads_the_same_and_writes_nothing():
 
 
 def test_noise_helpers_are_what_the_cache_draws():
-    from kvmodels.cache import draw_gumbel_, noise_seed
+    from kvkernels import draw_gumbel_, noise_seed
 
     run = FakeRun(2, 1, 2, 4, [5, 3], 1, seed=0)
     cache = run.cache(compose("keyformer", budget=4, seed=7), page_size=2, seed=3)

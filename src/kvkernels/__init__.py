@@ -8,12 +8,14 @@ and semantics.
 
 from __future__ import annotations
 
+from ._checks import check_shape, check_tensor
 from ._modes import SCORE_MODES, update_scores_ref
-from ._noise import gumbel_noise_hash
+from ._noise import draw_gumbel_, gumbel_noise_hash, noise_seed, prefill_seed
 from .merge import (
     magnitude_direction_merge,
     magnitude_direction_merge_ref,
     magnitude_direction_merge_triton,
+    merge_region,
     merge_restore,
 )
 from .paged_attention import (
@@ -44,11 +46,16 @@ from .topk_compact import (  # noqa: I001
 
 __all__ = [
     "SCORE_MODES",
+    "check_shape",
+    "check_tensor",
+    "draw_gumbel_",
     "gumbel_noise_hash",
     "magnitude_direction_merge",
     "magnitude_direction_merge_ref",
     "magnitude_direction_merge_triton",
+    "merge_region",
     "merge_restore",
+    "noise_seed",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_decode_attention_torch",
@@ -58,6 +65,7 @@ __all__ = [
     "prefill_scores_ref",
     "prefill_scores_torch",
     "prefill_scores_triton",
+    "prefill_seed",
     "topk_compact",
     "topk_compact_ref",
     "topk_compact_torch",

@@ -176,3 +176,29 @@ def compile_variants(full: bool = False):
             gumbel_noise_hash_triton(7, head, idx, idx)
 
         yield f"gumbel_noise_hash head={head}", thunk
+
+
+# --- seeds and generator-drawn noise shared by both caches ----------------------------------------
+
+def noise_seed(policy_seed: int, seed: int) -> int:
+    """Seed of a cache's Gumbel noise from the policy's seed and the cache's (e.g. a generation's) seed.
+
+    Both caches (``kvmodels.cache.PagedKVCache`` and ``kvpolicies.hf``) seed their decode generator with it
+    and derive the prompt-scoring seeds from it (:func:`prefill_seed`), so they draw identical noise.
+    """
+    return (int(policy_seed) * 1_000_003 + int(seed)) % 2**62
+
+
+def draw_gumbel_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill ``out`` (float32, any shape) in place with Gumbel(0, 1) noise from ``generator``; return it.
+
+    ``-log(Exp(1))``: one ``exponential_`` draw over ``out`` in its memory order, so the same generator state
+    and the same shape give the same noise everywhere it is drawn.
+    """
+    return out.exponential_(generator=generator).clamp_min_(1e-30).log_().neg_()
+
+
+def prefill_seed(noise_seed: int, l: int, b: int) -> int:
+    """Seed of the prompt-scoring noise of cache layer ``l``, sequence ``b`` (``prefill_scores(seed=...)``):
+    distinct per (layer, sequence), reproducible from the cache's :func:`noise_seed`."""
+    return ((int(noise_seed) * 1_000_033 + l) * 1_000_037 + b) % 2**62

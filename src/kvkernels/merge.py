@@ -88,7 +88,7 @@ def _n_retained(n_tokens: int, retain_ratio: float) -> int:
     return min(n_tokens, math.ceil(round(retain_ratio * n_tokens, 9)))
 
 
-def _retained_mask(theta: Tensor, retain_ratio: float) -> Tensor:
+def retained_mask(theta: Tensor, retain_ratio: float) -> Tensor:
     """``[N, H]`` bool: per head, the ``ceil(retain_ratio * N)`` tokens of largest ``theta``.
 
     Ties go to the lower token index."""
@@ -123,7 +123,7 @@ def magnitude_direction_merge_ref(x_a: Tensor, x_b: Tensor, *, t: float = 0.5,
     lerp_norm = e_lerp.norm(dim=-1, keepdim=True)
     e_lerp = torch.where(lerp_norm > 0, e_lerp / lerp_norm.clamp_min(torch.finfo(torch.float32).tiny), u_a)
     direction = torch.where(slerp, e_slerp, e_lerp)
-    return direction.to(x_a.dtype), mag_a, mag_b, _retained_mask(theta, retain_ratio)
+    return direction.to(x_a.dtype), mag_a, mag_b, retained_mask(theta, retain_ratio)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def magnitude_direction_merge_triton(x_a: Tensor, x_b: Tensor, *, t: float = 0.5
             x_a, x_b, direction, mag_a, mag_b, theta, n_rows, dim, float(t), SLERP_EPS,
             BLOCK_R=block_r, BLOCK_D=block_d,
         )
-    return direction, mag_a, mag_b, _retained_mask(theta, retain_ratio)
+    return direction, mag_a, mag_b, retained_mask(theta, retain_ratio)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -215,6 +215,50 @@ def merge_restore(direction: Tensor, mag: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------------
 # Compile variants (kvkernels.compile_check)
+def angle(x_a: torch.Tensor, x_b: torch.Tensor) -> torch.Tensor:
+    """``[N, H]`` float32 angle between ``x_a`` and ``x_b`` ``[N, H, D]``; 0 where either is the zero vector
+    (``magnitude_direction_merge`` restores those exactly)."""
+    a, b = x_a.float(), x_b.float()
+    na, nb = a.norm(dim=-1), b.norm(dim=-1)
+    cos = (a * b).sum(-1) / (na * nb).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.where((na == 0) | (nb == 0), 0.0, torch.acos(cos.clamp(-1.0, 1.0)))
+
+
+def merge_region(ka, kb, va, vb, pos, sa, sb, t: float, retain_ratio: float) -> dict[str, torch.Tensor]:
+    """A merged pair's region (docs/contract.md §5.1) from two layers' kept tokens ``[N, Hkv, D]`` (positions
+    and own scores ``[N, Hkv]``): one shared slot per merged token, ``a``-then-``b`` private slots for each
+    retained one. Returns ``[n_slots, Hkv, ...]`` tensors ``k v pos score k_mag_a k_mag_b v_mag_a v_mag_b
+    mask``; used by ``kvmodels.cache.PagedKVCache`` and the transformers bridge (``kvpolicies.hf``)."""
+    N, H = pos.shape
+    dk, mka, mkb, _ = magnitude_direction_merge(ka.contiguous(), kb.contiguous(), t=t, retain_ratio=0.0)
+    dv, mva, mvb, _ = magnitude_direction_merge(va.contiguous(), vb.contiguous(), t=t, retain_ratio=0.0)
+    ret = retained_mask(torch.maximum(angle(ka, kb), angle(va, vb)), retain_ratio)  # [N, H]
+    n_slots = N + int(ret[:, 0].sum()) if N else 0
+    first = torch.arange(N, device=pos.device)[:, None] + ret.cumsum(0) - ret.long()  # [N, H]
+    second = torch.where(ret, first + 1, n_slots)  # b's private slot; n_slots is a dump row
+
+    def place(x_first: torch.Tensor, x_second: torch.Tensor) -> torch.Tensor:
+        """[N, H, ...] values of every first and (retained: second) slot -> [n_slots, H, ...]."""
+        out = x_first.new_zeros(n_slots + 1, *x_first.shape[1:])
+        shape = x_first.shape
+        for index, x in ((first, x_first), (second, x_second)):
+            out.scatter_(0, index.view(N, H, *[1] * (len(shape) - 2)).expand(shape), x.to(out.dtype))
+        return out[:n_slots]
+
+    r3, one = ret[..., None], torch.ones_like(mka)
+    return {
+        "k": place(torch.where(r3, ka, dk), kb),
+        "v": place(torch.where(r3, va, dv), vb),
+        "pos": place(pos, pos),
+        "score": place(torch.where(ret, sa, sa + sb), sb),
+        "k_mag_a": place(torch.where(ret, one, mka), one),
+        "k_mag_b": place(torch.where(ret, one, mkb), one),
+        "v_mag_a": place(torch.where(ret, one, mva), one),
+        "v_mag_b": place(torch.where(ret, one, mvb), one),
+        "mask": place(torch.where(ret, 1, 3).to(torch.uint8), torch.full_like(pos, 2, dtype=torch.uint8)),
+    }
+
+
 # ----------------------------------------------------------------------------------------------------
 
 COMPILE_AXES: dict[str, tuple] = {"dtype": FLOAT_DTYPES, "head_dim": (64, 128, 96)}

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvkernels._checks import check_shape, check_tensor
+from kvkernels import check_shape, check_tensor, draw_gumbel_, noise_seed, prefill_seed
 
 # From the submodules: importing ``kvkernels.topk_compact`` binds the package attribute of that name to the
 # submodule, which hides the package's lazily exported function of the same name.
-from kvkernels.merge import _retained_mask, magnitude_direction_merge, merge_restore
+from kvkernels.merge import merge_region, merge_restore
 from kvkernels.paged_attention import paged_decode_attention
 from kvkernels.score_update import prefill_scores
 from kvkernels.topk_compact import topk_compact, topk_evict
@@ -42,33 +42,6 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 def _ceil_div(a, b):
     return -(-a // b)
-
-
-def noise_seed(policy_seed: int, seed: int) -> int:
-    """Seed of a cache's Gumbel noise from the policy's seed and the cache's (e.g. a generation's) seed.
-
-    The decode generator is seeded with it and :meth:`PagedKVCache.prefill_seed` derives the prompt-scoring
-    seeds from it; ``kvpolicies.hf`` uses the same function so both draw identical noise.
-    """
-    return (int(policy_seed) * 1_000_003 + int(seed)) % 2**62
-
-
-def draw_gumbel_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill ``out`` (float32, any shape) in place with Gumbel(0, 1) noise from ``generator``; return it.
-
-    ``-log(Exp(1))``: one ``exponential_`` draw over ``out`` in its memory order, so the same generator state
-    and the same shape give the same noise everywhere it is drawn.
-    """
-    return out.exponential_(generator=generator).clamp_min_(1e-30).log_().neg_()
-
-
-def _angle(x_a: torch.Tensor, x_b: torch.Tensor) -> torch.Tensor:
-    """``[N, H]`` float32 angle between ``x_a`` and ``x_b`` ``[N, H, D]``; 0 where either is the zero vector
-    (``magnitude_direction_merge`` restores those exactly)."""
-    a, b = x_a.float(), x_b.float()
-    na, nb = a.norm(dim=-1), b.norm(dim=-1)
-    cos = (a * b).sum(-1) / (na * nb).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.where((na == 0) | (nb == 0), 0.0, torch.acos(cos.clamp(-1.0, 1.0)))
 
 
 @dataclass(frozen=True)
@@ -137,41 +110,6 @@ class CacheReport:
         if self.merged_pairs:
             lines.append(f"merged pairs (stored under the first layer): {list(self.merged_pairs)}")
         return "\n".join(lines)
-
-
-def merge_region(ka, kb, va, vb, pos, sa, sb, t: float, retain_ratio: float) -> dict[str, torch.Tensor]:
-    """A merged pair's region (docs/contract.md §5.1) from two layers' kept tokens ``[N, Hkv, D]`` (positions
-    and own scores ``[N, Hkv]``): one shared slot per merged token, ``a``-then-``b`` private slots for each
-    retained one. Returns ``[n_slots, Hkv, ...]`` tensors ``k v pos score k_mag_a k_mag_b v_mag_a v_mag_b
-    mask``; used by :class:`PagedKVCache` and the transformers bridge (``kvpolicies.hf``)."""
-    N, H = pos.shape
-    dk, mka, mkb, _ = magnitude_direction_merge(ka.contiguous(), kb.contiguous(), t=t, retain_ratio=0.0)
-    dv, mva, mvb, _ = magnitude_direction_merge(va.contiguous(), vb.contiguous(), t=t, retain_ratio=0.0)
-    ret = _retained_mask(torch.maximum(_angle(ka, kb), _angle(va, vb)), retain_ratio)  # [N, H]
-    n_slots = N + int(ret[:, 0].sum()) if N else 0
-    first = torch.arange(N, device=pos.device)[:, None] + ret.cumsum(0) - ret.long()  # [N, H]
-    second = torch.where(ret, first + 1, n_slots)  # b's private slot; n_slots is a dump row
-
-    def place(x_first: torch.Tensor, x_second: torch.Tensor) -> torch.Tensor:
-        """[N, H, ...] values of every first and (retained: second) slot -> [n_slots, H, ...]."""
-        out = x_first.new_zeros(n_slots + 1, *x_first.shape[1:])
-        shape = x_first.shape
-        for index, x in ((first, x_first), (second, x_second)):
-            out.scatter_(0, index.view(N, H, *[1] * (len(shape) - 2)).expand(shape), x.to(out.dtype))
-        return out[:n_slots]
-
-    r3, one = ret[..., None], torch.ones_like(mka)
-    return {
-        "k": place(torch.where(r3, ka, dk), kb),
-        "v": place(torch.where(r3, va, dv), vb),
-        "pos": place(pos, pos),
-        "score": place(torch.where(ret, sa, sa + sb), sb),
-        "k_mag_a": place(torch.where(ret, one, mka), one),
-        "k_mag_b": place(torch.where(ret, one, mkb), one),
-        "v_mag_a": place(torch.where(ret, one, mva), one),
-        "v_mag_b": place(torch.where(ret, one, mvb), one),
-        "mask": place(torch.where(ret, 1, 3).to(torch.uint8), torch.full_like(pos, 2, dtype=torch.uint8)),
-    }
 
 
 class PagedKVCache:
@@ -519,7 +457,7 @@ class PagedKVCache:
 
         Distinct per (layer, sequence) and reproducible from the policy's and the cache's seeds.
         """
-        return ((self._noise_seed * 1_000_033 + l) * 1_000_037 + b) % 2**62
+        return prefill_seed(self._noise_seed, l, b)
 
     def _prefill_scores(self, l, b, q, k, scale, alibi_slopes, lse) -> torch.Tensor:
         source = self.eviction.score_source_layer(l)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from kvkernels import prefill_attention
 from kvmodels.generate import CacheLayout
-from kvpolicies.budget.squeeze import residual_cos_sim
+from kvpolicies.base import residual_cos_sim
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
 from kvmodels.llama import Block, Llama, LlamaConfig, RMSNorm, apply_rope, rope_tables
-from kvpolicies.budget.squeeze import residual_cos_sim
+from kvpolicies.base import residual_cos_sim
 
 
 @dataclass

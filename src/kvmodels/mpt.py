@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
-from kvpolicies.budget.squeeze import residual_cos_sim
+from kvpolicies.base import residual_cos_sim
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,17 @@ class LayerStats:
     cos_sim: torch.Tensor | None = None
 
 
+def residual_cos_sim(h_in: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """SqueezeAttention's per-token statistic: cosine similarity (float32) between the hidden state before
+    an attention block ``h_in [..., dim]`` and after its residual add ``h_in + attn_out``; ``[...]``.
+
+    Models record its mean over the prompt per cache layer (``PagedKVCache.record_cos_sim``); the
+    transformers bridge averages it over the non-padding tokens. Defined with :class:`LayerStats` (which
+    carries it to budget policies) so that models need no particular budget policy.
+    """
+    return torch.nn.functional.cosine_similarity(h_in.float(), (h_in + attn_out).float(), dim=-1)
+
+
 @dataclass(frozen=True)
 class EvictionPolicy(Policy):
     """Which tokens a cache layer keeps.

@@ -55,11 +55,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("kvpolicies.hf needs transformers: pip install 'kvpolicies[hf]'") from exc
 
-from kvkernels._modes import update_scores_ref
-from kvkernels.merge import merge_restore
-from kvmodels.cache import PagedKVCache, draw_gumbel_, merge_region, noise_seed
-from kvpolicies.base import LayerStats
-from kvpolicies.budget.squeeze import residual_cos_sim
+from kvkernels import draw_gumbel_, merge_region, merge_restore, noise_seed, prefill_seed, update_scores_ref
+from kvpolicies.base import LayerStats, residual_cos_sim
 
 __all__ = [
     "PolicyCache",
@@ -472,13 +469,9 @@ class PolicyCache(Cache):
                 "merges by magnitude and direction (MiniCache) and needs both"
             )
         self.seed = seed
-        # The in-house cache is the one authority on noise seeds: a pool-less PagedKVCache (one 1-slot page)
-        # gives the prefill seeds (``prefill_seed(l, b)``) and the decode generator's seed, so the bridge and
+        # Seeds as kvmodels' PagedKVCache derives them (kvkernels.noise_seed / prefill_seed): the bridge and
         # kvmodels draw identical Gumbel noise for the same policy and seed.
-        self._seeds = PagedKVCache(
-            n_layers=n, n_kv_heads=1, head_dim=1, n_q_heads=1, max_batch=1, max_tokens=1, page_size=1,
-            num_pages=1, policy=policy, seed=seed,
-        )
+        self._noise_seed = noise_seed(policy.seed, seed)
         self.max_new_tokens = max_new_tokens
         self.needs_queries = self.eviction.prefill_mode is not None or self.eviction.score_mode != "none"
         self._fresh = True  # no forward seen yet
@@ -554,7 +547,7 @@ class PolicyCache(Cache):
         """
         if self._gumbel is None:
             self._gumbel = torch.Generator(device=device)
-            self._gumbel.manual_seed(noise_seed(self.policy.seed, self.seed))
+            self._gumbel.manual_seed(self._noise_seed)
         lens = torch.stack([layer.kept_tokens() for layer in self.layers])  # [Lc, B] before this step
         # Slots each layer appends this step: 1, or 2 for a merged region (both layers' private slots) and 0
         # for the layer that reads it, as kvmodels grows its lengths.
@@ -610,7 +603,7 @@ class PolicyCache(Cache):
 
         As ``kvmodels.cache.PagedKVCache.finish_prefill``: both layers keep the same ``N = min(L, R // 2)``
         tokens per sequence (all ``L`` without prompt compression), chosen on the summed scores with forced
-        slots ``forced(N)``; then ``kvmodels.cache.merge_region`` (``kvkernels.merge``) merges them into
+        slots ``forced(N)``; then ``kvkernels.merge_region`` merges them into
         shared slots plus the retained tokens' private slots, which are packed front-aligned per sequence.
         """
         la, lb = self.layers[a], self.layers[b]
@@ -739,7 +732,7 @@ class PolicyCache(Cache):
             kb = k[b][:, idx].transpose(0, 1).contiguous()  # [L, Hkv, D]
             kw = dict(ev.prefill_kwargs(L))
             # The in-house cache's seed for (layer, sequence), so both draw the same prefill noise.
-            kw.setdefault("seed", self._seeds.prefill_seed(layer.layer_idx, b))
+            kw.setdefault("seed", prefill_seed(self._noise_seed, layer.layer_idx, b))
             s = kvkernels.prefill_scores(
                 qb,
                 kb,

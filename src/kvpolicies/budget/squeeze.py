@@ -35,16 +35,6 @@ from ..registry import register_policy
 from ._rounding import check_budget_tokens, round_budgets
 
 
-def residual_cos_sim(h_in: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """SqueezeAttention's per-token statistic: cosine similarity (float32) between the hidden state before
-    an attention block ``h_in [..., dim]`` and after its residual add ``h_in + attn_out``; ``[...]``.
-
-    Models record its mean over the prompt per cache layer (``PagedKVCache.record_cos_sim``); the
-    transformers bridge averages it over the non-padding tokens.
-    """
-    return torch.nn.functional.cosine_similarity(h_in.float(), (h_in + attn_out).float(), dim=-1)
-
-
 def kmeans_1d(values: torch.Tensor, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact 1-D KMeans: the ``k`` clusters with the least within-cluster sum of squares.
 

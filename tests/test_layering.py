@@ -1,0 +1,81 @@
+"""The packages import downward only: ``kvkernels`` at the bottom, ``kvpolicies`` above it, ``kvmodels`` (and
+the transformers bridge, which reaches the caches only through ``kvkernels``) on top. No package imports a
+private module or name of another, and no model imports a particular policy. Read from the source (AST), so
+a lazy import inside a function counts as much as one at the top of a file."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LEVEL = {"kvkernels": 0, "kvpolicies": 1, "kvmodels": 2}
+MODELS = ("kvmodels.llama", "kvmodels.gptj", "kvmodels.mpt", "kvmodels.lckv")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts[0] not in LEVEL:
+            continue
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(path: Path, module: str) -> list[tuple[str, int]]:
+    """``(imported name, line)`` for every import in ``path``: ``a.b`` for ``import a.b``, ``a.b.c`` for
+    ``from a.b import c`` (relative imports resolved against ``module``)."""
+    found = []
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found += [(f"{base}.{a.name}", node.lineno) for a in node.names]
+    return found
+
+
+def violations() -> list[str]:
+    bad = []
+    for module, path in _modules().items():
+        top = module.split(".")[0]
+        for name, line in imports(path, module):
+            other = name.split(".")[0]
+            if other not in LEVEL or other == top:
+                continue
+            where = f"{module} (line {line}) imports {name}"
+            if LEVEL[other] > LEVEL[top]:
+                bad.append(f"{where}: upward ({top} sits below {other})")
+            if any(part.startswith("_") for part in name.split(".")[1:]):
+                bad.append(f"{where}: a private name of another package")
+            if module in MODELS and name.startswith(("kvpolicies.budget", "kvpolicies.eviction",
+                                                      "kvpolicies.merge")):
+                bad.append(f"{where}: a model imports a particular policy")
+    return bad
+
+
+def test_packages_import_downward_only():
+    assert violations() == []
+
+
+@pytest.mark.parametrize("source, module, expected", [
+    ("from kvmodels.cache import PagedKVCache\n", "kvpolicies.hf", "upward"),
+    ("from kvkernels._modes import update_scores_ref\n", "kvpolicies.hf", "private"),
+    ("from kvkernels.merge import _retained_mask\n", "kvmodels.cache", "private"),
+    ("from kvpolicies.budget.squeeze import residual_cos_sim\n", "kvmodels.llama", "particular policy"),
+    ("def f():\n    import kvpolicies\n", "kvkernels.merge", "upward"),
+])
+def test_the_check_catches(tmp_path, monkeypatch, source, module, expected):
+    """Each rule fires on the import it forbids (each of these existed before the layering was fixed)."""
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    monkeypatch.setattr(__import__(__name__), "_modules", lambda: {module: path})
+    assert len(violations()) == 1 and expected in violations()[0]
