@@ -70,7 +70,7 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff + mypy."""
-    session.run("ruff", "check", "src", "tests", "bench", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "bench", "examples", "noxfile.py")
     session.run("mypy", "src")
 
 

@@ -52,6 +52,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "chunkkv": {"window": 32, "chunk": 10, "reuse": 1},
     "scissorhands": {"recent": 0.5},
     "tova": {"per_head": False, "decode": True},
+    "knorm": {"decode": True},
 }
 
 
@@ -143,7 +144,7 @@ def keep(name: str, params: dict[str, Any], ids: list[int], scores: list[float],
     if name == "streaming":                 # s sinks + the b - s most recent
         s = min(params["sinks"], b - 1)
         return list(range(s)) + list(range(n - (b - s), n))
-    if name == "tova":                      # the b highest current attention, nothing forced
+    if name in ("tova", "knorm"):           # the b highest scores, nothing forced
         n_recent = 0
     elif name in ("snapkv", "chunkkv"):     # the observation window + the best of the rest
         n_recent = min(params["window"], b)
@@ -163,6 +164,8 @@ def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.T
     scores = torch.zeros(n_kv_heads, L, dtype=dtype)
     if name in ("full", "window", "streaming"):
         return scores
+    if name == "knorm":                                   # the lowest key norms first
+        return -k.to(dtype).norm(dim=-1).t()
     first_row = max(0, L - params["window"]) if name in ("snapkv", "chunkkv") else 0
     for h in range(n_kv_heads):
         qh = q[:, h * group:(h + 1) * group]                           # [L, G, D]
@@ -287,7 +290,7 @@ def simulate(policy: str, params: dict[str, Any] | None, q_prompt: torch.Tensor,
             tau = p["tau_init"] + (t + 1) * (p["tau_end"] - p["tau_init"]) / max_new_tokens
         for h in range(n_kv_heads):
             ids[h].append(L + t)
-            head_scores[h].append(0.0)
+            head_scores[h].append(-float(k_steps[t, h].to(dtype).norm()) if policy == "knorm" else 0.0)
             keys = all_k[ids[h], h]                                    # [n, D]
             noise_h = None if noise is None else noise[h * group:(h + 1) * group]
             a = group_probs(q_steps[t, h * group:(h + 1) * group], keys, scale, noise=noise_h,

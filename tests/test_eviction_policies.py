@@ -62,6 +62,8 @@ def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps
                 scores[h, : i + 1] = update_scores_ref(scores[h, : i + 1], c, policy.prefill_mode,
                                                        decay=kw.get("decay", 1.0), n_valid=i + 1)
         scores = policy.postprocess_prefill_scores(scores)
+    elif policy.scores_tokens and L:  # the open rule scores each token from its own key (no values here)
+        scores = policy.token_scores(k_prompt, torch.zeros_like(k_prompt)).t().double()
 
     def compact() -> None:
         nonlocal ids, scores
@@ -74,7 +76,10 @@ def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps
     all_k = torch.cat([k_prompt, k_steps])
     for t in range(q_steps.shape[0]):
         ids = torch.cat([ids, torch.full((n_kv_heads, 1), L + t)], dim=1)
-        scores = torch.cat([scores, torch.zeros(n_kv_heads, 1, dtype=scores.dtype)], dim=1)
+        new = torch.zeros(n_kv_heads, 1, dtype=scores.dtype)
+        if policy.scores_tokens:
+            new = policy.token_scores(k_steps[t], torch.zeros_like(k_steps[t])).double()[:, None]
+        scores = torch.cat([scores, new], dim=1)
         kw = policy.decode_kwargs(t, max_new_tokens)
         noise = decode_noise(t, ids.shape[1]) if policy.score_mode == "gumbel" else None
         for h in range(n_kv_heads):
@@ -125,6 +130,8 @@ def cases(draw, name: str):
         params["decay"] = draw(st.sampled_from([0.5, 0.9, 1.0]))
     if name == "tova":
         params.update(per_head=draw(st.booleans()), decode=draw(st.booleans()))
+    if name == "knorm":
+        params["decode"] = draw(st.booleans())
     seed = draw(st.integers(0, 3))
     return q_prompt, k_prompt, q_steps, k_steps, budget, evict_every, params, seed
 

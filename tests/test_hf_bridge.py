@@ -212,6 +212,7 @@ IN_HOUSE_POLICIES = [
     dict(p="snapkv", budget=0.5, snapkv=dict(window=4, kernel=3)),  # pooled prompt votes, ties
     dict(p="pyramid+tova", budget=6, evict_every=2),  # int budget, evict every other step
     dict(p="streaming", budget=5),
+    dict(p="knorm", budget=0.5),  # the open score hook: each token's score from its own key
 ]
 
 

@@ -14,7 +14,8 @@ from kvpolicies import EvictionPolicy, available, get_policy, register_policy
 from kvpolicies import registry as reg
 
 BUILTINS = {
-    "eviction": {"full", "window", "streaming", "h2o", "keyformer", "a2sf", "snapkv", "scissorhands", "tova"},
+    "eviction": {"full", "window", "streaming", "h2o", "keyformer", "a2sf", "snapkv", "scissorhands", "tova",
+                 "chunkkv", "knorm"},
     "budget": {"uniform", "squeeze", "pyramid"},
     "merge": {"none", "minicache"},
 }

@@ -431,6 +431,8 @@ class PagedKVCache:
         scores = None
         if self.eviction.prefill_mode is not None:
             scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes, lse)  # [H, L]
+        elif self.eviction.scores_tokens:  # an open rule: each token's score from its own K/V
+            scores = self._token_scores(k, v, check=True).t()  # [H, L]
 
         pages = self.free_pages[self._free - n_pages:self._free].to(torch.int64)  # [n_pages]
         self.n_free -= n_pages
@@ -474,6 +476,19 @@ class PagedKVCache:
         if l + 1 < self.n_layers and self.eviction.score_source_layer(l + 1) == l:
             self._shared_scores[l, b] = scores  # [Hkv, L], read by the layers that reuse this one's
         return scores
+
+    def _token_scores(self, k: torch.Tensor, v: torch.Tensor, *, check: bool = False) -> torch.Tensor:
+        """``[..., Hkv]`` float32 scores of tokens ``k, v [..., Hkv, D]`` by the policy's open score rule
+        (``EvictionPolicy.token_scores``); ``check`` (host side, at prefill) verifies what the rule
+        returns."""
+        scores = self.eviction.token_scores(k, v)
+        if check and (not isinstance(scores, torch.Tensor) or tuple(scores.shape) != tuple(k.shape[:-1])
+                      or not scores.is_floating_point()):
+            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise ValueError(f"{self.eviction.name}.token_scores(k, v) returned {got} for k of shape "
+                             f"{tuple(k.shape)}; it must return one float score per token and KV head: "
+                             f"{tuple(k.shape[:-1])}")
+        return scores.to(torch.float32)
 
     def record_cos_sim(self, l: int, b: int, value: float | torch.Tensor) -> None:
         """Record SqueezeAttention's prefill statistic of cache layer ``l`` for sequence ``b``."""
@@ -787,7 +802,7 @@ class PagedKVCache:
         self.k_pages[page, slot] = k
         self.v_pages[page, slot] = v
         self.slot_pos[page, slot] = positions.to(torch.int32)[:, None].expand(n, self.n_kv_heads)
-        self.slot_score[page, slot] = 0.0
+        self.slot_score[page, slot] = self._token_scores(k, v) if self.eviction.scores_tokens else 0.0
         if self._merged[l]:  # a private slot of this layer: exact K/V, visible to this layer only
             assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
             for mag in (self.k_mag, self.v_mag):

@@ -165,6 +165,32 @@ class EvictionPolicy(Policy):
         reuse names an earlier one). Layers are prefilled in order, so the source is always scored first."""
         return layer
 
+    def token_scores(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """An open score rule: each token's score from its own key and value, ``k, v [..., Hkv, D]`` ->
+        ``[..., Hkv]`` float32 (higher = kept first; ties: the earlier token).
+
+        Override it to write a new rule in torch alone (``knorm`` is one): the caches call it on the
+        prompt's K/V at prefill and on each new token's K/V when it is appended (inside the compiled decode
+        step: keep it traceable, no host syncs), store the result as the slot's score and rank by it; no
+        cache or kernel changes. Such a policy keeps ``score_mode = "none"`` and ``prefill_mode = None``
+        (checked when the class is defined): its scores do not depend on attention. Rules that need the
+        queries or the attention probabilities still go through the built-in score modes.
+        """
+        raise NotImplementedError(f"{type(self).__name__} scores tokens through its score modes")
+
+    @property
+    def scores_tokens(self) -> bool:
+        """Whether this policy defines :meth:`token_scores` (an open, attention-free score rule)."""
+        return type(self).token_scores is not EvictionPolicy.token_scores
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.token_scores is not EvictionPolicy.token_scores and (
+                cls.score_mode != "none" or cls.prefill_mode is not None):
+            raise TypeError(f"{cls.__name__} defines token_scores and also score_mode={cls.score_mode!r} / "
+                            f"prefill_mode={cls.prefill_mode!r}; a policy scores tokens one way: keep "
+                            "score_mode='none' and prefill_mode=None with token_scores")
+
     @property
     def heads_share_selection(self) -> bool:
         """Whether every KV head of a layer keeps the same tokens: before each decode-time eviction the

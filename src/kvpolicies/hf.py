@@ -293,20 +293,28 @@ class PolicyLayer(DynamicLayer):
                 "kvpolicies.hf.hf_cache(policy, model) and pass it as past_key_values"
             )
         step = owner._step
+        new_scores = None
+        if owner.eviction.scores_tokens:  # an open rule: each new token's score from its own K/V
+            # [B, Hkv, q, D] -> the rule's [..., Hkv, D] -> [B, q, Hkv] -> [B, Hkv, q]
+            new_scores = owner.eviction.token_scores(key_states.transpose(1, 2), value_states.transpose(1, 2))
+            new_scores = new_scores.to(torch.float32).transpose(1, 2)
         if self.merged:
             # A private slot of this layer in its pair's region: exact K/V, magnitude 1, visible to it only.
-            keys, values = self.store._append_private(key_states, value_states, step, self.member)
+            keys, values = self.store._append_private(key_states, value_states, step, self.member, new_scores)
         else:
             keys, values = super().update(key_states, value_states)
-            self._append_side(key_states, step)
+            self._append_side(key_states, step, new_scores)
         owner._score_layer(self, key_states, kwargs.get("query"))
         return keys, values
 
-    def _append_side(self, key_states: torch.Tensor, step: Any) -> None:
-        """Append positions, zero scores and validity of ``q`` new tokens ``[B, Hkv, q, D]``."""
+    def _append_side(self, key_states: torch.Tensor, step: Any,
+                     new_scores: torch.Tensor | None = None) -> None:
+        """Append positions, scores (``new_scores [B, Hkv, q]``, else zeros) and validity of ``q`` new tokens
+        ``[B, Hkv, q, D]``."""
         B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
         new_pos = step.positions[:, None, :].expand(B, hkv, q_len)  # [B, Hkv, q]
-        new_scores = torch.zeros(B, hkv, q_len, dtype=torch.float32, device=key_states.device)
+        if new_scores is None:
+            new_scores = torch.zeros(B, hkv, q_len, dtype=torch.float32, device=key_states.device)
         if self.positions is None:
             self.positions, self.scores, self.valid = new_pos.clone(), new_scores, step.valid.clone()
         else:
@@ -315,14 +323,15 @@ class PolicyLayer(DynamicLayer):
             self.valid = torch.cat([self.valid, step.valid], dim=-1)
 
     def _append_private(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, step: Any, member: int
+        self, key_states: torch.Tensor, value_states: torch.Tensor, step: Any, member: int,
+        new_scores: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``member``'s new tokens to this region; return the region restored for ``member``."""
         assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
         B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self._append_side(key_states, step)
+        self._append_side(key_states, step, new_scores)
         ones = torch.ones(2, B, hkv, q_len, dtype=torch.float32, device=key_states.device)
         self.k_mag = torch.cat([self.k_mag, ones], dim=-1)
         self.v_mag = torch.cat([self.v_mag, ones], dim=-1)

@@ -1,0 +1,41 @@
+"""An eviction policy written outside kvpolicies, through its open score hook only.
+
+``vnorm`` keeps a recent window (a fraction ``recent`` of the budget) plus the tokens whose **values** have
+the largest L2 norm, a token's value being what attention adds to the output when it attends to it. It is an
+example of the extension point, not a published method. The policy is this file: no change to kvpolicies'
+caches or kernels. Registered through the ``kvpolicies.policies`` entry point in ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvpolicies import EvictionPolicy
+
+
+@dataclass(frozen=True)
+class VNorm(EvictionPolicy):
+    """Keep the recent window and the largest-norm values."""
+
+    recent: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recent, (int, float)) or not 0.0 <= self.recent <= 1.0:
+            raise ValueError(f"vnorm: recent={self.recent!r} must be a fraction in [0, 1]")
+
+    def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = budgets.to(torch.int32)
+        n_recent = torch.floor(b.double() * self.recent + 1e-9).to(torch.int32).clamp(max=b)
+        return torch.zeros_like(b), n_recent
+
+    def token_scores(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[..., Hkv]``: each token's value norm (higher is kept first)."""
+        return torch.linalg.vector_norm(v.float(), dim=-1)
+
+
+def recent_tokens(recent: float, budget: int) -> int:
+    """The forced window of a budget, as :meth:`VNorm.forced` computes it (for references and tests)."""
+    return min(budget, math.floor(budget * recent + 1e-9))
