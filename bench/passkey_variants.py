@@ -32,6 +32,15 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
     "pyramid+snapkv": (("pyramid", "snapkv"), {}),
     "squeeze+keyformer": (("squeeze", "keyformer"), {}),
     "squeeze+h2o": (("squeeze", "h2o"), {}),
+    "snapkv chunk=5": (("snapkv",), {"snapkv": {"chunk": 5}}),
+    "knorm": (("knorm",), {}),
+    "knorm decode=False": (("knorm",), {"knorm": {"decode": False}}),
+    "snapkv chunk=20": (("snapkv",), {"snapkv": {"chunk": 20}}),
+    "chunkkv chunk=20": (("chunkkv",), {"chunkkv": {"chunk": 20}}),
+    "chunkkv reuse=2": (("chunkkv",), {"chunkkv": {"reuse": 2}}),
+    "pyramid+snapkv chunk=10": (("pyramid", "snapkv"), {"snapkv": {"chunk": 10}}),
+    "squeeze p=0.8+snapkv chunk=10": (("squeeze", "snapkv"),
+                                      {"squeeze": {"p": 0.8}, "snapkv": {"chunk": 10}}),
 }
 
 
@@ -44,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--n", type=int, default=24)
     p.add_argument("--budgets", default="0.2,0.5")
-    p.add_argument("--variants", default=None, help="comma-separated subset of the variant names")
+    p.add_argument("--variants", default=None, help="';'-separated subset of the variant names")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default="bench/results/passkey-variants.jsonl")
     args = p.parse_args(argv)
@@ -54,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     done = set()
     if out.exists():
         done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
-    names = list(VARIANTS) if args.variants is None else args.variants.split(",")
+    names = list(VARIANTS) if args.variants is None else args.variants.split(";")
     runner = Runner()
     samples = runner.samples("passkey", args.context, args.n)
     runner.replay.record([list(s.prompt) for s in samples])

@@ -506,17 +506,7 @@ class PagedKVCache:
         stats = LayerStats(cos_sim=self.cos_sim[:, seqs].cpu())
         # The most a layer can ever hold: prompt + new tokens.
         capacity = torch.tensor([self.prompt_lens[b] for b in seqs]) + self.max_new_tokens
-        budgets = torch.as_tensor(self.policy.layer_budgets(self.budget_tokens[seqs], self.n_layers, stats,
-                                                            capacity=capacity))
-        budgets = budgets.to(torch.int64).cpu()
-        if budgets.shape != (self.n_layers, len(seqs)) or bool((budgets < 1).any()):
-            raise ValueError(f"policy {self.policy.name!r} gave layer budgets {budgets.tolist()}; expected "
-                             f"shape [{self.n_layers}, {len(seqs)}] with every entry >= 1")
-        n_sink, n_recent = (torch.stack(x) for x in zip(*(self.eviction.forced(row) for row in budgets)))
-        if bool((n_sink + n_recent > budgets).any()):
-            raise ValueError(f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
-                             f"than the layer budgets {budgets.tolist()} allow; raise the budget")
-        return budgets, n_sink, n_recent
+        return self.policy.plan(self.budget_tokens[seqs], self.n_layers, stats, capacity)
 
     def compress_prompt(self, b: int) -> None:
         """Compress sequence ``b``'s prompt to its layer budgets now, right after its prefill.

@@ -196,6 +196,26 @@ class ComposedPolicy:
             budgets = cap_budgets(budgets, torch.as_tensor(capacity))
         return budgets
 
+    def plan(self, budget_tokens: torch.Tensor, n_layers: int, stats: LayerStats | None,
+             capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compression decision both caches (``kvmodels.cache``, ``kvpolicies.hf``) act on, made once:
+        ``(budgets, n_sink, n_recent)``, each ``[n_layers, B]`` int64 on the host: the layer budgets
+        (:meth:`layer_budgets`, capped at ``capacity``) and the eviction's forced sink / recent counts for
+        each, checked (every budget ``>= 1``, forced slots within it)."""
+        budgets = torch.as_tensor(self.layer_budgets(budget_tokens, n_layers, stats, capacity=capacity))
+        budgets = budgets.to(torch.int64).cpu()
+        B = int(torch.as_tensor(budget_tokens).numel())
+        if budgets.shape != (n_layers, B) or bool((budgets < 1).any()):
+            raise ValueError(f"policy {self.name!r} gave layer budgets {budgets.tolist()}; expected shape "
+                             f"[{n_layers}, {B}] with every entry >= 1")
+        forced = [self.eviction.forced(row) for row in budgets]
+        n_sink = torch.stack([s for s, _ in forced]).to(torch.int64)
+        n_recent = torch.stack([r for _, r in forced]).to(torch.int64)
+        if bool((n_sink + n_recent > budgets).any()):
+            raise ValueError(f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
+                             f"than the layer budgets {budgets.tolist()} allow; raise the budget")
+        return budgets, n_sink, n_recent
+
 
 # ---------------------------------------------------------------------------------------------------------
 def _suggest(word: str, options: list[str]) -> str:

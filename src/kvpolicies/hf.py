@@ -590,16 +590,9 @@ class PolicyCache(Cache):
         budget_tokens = self.policy.budget_tokens(self.prompt_lens.cpu()).to(torch.int64)  # [B]
         cos = (self._cos_sum / self.prompt_lens.cpu().to(torch.float64).clamp_min(1)).to(torch.float32)
         capacity = self.prompt_lens.cpu() + (self.max_new_tokens or 0)   # the most a layer can hold
-        budgets = torch.as_tensor(self.policy.layer_budgets(budget_tokens, n, LayerStats(cos_sim=cos),
-                                                            capacity=capacity))
-        self.layer_budgets = budgets.to(torch.int64).cpu()
-        for row in self.layer_budgets:
-            n_sink, n_recent = self.eviction.forced(row)
-            if bool((n_sink + n_recent > row).any()):
-                raise ValueError(
-                    f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
-                    f"than the layer budgets {self.layer_budgets.tolist()} allow; raise the budget"
-                )
+        # The same decision kvmodels' cache acts on (ComposedPolicy.plan); forced slots are recomputed
+        # per eviction from these budgets.
+        self.layer_budgets, _, _ = self.policy.plan(budget_tokens, n, LayerStats(cos_sim=cos), capacity)
         for a, b in self.merged_pairs:  # one region budget R = B_a + B_b, listed under a (kvmodels' rule)
             self.layer_budgets[a] += self.layer_budgets[b]
             self.layer_budgets[b] = 0
