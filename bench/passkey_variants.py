@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.2,0.5")
     p.add_argument("--variants", default=None, help="';'-separated subset of the variant names")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--batch", type=int, default=0, help="sequences per generate call (default: all n; "
+                   "lower it to bound the cache's memory at long contexts)")
     p.add_argument("--out", default="bench/results/passkey-variants.jsonl")
     args = p.parse_args(argv)
     if args.threads:
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             spec, params = VARIANTS[name]
             policy = compose(*spec, budget=budget if name != "full" else 1.0, seed=runner.seed, **params)
             t0 = time.perf_counter()
-            res = tasks.run_passkey(runner.replay, runner.tokenizer, samples, policy, batch_size=args.n)
+            res = tasks.run_passkey(runner.replay, runner.tokenizer, samples, policy,
+                                    batch_size=args.batch or args.n)
             record = {"key": key, "variant": name, "policy": repr(policy), "budget": budget,
                       "context": args.context, "n": args.n,
                       "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
