@@ -12,6 +12,8 @@ batched torch (:func:`topk_compact_torch`); :func:`topk_compact_ref` loops per (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -81,14 +83,12 @@ def _select_ref(scores: Tensor, budget: int, n_sink: int, n_recent: int) -> Tens
     return torch.sort(torch.cat([idx[forced], chosen])).values
 
 
-def topk_compact_ref(
-    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
-    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
-    extra: list[Tensor] | tuple[Tensor, ...] = (),
-) -> None:
-    """Pure-torch reference of :func:`topk_compact` (same signature, same effect; loops on the host)."""
-    page_size, n_heads = k_pages.shape[1], k_pages.shape[2]
-    pool = [k_pages, v_pages, slot_pos, slot_score, *extra]
+def _compress_ref(page_table: Tensor, seq_lens: Tensor, budgets: Tensor, free_pages: Tensor, n_free: Tensor,
+                  page_size: int, rearrange: Callable[[int, Tensor, Tensor, int], None]) -> None:
+    """The references' loop: for each sequence ``b`` over its budget, ``rearrange(b, slot_page, slot_off,
+    budget)`` puts the kept slots below the budget (``slot_page``, ``slot_off`` ``[L]``: each logical slot's
+    page and offset); then the pages past the budget go on the free stack and the length becomes the
+    budget."""
     top = int(n_free[0])
     for b in range(page_table.shape[0]):
         length, budget = int(seq_lens[b]), int(budgets[b])
@@ -96,18 +96,32 @@ def topk_compact_ref(
             continue
         n_pages = _ceil_div(length, page_size)
         slot_page = page_table[b, :n_pages].long().repeat_interleave(page_size)[:length]  # [L]
-        slot_off = torch.arange(length, device=k_pages.device) % page_size  # [L]
-        for h in range(n_heads):
-            keep = _select_ref(slot_score[slot_page, slot_off, h], budget, int(n_sink[b]), int(n_recent[b]))
-            for x in pool:
-                # The right side is an advanced-index gather, i.e. a copy, so overlapping slots are safe.
-                x[slot_page[:budget], slot_off[:budget], h] = x[slot_page[keep], slot_off[keep], h]
+        slot_off = torch.arange(length, device=page_table.device) % page_size  # [L]
+        rearrange(b, slot_page, slot_off, budget)
         for col in range(_ceil_div(budget, page_size), n_pages):
             free_pages[top] = page_table[b, col]
             top += 1
             page_table[b, col] = -1
         seq_lens[b] = budget
     n_free[0] = top
+
+
+def topk_compact_ref(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor] | tuple[Tensor, ...] = (),
+) -> None:
+    """Pure-torch reference of :func:`topk_compact` (same signature, same effect; loops on the host)."""
+    pool = [k_pages, v_pages, slot_pos, slot_score, *extra]
+
+    def rearrange(b: int, slot_page: Tensor, slot_off: Tensor, budget: int) -> None:
+        for h in range(k_pages.shape[2]):
+            keep = _select_ref(slot_score[slot_page, slot_off, h], budget, int(n_sink[b]), int(n_recent[b]))
+            for x in pool:
+                # The right side is an advanced-index gather, i.e. a copy, so overlapping slots are safe.
+                x[slot_page[:budget], slot_off[:budget], h] = x[slot_page[keep], slot_off[keep], h]
+
+    _compress_ref(page_table, seq_lens, budgets, free_pages, n_free, k_pages.shape[1], rearrange)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -370,34 +384,23 @@ def topk_evict_ref(
     extra: list[Tensor] | tuple[Tensor, ...] = (),
 ) -> None:
     """Pure-torch reference of :func:`topk_evict` (loops on the host, written for clarity)."""
-    page_size, n_heads = k_pages.shape[1], k_pages.shape[2]
     pool = [k_pages, v_pages, slot_pos, slot_score, *extra]
-    top = int(n_free[0])
-    for b in range(page_table.shape[0]):
-        length, budget = int(seq_lens[b]), int(budgets[b])
-        if length <= budget:
-            continue
-        n_pages = _ceil_div(length, page_size)
-        slot_page = page_table[b, :n_pages].long().repeat_interleave(page_size)[:length]  # [L]
-        slot_off = torch.arange(length, device=k_pages.device) % page_size  # [L]
-        for h in range(n_heads):
+
+    def rearrange(b: int, slot_page: Tensor, slot_off: Tensor, budget: int) -> None:
+        for h in range(k_pages.shape[2]):
             # The row in position order is what topk_compact sees; select there, then map back to slots.
             by_pos = torch.sort(slot_pos[slot_page, slot_off, h].long(), stable=True).indices  # [L]
             keep_ord = _select_ref(slot_score[slot_page, slot_off, h][by_pos], budget, int(n_sink[b]),
                                    int(n_recent[b]))
             kept = set(by_pos[keep_ord].tolist())
             holes = [d for d in range(budget) if d not in kept]
-            movers = [j for j in range(budget, length) if j in kept]
+            movers = [j for j in range(budget, len(slot_page)) if j in kept]
             assert len(holes) == len(movers)
             for d, j in zip(holes, movers):
                 for x in pool:
                     x[slot_page[d], slot_off[d], h] = x[slot_page[j], slot_off[j], h]
-        for col in range(_ceil_div(budget, page_size), n_pages):
-            free_pages[top] = page_table[b, col]
-            top += 1
-            page_table[b, col] = -1
-        seq_lens[b] = budget
-    n_free[0] = top
+
+    _compress_ref(page_table, seq_lens, budgets, free_pages, n_free, k_pages.shape[1], rearrange)
 
 
 def _plan_evict(slot_score: Tensor, slot_pos: Tensor, table: Tensor, seq_lens: Tensor, budgets: Tensor,
