@@ -17,42 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ..base import EvictionPolicy, check_int, chunk_sums
+from ..base import check_int
 from ..registry import register_policy
+from .snapkv import WindowVotes
 
 
 @register_policy("chunkkv", role="eviction")
 @dataclass(frozen=True)
-class ChunkKV(EvictionPolicy):
-    """ChunkKV: keep whole chunks of the prompt, ranked by observation-window attention."""
+class ChunkKV(WindowVotes):
+    """ChunkKV: keep whole chunks of the prompt, ranked by observation-window attention (unpooled)."""
 
-    window: int = 32
     chunk: int = 10
     reuse: int = 1
 
-    prefill_mode = "accumulate"
-    decode_evict = False
-
     def __post_init__(self) -> None:
-        check_int("chunkkv", "window", self.window, 1)
-        check_int("chunkkv", "chunk", self.chunk, 1)
+        super().__post_init__()
         check_int("chunkkv", "reuse", self.reuse, 1)
-
-    def prefill_window(self, prompt_len: int) -> int:
-        return min(self.window, prompt_len)
-
-    def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b = budgets.to(torch.int32)
-        return torch.zeros_like(b), b.clamp(max=self.window)
-
-    def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """Chunk totals over the prefix of ``[Hkv, L]`` scores; the (forced) window is left alone."""
-        n_prefix = scores.shape[-1] - self.prefill_window(scores.shape[-1])
-        if n_prefix <= 0:
-            return scores
-        return torch.cat([chunk_sums(scores[:, :n_prefix], self.chunk), scores[:, n_prefix:]], dim=-1)
 
     def score_source_layer(self, layer: int) -> int:
         return layer - layer % self.reuse

@@ -23,28 +23,21 @@ from ..base import EvictionPolicy, check_int, chunk_sums
 from ..registry import register_policy
 
 
-@register_policy("snapkv", role="eviction")
 @dataclass(frozen=True)
-class SnapKV(EvictionPolicy):
-    """SnapKV: compress the prompt by observation-window votes, smoothed by pooling."""
+class WindowVotes(EvictionPolicy):
+    """Prompt compression by the votes of the last ``window`` prompt queries (SnapKV, ChunkKV): the window
+    is forced; each prefix token's votes go through :meth:`smooth`, then are summed over chunks of ``chunk``
+    tokens (``chunk = 1``: token by token). Decoding appends without evicting."""
 
     window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
     chunk: int = 1
 
     prefill_mode = "accumulate"
     decode_evict = False
 
     def __post_init__(self) -> None:
-        check_int("snapkv", "window", self.window, 1)
-        check_int("snapkv", "kernel", self.kernel, 1)
-        check_int("snapkv", "chunk", self.chunk, 1)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"snapkv: parameter kernel={self.kernel} must be odd (the pooling keeps length)")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError(f"snapkv: parameter pooling={self.pooling!r} is out of range; "
-                             "choose 'max' or 'avg'")
+        check_int(self.name, "window", self.window, 1)
+        check_int(self.name, "chunk", self.chunk, 1)
 
     def prefill_window(self, prompt_len: int) -> int:
         return min(self.window, prompt_len)
@@ -53,12 +46,37 @@ class SnapKV(EvictionPolicy):
         b = budgets.to(torch.int32)
         return torch.zeros_like(b), b.clamp(max=self.window)
 
+    def smooth(self, prefix: torch.Tensor) -> torch.Tensor:
+        """The prefix's ``[Hkv, L - W]`` votes before the chunk sums (none here)."""
+        return prefix
+
     def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """Pool the prefix (``[Hkv, L - W]``) of ``[Hkv, L]`` scores; the window part is unchanged."""
+        """Smoothed, chunk-summed prefix (``[Hkv, L - W]``) of ``[Hkv, L]`` scores; the window unchanged."""
         n_prefix = scores.shape[-1] - self.prefill_window(scores.shape[-1])
         if n_prefix <= 0:
             return scores
-        prefix = scores[:, None, :n_prefix]   # [Hkv, 1, L - W]: pooling wants a channel dim
+        prefix = chunk_sums(self.smooth(scores[:, :n_prefix]), self.chunk)
+        return torch.cat([prefix, scores[:, n_prefix:]], dim=-1)
+
+
+@register_policy("snapkv", role="eviction")
+@dataclass(frozen=True)
+class SnapKV(WindowVotes):
+    """SnapKV: compress the prompt by observation-window votes, smoothed by pooling."""
+
+    kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("snapkv", "kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"snapkv: parameter kernel={self.kernel} must be odd (the pooling keeps length)")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"snapkv: parameter pooling={self.pooling!r} is out of range; "
+                             "choose 'max' or 'avg'")
+
+    def smooth(self, prefix: torch.Tensor) -> torch.Tensor:
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
-        pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
-        return torch.cat([chunk_sums(pooled, self.chunk), scores[:, n_prefix:]], dim=-1)
+        # [Hkv, 1, L - W]: pooling wants a channel dim
+        return pool(prefix[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
