@@ -44,6 +44,19 @@ def one_thread():
 
 
 @pytest.fixture
+def clean_registry():
+    """Restore the policy registry after a test that registers policies (or loads plugins)."""
+    from kvpolicies import registry as reg
+
+    saved, loaded = dict(reg._REGISTRY), set(reg._entry_points_loaded)
+    yield
+    reg._REGISTRY.clear()
+    reg._REGISTRY.update(saved)
+    reg._entry_points_loaded.clear()
+    reg._entry_points_loaded.update(loaded)
+
+
+@pytest.fixture
 def device() -> torch.device:
     dev = DEVICE
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -15,32 +15,22 @@ import torch
 from hypothesis import given
 
 from kvpolicies import compose, get_policy
-from kvpolicies import registry as reg
-from reference_policies import resolve_budget
+from reference_policies import recent_count, resolve_budget
 from test_cache import FakeRun, check_invariants
+from test_registry import _install_plugin
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kvpolicies-vnorm"
 
 
 @pytest.fixture
-def vnorm(tmp_path, monkeypatch):
+def vnorm(tmp_path, monkeypatch, clean_registry):
     """Install the example as a distribution: its pyproject's entry point, its directory on sys.path."""
     project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())
     entry = project["project"]["entry-points"]["kvpolicies.policies"]
     assert entry == {"vnorm": "kvpolicies_vnorm:VNorm"}
-    dist = tmp_path / "kvpolicies_vnorm-0.1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvpolicies-vnorm\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text("[kvpolicies.policies]\n" + "".join(
-        f"{name} = {target}\n" for name, target in entry.items()))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(EXAMPLE))
-    saved, loaded = dict(reg._REGISTRY), set(reg._entry_points_loaded)
-    yield get_policy("vnorm")
-    reg._REGISTRY.clear()
-    reg._REGISTRY.update(saved)
-    reg._entry_points_loaded.clear()
-    reg._entry_points_loaded.update(loaded)
+    _install_plugin(tmp_path, monkeypatch, "vnorm = kvpolicies_vnorm:VNorm", source=EXAMPLE,
+                    dist_name=project["project"]["name"])
+    return get_policy("vnorm")
 
 
 def reference_kept(v_prompt, v_steps, b: int, n_recent: int, evict_every: int) -> list[list[list[int]]]:
@@ -77,8 +67,6 @@ def cases(draw):
 
 
 def test_vnorm_in_the_paged_cache_keeps_what_the_reference_keeps(vnorm):
-    import kvpolicies_vnorm
-
     assert vnorm.__module__ == "kvpolicies_vnorm" and vnorm.name == "vnorm" and vnorm.role == "eviction"
 
     @given(cases())
@@ -105,7 +93,7 @@ def test_vnorm_in_the_paged_cache_keeps_what_the_reference_keeps(vnorm):
             v_steps = torch.stack([run.steps[t][0][2][b].cpu() for t in range(c["n_steps"])]) \
                 if c["n_steps"] else torch.zeros(0, c["n_kv"], 4)
             want = reference_kept(run.prompt[0][b][2].cpu(), v_steps, budget,
-                                  kvpolicies_vnorm.recent_tokens(c["recent"], budget), c["evict_every"])
+                                  recent_count(c["recent"], budget), c["evict_every"])
             assert [step[b] for step in got] == want, f"sequence {b}"
 
     check()
@@ -113,17 +101,10 @@ def test_vnorm_in_the_paged_cache_keeps_what_the_reference_keeps(vnorm):
 
 @pytest.mark.parametrize("kind", ["llama", "gptj"])
 def test_vnorm_through_the_bridge_keeps_what_kvmodels_keeps(vnorm, kind, monkeypatch):
-    from test_hf_bridge import NEW, in_house, kept, model_of, prompts, run
+    from test_hf_bridge import assert_bridge_keeps_what_kvmodels_keeps
 
     policy = compose("squeeze", "vnorm", budget=0.5, vnorm={"recent": 0.25})
-    model = model_of(kind, "sdpa" if kind == "llama" else "eager")
-    batch = prompts([14, 9], seed=7)
-    tokens, cache = run(model, batch, policy)
-    ref_tokens, ref_kept = in_house(model, batch, policy, monkeypatch)
-    assert tokens == ref_tokens
-    for b in range(len(batch)):
-        assert kept(cache, b) == ref_kept[b], f"sequence {b}"
-    assert cache.report().tokens_per_layer.max() < len(batch[0]) + NEW - 1  # something was evicted
+    assert_bridge_keeps_what_kvmodels_keeps(kind, policy, monkeypatch)
 
 
 def test_knorm_and_vnorm_compile_in_the_decode_step(vnorm):

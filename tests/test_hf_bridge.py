@@ -216,11 +216,9 @@ IN_HOUSE_POLICIES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["llama", "smollm2", "gptj", "mpt"])
-@pytest.mark.parametrize("spec", IN_HOUSE_POLICIES, ids=lambda s: s["p"])
-def test_kept_tokens_equal_in_house(kind, spec, monkeypatch):
-    spec = dict(spec)
-    policy = compose(spec.pop("p"), **spec)
+def assert_bridge_keeps_what_kvmodels_keeps(kind: str, policy, monkeypatch) -> None:
+    """The bridge and kvmodels on the same weights and batch: same tokens, same kept positions per
+    (sequence, layer, head), and (for a compressing policy) something was evicted."""
     model = model_of(kind, "sdpa" if kind in ("llama", "smollm2") else "eager")
     batch = prompts([14, 9], seed=7)
     tokens, cache = run(model, batch, policy)
@@ -230,6 +228,13 @@ def test_kept_tokens_equal_in_house(kind, spec, monkeypatch):
         assert kept(cache, b) == ref_kept[b], f"sequence {b}"
     if policy.eviction.name != "full":  # the comparison is not vacuous: something was evicted
         assert cache.report().tokens_per_layer.max() < len(batch[0]) + NEW - 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "smollm2", "gptj", "mpt"])
+@pytest.mark.parametrize("spec", IN_HOUSE_POLICIES, ids=lambda s: s["p"])
+def test_kept_tokens_equal_in_house(kind, spec, monkeypatch):
+    spec = dict(spec)
+    assert_bridge_keeps_what_kvmodels_keeps(kind, compose(spec.pop("p"), **spec), monkeypatch)
 
 
 # --- selection == kvkernels.topk_compact_ref ------------------------------------------------
@@ -401,14 +406,18 @@ def test_report_is_a_table_and_keeps_its_fields():
     assert 0 < rep.total_bytes < rep.full_cache_bytes and rep.tokens_per_layer.shape == (3, 2)
 
 
+def python_output(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter (import state is the point of these tests)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+
 def test_hf_is_reachable_from_the_package_lazily():
     code = (
         "import sys, kvpolicies\n"
         "assert 'transformers' not in sys.modules and 'kvpolicies.hf' not in sys.modules\n"
         "print(kvpolicies.hf.compressed.__name__, 'transformers' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["compressed", "True"]
+    assert python_output(code).split() == ["compressed", "True"]
 
 
 def test_beam_search_is_refused():
@@ -431,8 +440,7 @@ def test_core_imports_without_transformers():
         "import kvpolicies, kvkernels, kvmodels, kvmodels.cache, kvmodels.generate\n"
         "try:\n    import kvpolicies.hf\nexcept ImportError as e:\n    print('hf:', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "pip install 'kvpolicies[hf]'" in out
+    assert "pip install 'kvpolicies[hf]'" in python_output(code)
 
 
 # --- the real checkpoint ---------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import pytest
 
 import kvpolicies
 from kvpolicies import EvictionPolicy, available, get_policy, register_policy
-from kvpolicies import registry as reg
 
 BUILTINS = {
     "eviction": {"full", "window", "streaming", "h2o", "keyformer", "a2sf", "snapkv", "scissorhands", "tova",
@@ -20,17 +19,6 @@ BUILTINS = {
     "merge": {"none", "minicache"},
 }
 PLUGINS = Path(__file__).parent / "plugins"
-
-
-@pytest.fixture
-def clean_registry():
-    """Restore the registry after a test that registers policies."""
-    saved, loaded = dict(reg._REGISTRY), set(reg._entry_points_loaded)
-    yield
-    reg._REGISTRY.clear()
-    reg._REGISTRY.update(saved)
-    reg._entry_points_loaded.clear()
-    reg._entry_points_loaded.update(loaded)
 
 
 @pytest.mark.parametrize("role", sorted(BUILTINS))
@@ -88,14 +76,16 @@ def test_decorator_checks_role_and_name(clean_registry):
         register_policy("x", role="sharing")
 
 
-def _install_plugin(tmp_path, monkeypatch, entry: str) -> None:
-    """Make a fake installed distribution whose entry point is ``entry`` (``name = module:attr``)."""
-    dist = tmp_path / "kvpolicies_plugin_demo-0.1.dist-info"
+def _install_plugin(tmp_path, monkeypatch, entry: str, source: Path = PLUGINS,
+                    dist_name: str = "kvpolicies-plugin-demo") -> None:
+    """Make a fake installed distribution ``dist_name`` whose entry point is ``entry`` (``name =
+    module:attr``) and whose module lives in ``source``."""
+    dist = tmp_path / f"{dist_name.replace('-', '_')}-0.1.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvpolicies-plugin-demo\nVersion: 0.1\n")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text(f"[kvpolicies.policies]\n{entry}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.syspath_prepend(str(source))
 
 
 def test_entry_point_plugin_is_discovered_lazily(tmp_path, monkeypatch, clean_registry):

@@ -8,12 +8,12 @@ caches or kernels. Registered through the ``kvpolicies.policies`` entry point in
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from kvpolicies import EvictionPolicy
+from kvpolicies.base import fraction_count
 
 
 @dataclass(frozen=True)
@@ -27,15 +27,10 @@ class VNorm(EvictionPolicy):
             raise ValueError(f"vnorm: recent={self.recent!r} must be a fraction in [0, 1]")
 
     def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b = budgets.to(torch.int32)
-        n_recent = torch.floor(b.double() * self.recent + 1e-9).to(torch.int32).clamp(max=b)
-        return torch.zeros_like(b), n_recent
+        n_recent = fraction_count(budgets, self.recent)  # floor(recent * b), as H2O's window
+        return torch.zeros_like(n_recent), n_recent
 
     def token_scores(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[..., Hkv]``: each token's value norm (higher is kept first)."""
         return torch.linalg.vector_norm(v.float(), dim=-1)
 
-
-def recent_tokens(recent: float, budget: int) -> int:
-    """The forced window of a budget, as :meth:`VNorm.forced` computes it (for references and tests)."""
-    return min(budget, math.floor(budget * recent + 1e-9))
