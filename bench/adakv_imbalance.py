@@ -58,15 +58,23 @@ def main(argv: list[str] | None = None) -> int:
     samples = runner.samples("passkey", args.context, args.n)
     runner.replay.record([list(s.prompt) for s in samples])
     snap = compose("snapkv", budget=0.2).eviction
+    class Scorer:  # receives a replayed prefill as a cache would, and keeps SnapKV's prompt scores
+        def __init__(self) -> None:
+            self.layers: list[torch.Tensor] = []  # [Hkv, L] per layer
+
+        def prefill_layer(self, l, b, q, k, v, positions, *, scale, alibi_slopes=None, lse=None):
+            window = snap.prefill_window(q.shape[0])
+            sc = prefill_scores(q, k, scale=scale, mode="accumulate", window=window, lse=lse)
+            self.layers.append(snap.postprocess_prefill_scores(sc))
+
+        def record_cos_sim(self, l, b, value):
+            pass
+
     per_prompt = []  # [(L, [layer scores [Hkv, L]])]
     for s in samples:
-        rec = runner.replay._store[tuple(s.prompt)]
-        layers = []
-        for q, k, _, _, scale, lse in rec.layers:
-            L = q.shape[0]
-            sc = prefill_scores(q, k, scale=scale, mode="accumulate", window=snap.prefill_window(L), lse=lse)
-            layers.append(snap.postprocess_prefill_scores(sc))
-        per_prompt.append((q.shape[0], layers))
+        scorer = Scorer()
+        runner.replay.prefill(torch.tensor(list(s.prompt)), scorer, 0, last_only=True)
+        per_prompt.append((len(s.prompt), scorer.layers))
     for budget in [float(b) for b in args.budgets.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
             factors, moved = [], []
