@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--batch", type=int, default=0, help="sequences per generate call (default: all n; "
                    "lower it to bound the cache's memory at long contexts)")
+    p.add_argument("--seed", type=int, default=0, help="sample seed: another seed draws other keys and "
+                   "passages (a held-out check of variants chosen on seed 0)")
     p.add_argument("--out", default="bench/results/passkey-variants.jsonl")
     args = p.parse_args(argv)
     if args.threads:
@@ -66,12 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
     names = list(VARIANTS) if args.variants is None else args.variants.split(";")
-    runner = Runner()
+    runner = Runner(seed=args.seed)
+    tag = f"|seed={args.seed}" if args.seed else ""  # seed 0 keeps the keys of earlier runs
     samples = runner.samples("passkey", args.context, args.n)
     runner.replay.record([list(s.prompt) for s in samples])
     for budget in [float(b) for b in args.budgets.split(",")]:
         for name in names:
-            key = f"passkey|ctx={args.context}|n={args.n}|{name}|{budget if name != 'full' else 1.0:g}"
+            key = f"passkey|ctx={args.context}|n={args.n}|{name}|{budget if name != 'full' else 1.0:g}{tag}"
             if key in done:
                 continue
             done.add(key)
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             res = tasks.run_passkey(runner.replay, runner.tokenizer, samples, policy,
                                     batch_size=args.batch or args.n)
             record = {"key": key, "variant": name, "policy": repr(policy), "budget": budget,
-                      "context": args.context, "n": args.n,
+                      "context": args.context, "n": args.n, "seed": args.seed,
                       "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
                       "torch": torch.__version__, **res.metrics, "outputs": res.outputs}
             with out.open("a") as f:

@@ -163,3 +163,17 @@ def test_budget_tokens_examples():
         policy.budget_tokens(torch.tensor([1.0]))
     with pytest.raises(ValueError, match="prompt_lens"):
         policy.budget_tokens(torch.tensor([-1]))
+
+
+def test_the_decode_schedule_and_ranking_both_caches_ask():
+    """``evicts_after`` and ``eviction_scores`` are the decisions kvmodels and the bridge both take from
+    the policy (docs/contract.md §6)."""
+    assert [compose("h2o", evict_every=3).evicts_after(s) for s in range(6)] == [False, False, True] * 2
+    assert all(compose("h2o").evicts_after(s) for s in range(4))
+    assert not any(compose("snapkv").evicts_after(s) for s in range(4))  # prompt-only selection
+    assert not compose("tova", tova={"decode": False}).evicts_after(0)
+    scores = torch.tensor([[1.0, 3.0], [2.0, 0.0]])  # [slots, KV heads]
+    assert compose("h2o").eviction.eviction_scores(scores, head_dim=-1) is scores  # per head
+    shared = compose("tova").eviction.eviction_scores(scores, head_dim=-1)  # the layer's mean, every head
+    assert shared.tolist() == [[2.0, 2.0], [1.0, 1.0]]
+    assert compose("tova", tova={"per_head": True}).eviction.eviction_scores(scores, -1) is scores

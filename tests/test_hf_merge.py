@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from kvkernels.merge import magnitude_direction_merge_ref, merge_restore  # noqa: E402
+from kvkernels.merge import magnitude_direction_merge_ref, merge_region, merge_restore  # noqa: E402
 from kvpolicies import compose  # noqa: E402
 from kvpolicies.base import MergePolicy  # noqa: E402
 from kvpolicies.hf import PolicyCache, compressed, hf_cache  # noqa: E402
@@ -327,19 +327,46 @@ def test_context_manager_merges():
 # --- what stays refused -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Pairs(MergePolicy):
-    """A merge policy giving fixed pairs (no t / retain_ratio)."""
+    """A merge policy of its own: fixed pairs, a region with its own retention and no ``t``/``retain_ratio``
+    fields for a cache to read."""
 
     fixed: tuple = ((0, 1),)
+    keep: float = 0.05
 
     def pairs(self, n_layers: int) -> list[tuple[int, int]]:
         return list(self.fixed)
+
+    def region(self, *tokens):
+        return merge_region(*tokens, t=0.5, retain_ratio=self.keep)
+
+
+def test_both_caches_store_the_merge_policys_region(monkeypatch):
+    """The caches store what the merge policy's ``region`` returns: a region retaining every token keeps
+    each layer's exact K/V in private slots, so both caches generate what the unmerged cache generates,
+    and the bridge's regions equal kvmodels'. Mutation: a cache merging with MiniCache's own defaults
+    (retain 5%) instead of calling ``region`` changes the regions."""
+    model = model_of("llama")
+    batch = prompts([10, 6], seed=4)
+    exact = dataclasses.replace(compose("full"), merge=_Pairs(keep=1.0))
+    tokens, cache = run(model, batch, exact)
+    ref_tokens, ref = in_house(model, batch, exact, monkeypatch)
+    plain, _ = run(model, batch, compose("full"))
+    assert cache.merged_pairs == [(0, 1)]
+    assert tokens == ref_tokens == plain
+    for b in range(len(batch)):
+        got = contents(cache, b)
+        assert not bool(got[0]["visible"].all())  # private slots only: nothing is shared
+        for l, (g, w) in enumerate(zip(got, ref[b])):
+            assert_same_contents(g, w, f"sequence {b} layer {l}")
 
 
 def test_unusable_merge_policies_are_refused():
     model = model_of("llama")
     base = compose("h2o", budget=0.5)
-    with pytest.raises(NotImplementedError, match="t or retain_ratio"):
-        hf_cache(dataclasses.replace(base, merge=_Pairs()), model)
+    with pytest.raises(TypeError, match="defines pairs but not region"):
+        class _NoRegion(MergePolicy):  # pairs layers without saying how a pair is stored
+            def pairs(self, n_layers: int) -> list[tuple[int, int]]:
+                return [(0, 1)]
     with pytest.raises(ValueError, match="disjoint and in range"):
         hf_cache(dataclasses.replace(base, merge=_Pairs(((0, 1), (1, 2)))), model)
     with pytest.raises(ValueError, match="disjoint and in range"):

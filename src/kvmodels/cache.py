@@ -31,7 +31,7 @@ from kvkernels import check_shape, check_tensor, draw_gumbel_, noise_seed, prefi
 
 # From the submodules: importing ``kvkernels.topk_compact`` binds the package attribute of that name to the
 # submodule, which hides the package's lazily exported function of the same name.
-from kvkernels.merge import merge_region, merge_restore
+from kvkernels.merge import merge_restore
 from kvkernels.paged_attention import paged_decode_attention
 from kvkernels.score_update import prefill_scores
 from kvkernels.topk_compact import topk_compact, topk_evict
@@ -200,11 +200,6 @@ class PagedKVCache:
             self._width[a], self._width[b] = 2, 0
         # The same as Python bools, which a compiled step branches on (it would trace a numpy array).
         self._merged = tuple(l in members for l in range(n_layers))
-        if self.merged_pairs and not all(hasattr(policy.merge, x) for x in ("t", "retain_ratio")):
-            raise TypeError(f"merge policy {policy.merge.name!r} pairs layers but lacks t or retain_ratio; "
-                            "the cache merges by magnitude and direction (MiniCache) and needs both")
-        self._merge_t = float(getattr(policy.merge, "t", 0.5))
-        self._retain_ratio = float(getattr(policy.merge, "retain_ratio", 0.0))
 
         self.policy = policy
         self.eviction = policy.eviction
@@ -545,7 +540,8 @@ class PagedKVCache:
         1. Joint selection: both layers must hold the same tokens, so each slot's score becomes the sum of
            the two layers' scores and both layers keep the same ``N = min(L, R // 2)`` tokens (all ``L``
            without prompt compression), forced sinks / recent window from ``forced(N)``.
-        2. ``magnitude_direction_merge`` of K and of V over the ``N`` kept tokens (per token and KV head).
+        2. The merge policy's ``region`` (MiniCache's: ``kvkernels.merge_region``) builds the region:
+           ``magnitude_direction_merge`` of K and of V over the ``N`` kept tokens (per token and KV head).
            The ``ceil(retain_ratio * N)`` tokens per head with the largest angle ``max(theta_K, theta_V)``
            (one count for K and V, so every head holds the same number of slots) are retained: stored
            privately for each layer with their original K/V and magnitude 1.
@@ -648,8 +644,7 @@ class PagedKVCache:
             ka, kb, va, vb = rows(self.k_pages, pa), rows(self.k_pages, pb), rows(self.v_pages, pa), \
                 rows(self.v_pages, pb)
             sa, sb = rows(own_score, pa), rows(own_score, pb)  # [N, Hkv]
-            region = merge_region(ka, kb, va, vb, rows(self.slot_pos, pa), sa, sb, self._merge_t,
-                                        self._retain_ratio)
+            region = self.policy.merge.region(ka, kb, va, vb, rows(self.slot_pos, pa), sa, sb)
             n_slots = region["k"].shape[0]
             n_pages = _ceil_div(n_slots, S)
             owned = torch.cat([pa, pb])  # n_slots <= 2N, so the two layers' pages are enough
@@ -849,9 +844,9 @@ class PagedKVCache:
         if self._state != "step" or step != self._step:
             raise RuntimeError(f"after_step(step={step}) must follow prepare_decode(step={step}); the next "
                                f"step is {self._step}")
-        if self.eviction.decode_evict and (step + 1) % self.policy.evict_every == 0:
+        if self.policy.evicts_after(step):
             if self.eviction.heads_share_selection:  # every slot holds one token in all heads of its layer
-                self.slot_score.copy_(self.slot_score.mean(-1, keepdim=True).expand_as(self.slot_score))
+                self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
             self._compress(in_place=True)
         self._step += 1
         self._state = "decode"

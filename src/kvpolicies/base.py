@@ -199,6 +199,14 @@ class EvictionPolicy(Policy):
         they hold the same tokens in the same slots, evict the same ones."""
         return False
 
+    def eviction_scores(self, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """What a decode-time eviction ranks by, from the stored per-(slot, KV head) ``scores`` (KV heads
+        along ``head_dim``): the scores themselves, or, when :attr:`heads_share_selection`, their mean over
+        the layer's KV heads broadcast back to every head (a view; both caches call this)."""
+        if not self.heads_share_selection:
+            return scores
+        return scores.mean(head_dim, keepdim=True).expand_as(scores)
+
 
 @dataclass(frozen=True)
 class BudgetPolicy(Policy):
@@ -226,3 +234,23 @@ class MergePolicy(Policy):
     def pairs(self, n_layers: int) -> list[tuple[int, int]]:
         """Adjacent cache-layer pairs ``(l - 1, l)`` to merge; empty = no merging."""
         return []
+
+    def region(self, ka: torch.Tensor, kb: torch.Tensor, va: torch.Tensor, vb: torch.Tensor,
+               pos: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One sequence's merged region (docs/contract.md §5.1) from the pair's kept tokens.
+
+        ``ka, kb, va, vb [N, Hkv, D]`` are the two layers' keys and values of the same ``N`` tokens,
+        ``pos [N, Hkv]`` their positions and ``sa, sb [N, Hkv]`` their scores. Returns the region's
+        ``[n_slots, Hkv, ...]`` tensors ``k v pos score k_mag_a k_mag_b v_mag_a v_mag_b mask`` (as
+        ``kvkernels.merge_region`` builds them). Both caches call this and only store what it returns, so a
+        merge policy's parameters and rule live here. A policy whose :meth:`pairs` is not empty must
+        define it (checked when the class is defined).
+        """
+        raise NotImplementedError(f"{type(self).__name__} merges no layers")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.pairs is not MergePolicy.pairs and cls.region is MergePolicy.region:
+            raise TypeError(f"{cls.__name__} defines pairs but not region; a merge policy that pairs layers "
+                            "says how the pair is stored: define region(ka, kb, va, vb, pos, sa, sb), e.g. "
+                            "by calling kvkernels.merge_region with the policy's own parameters")

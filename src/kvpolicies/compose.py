@@ -196,6 +196,11 @@ class ComposedPolicy:
             budgets = cap_budgets(budgets, torch.as_tensor(capacity))
         return budgets
 
+    def evicts_after(self, step: int) -> bool:
+        """Whether decode step ``step`` (0-based) ends with an eviction (both caches ask): the eviction
+        policy evicts during decoding and this is the last of ``evict_every`` steps."""
+        return bool(self.eviction.decode_evict) and (step + 1) % self.evict_every == 0
+
     def plan(self, budget_tokens: torch.Tensor, n_layers: int, stats: LayerStats | None,
              capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The compression decision both caches (``kvmodels.cache``, ``kvpolicies.hf``) act on, made once:

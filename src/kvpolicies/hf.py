@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import math
 import sys
 import types
 import weakref
@@ -55,7 +54,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("kvpolicies.hf needs transformers: pip install 'kvpolicies[hf]'") from exc
 
-from kvkernels import draw_gumbel_, merge_region, merge_restore, noise_seed, prefill_seed, update_scores_ref
+from kvkernels import draw_gumbel_, merge_restore, noise_seed, prefill_seed
 from kvpolicies.base import LayerStats, residual_cos_sim
 
 __all__ = [
@@ -374,50 +373,101 @@ class PolicyLayer(DynamicLayer):
     ) -> None:
         """Keep, per (sequence, KV head), the forced slots plus the top scores up to ``budgets[b]`` tokens.
 
-        budgets, n_sink, n_recent: ``[B]`` int. Sequences at or under budget keep everything. Kept slots
-        move to the front in their original order; the tensors shrink to the longest kept row.
-        Ties between equal scores go to the earlier token (docs/contract.md §2.4). ``priority``
-        ``[B, Hkv, N]`` ranks the slots instead of ``scores`` (which are kept as they are), as MiniCache's
-        joint selection of a pair does. A region's magnitudes and visibility move with its slots.
+        budgets, n_sink, n_recent: ``[B]`` int. The selection is ``kvkernels.topk_compact``, the op that
+        kvmodels' paged cache compacts with (docs/contract.md §2.4: forced sinks and recent window, ties to
+        the earlier token, NaN lowest, kept slots in original order and bit-identical); this layer only lays
+        its storage out as that op's pool (:meth:`_as_pool`). Sequences at or under budget keep everything;
+        the tensors shrink to the longest kept row. ``priority`` ``[B, Hkv, N]`` ranks the slots instead of
+        ``scores`` (which are kept as they are), as MiniCache's joint selection of a pair does. A region's
+        magnitudes and visibility move with its slots.
         """
-        if self.valid is None:
+        import kvkernels
+
+        if self.valid is None or self.valid.shape[1] == 0:
             return
+        (priority,) = self._pack(priority)
+        B, H, N, _ = self.keys.shape
         dev = self.valid.device
-        budgets, n_sink, n_recent = (t.to(dev, torch.int64) for t in (budgets, n_sink, n_recent))
         count = self.valid.sum(-1)  # [B]
-        logical = self.valid.cumsum(-1) - 1  # [B, N] index among the valid slots
-        forced = self.valid & ((logical < n_sink[:, None]) | (logical >= (count - n_recent)[:, None]))
-        # [B, Hkv, N]; NaN ranks lowest, as in kvkernels' topk_compact
-        rank_by = self.scores if priority is None else priority
-        prio = torch.where(rank_by.isnan(), -math.inf, rank_by)
-        prio = torch.where(forced[:, None, :], torch.full_like(prio, math.inf), prio)
-        # Stable descending sort: among equal priorities the lower slot (earlier token) comes first.
-        order = torch.sort(prio, dim=-1, descending=True, stable=True).indices  # [B, Hkv, N]
-        # Then padding behind every real slot (a stable sort on validity keeps the score order), so a real
-        # token scored -inf or NaN still ranks above padding.
-        invalid = (~self.valid)[:, None, :].expand_as(order).gather(-1, order)  # [B, Hkv, N]
-        order = order.gather(-1, torch.sort(invalid.to(torch.uint8), dim=-1, stable=True).indices)
-        keep_n = torch.minimum(count, budgets)  # [B]
+        keep_n = torch.minimum(count, budgets.to(dev, torch.int64))  # [B]
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # [B] -> [B * Hkv]: each KV head is a pool sequence
+            return t.to(dev, torch.int64).repeat_interleave(H)
+
+        pool = self._as_pool()
+        k, v, pos, score, *extra = pool.values()
+        if priority is not None:  # rank by it (a copy: the op sorts it in place); the scores ride along
+            extra, score = [score, *extra], priority.reshape(B * H, N, 1).to(torch.float32, copy=True)
+        table = torch.arange(B * H, dtype=torch.int32, device=dev)[:, None]  # row r is page r
+        free = torch.zeros(B * H + 1, dtype=torch.int32, device=dev)  # released pages: dropped below
+        kvkernels.topk_compact(k, v, pos, score, table, per_row(count).to(torch.int32), per_row(budgets),
+                               per_row(n_sink), per_row(n_recent), free, torch.zeros(1, dtype=torch.int64,
+                                                                                   device=dev), extra=extra)
         new_n = int(keep_n.max()) if keep_n.numel() else 0
-        rank = torch.arange(order.shape[-1], device=dev)
-        chosen = rank[None, None, :] < keep_n[:, None, None]  # [B, 1, N]
-        # Kept slots back in original order; unchosen ranks sort to the end.
-        slot = torch.where(chosen, order, torch.full_like(order, order.shape[-1]))
-        slot = torch.sort(slot, dim=-1).values[..., :new_n]  # [B, Hkv, new_n]
-        valid = torch.arange(new_n, device=dev)[None, :] < keep_n[:, None]  # [B, new_n]
-        idx = slot.clamp_max(order.shape[-1] - 1)
-        gather4 = idx[..., None].expand(*idx.shape, self.keys.shape[-1])  # [B, Hkv, new_n, D]
-        self.keys = torch.gather(self.keys, 2, gather4)
-        self.values = torch.gather(self.values, 2, gather4)
-        self.positions = torch.gather(self.positions, 2, idx)
-        self.scores = torch.gather(self.scores, 2, idx)
-        self.valid = valid
+        self._from_pool(pool, new_n)
+        self.valid = torch.arange(new_n, device=dev)[None, :] < keep_n[:, None]  # [B, new_n]
+
+    def _pack(self, *also: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Move each sequence's valid slots to the front, in order (left padding, a decode step's new token
+        behind a compacted row): the layout ``topk_compact``'s sequences have. Pure storage. ``also``:
+        further ``[B, Hkv, N]`` tensors (or None), returned packed the same way."""
+        assert self.valid is not None
+        N = self.valid.shape[1]
+        count = self.valid.sum(-1)  # [B]
+        packed = torch.arange(N, device=self.valid.device)[None, :] < count[:, None]  # [B, N]
+        if torch.equal(packed, self.valid):
+            return list(also)
+        order = torch.sort((~self.valid).to(torch.uint8), dim=-1, stable=True).indices  # [B, N] valid first
+
+        def gather(x: torch.Tensor | None, per_token: bool = False) -> torch.Tensor | None:
+            """Along the slot dim of ``[..., B, Hkv, N]`` (``[B, Hkv, N, D]`` when ``per_token``)."""
+            if x is None:
+                return None
+            idx = order[:, None, :, None] if per_token else order[:, None, :]
+            return torch.gather(x, x.dim() - 1 - per_token, idx.expand(x.shape))
+
+        self.keys, self.values = gather(self.keys, True), gather(self.values, True)
+        self.positions, self.scores, self.slot_mask = (gather(x) for x in (self.positions, self.scores,
+                                                                          self.slot_mask))
+        self.k_mag, self.v_mag = gather(self.k_mag), gather(self.v_mag)
+        self.valid = packed
+        return [gather(x) for x in also]
+
+    def _as_pool(self) -> dict[str, torch.Tensor]:
+        """This layer's per-slot tensors as a ``kvkernels`` page pool (docs/contract.md §2): each (sequence,
+        KV head) row is a sequence of one page of ``N`` slots with one KV head, ``[B * Hkv, N, 1, ...]``,
+        positions as int32, a region's magnitudes one tensor per member. Copies, so that an op working in
+        place never writes into a tensor someone else still holds. Order: ``k v pos`` then ``score``, then
+        what is present of ``k_mag[0..1] v_mag[0..1] slot_mask``."""
+        B, H, N, D = self.keys.shape
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(B * H, N, 1, *x.shape[3:])
+
+        pool = {"k": rows(self.keys), "v": rows(self.values), "pos": rows(self.positions.to(torch.int32)),
+                "score": rows(self.scores)}
+        for name in ("k_mag", "v_mag"):
+            mag = getattr(self, name)
+            if mag is not None:
+                pool[f"{name}0"], pool[f"{name}1"] = rows(mag[0]), rows(mag[1])
         if self.slot_mask is not None:
-            assert self.k_mag is not None and self.v_mag is not None
-            self.slot_mask = torch.gather(self.slot_mask, 2, idx)
-            idx2 = idx.expand(2, *idx.shape)  # [2, B, Hkv, new_n]: both members' magnitudes
-            self.k_mag = torch.gather(self.k_mag, 3, idx2)
-            self.v_mag = torch.gather(self.v_mag, 3, idx2)
+            pool["slot_mask"] = rows(self.slot_mask)
+        return {k: v.clone(memory_format=torch.contiguous_format) for k, v in pool.items()}
+
+    def _from_pool(self, pool: dict[str, torch.Tensor], n: int) -> None:
+        """Take back :meth:`_as_pool`'s tensors, keeping each row's first ``n`` slots."""
+        B, H = self.keys.shape[:2]
+
+        def back(x: torch.Tensor) -> torch.Tensor:
+            return x.view(B, H, x.shape[1], *x.shape[3:])[:, :, :n].contiguous()
+
+        self.keys, self.values, self.scores = back(pool["k"]), back(pool["v"]), back(pool["score"])
+        self.positions = back(pool["pos"]).to(torch.int64)
+        for name in ("k_mag", "v_mag"):
+            if f"{name}0" in pool:
+                setattr(self, name, torch.stack([back(pool[f"{name}0"]), back(pool[f"{name}1"])]))
+        if "slot_mask" in pool:
+            self.slot_mask = back(pool["slot_mask"])
 
     # Beam search / contrastive search reorder or crop the batch; keep the side tensors in step.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -471,11 +521,6 @@ class PolicyCache(Cache):
             raise ValueError(
                 f"merge policy {policy.merge.name!r} gave pairs {self.merged_pairs} for {n} layers; pairs "
                 "must be disjoint and in range"
-            )
-        if self.merged_pairs and not all(hasattr(policy.merge, x) for x in ("t", "retain_ratio")):
-            raise NotImplementedError(
-                f"merge policy {policy.merge.name!r} pairs layers but lacks t or retain_ratio; the bridge "
-                "merges by magnitude and direction (MiniCache) and needs both"
             )
         self.seed = seed
         # Seeds as kvmodels' PagedKVCache derives them (kvkernels.noise_seed / prefill_seed): the bridge and
@@ -574,12 +619,11 @@ class PolicyCache(Cache):
         else:
             step = self._decode_step
             self._decode_step += 1
-            every = int(getattr(self.policy, "evict_every", 1) or 1)
-            if self.eviction.decode_evict and (step + 1) % every == 0:
+            if self.policy.evicts_after(step):
                 if self.eviction.heads_share_selection:  # every head of a layer holds the same tokens
                     for layer in self.layers:
                         if layer.store is layer and layer.scores is not None:
-                            layer.scores = layer.scores.mean(1, keepdim=True).expand_as(layer.scores).clone()
+                            layer.scores = self.eviction.eviction_scores(layer.scores, head_dim=1).clone()
                 self._evict()
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
 
@@ -605,8 +649,8 @@ class PolicyCache(Cache):
 
         As ``kvmodels.cache.PagedKVCache.finish_prefill``: both layers keep the same ``N = min(L, R // 2)``
         tokens per sequence (all ``L`` without prompt compression), chosen on the summed scores with forced
-        slots ``forced(N)``; then ``kvkernels.merge_region`` merges them into
-        shared slots plus the retained tokens' private slots, which are packed front-aligned per sequence.
+        slots ``forced(N)``; then the merge policy's ``region`` merges them into shared slots plus the
+        retained tokens' private slots, which are packed front-aligned per sequence.
         """
         la, lb = self.layers[a], self.layers[b]
         assert la.valid is not None and la.scores is not None and lb.scores is not None
@@ -617,14 +661,12 @@ class PolicyCache(Cache):
             n_sink, n_recent = self.eviction.forced(keep)
             for layer in (la, lb):  # the same ranking and forced slots, so the same tokens per head
                 layer.compact(keep, n_sink, n_recent, priority=summed)
-        # MergePolicy does not declare them; __init__ checked that this one has both.
-        t, retain_ratio = (float(getattr(self.policy.merge, x)) for x in ("t", "retain_ratio"))
         regions = []
         for i in range(count.shape[0]):
             idx = la.valid[i].nonzero().squeeze(-1)  # this sequence's kept slots
             per_token = (la.keys, lb.keys, la.values, lb.values, la.positions, la.scores, lb.scores)
             ka, kb, va, vb, pos, sa, sb = (x[i][:, idx].transpose(0, 1) for x in per_token)  # [N, Hkv, ...]
-            regions.append(merge_region(ka, kb, va, vb, pos, sa, sb, t, retain_ratio))
+            regions.append(self.policy.merge.region(ka, kb, va, vb, pos, sa, sb))
         n_slots = torch.tensor([r["k"].shape[0] for r in regions], device=la.valid.device)  # [B]
         width = int(n_slots.max())
 
@@ -752,42 +794,56 @@ class PolicyCache(Cache):
     ) -> None:
         """One decode step's per-slot score update (docs/contract.md §2.2), query row by query row.
 
-        A layer of a merged pair scores its region's slots as kvmodels' decode kernel does: logits over the
-        keys restored through its magnitudes, only the slots it sees, and the update added into the region's
-        one score array (a shared slot collects both layers' mass)."""
+        The update is ``kvkernels.paged_decode_attention``'s fused one, the op kvmodels' decode step runs;
+        its attention output is not used (transformers computed the attention). The layer's storage is laid
+        out as that op's pool: each sequence is one page of the layer's ``N`` slots, ``[B, N, Hkv, ...]``;
+        padding, and in a merged pair's region the slots this layer may not see, are hidden by
+        ``slot_mask``. A layer of a merged pair scores over the keys restored through its own magnitudes
+        (``k_scale``), and the update goes into the region's one score array (a shared slot collects both
+        layers' mass)."""
+        import kvkernels
+
         ev = self.eviction
         kw = ev.decode_kwargs(self._decode_step, self._max_new_tokens() if ev.needs_max_new_tokens else 1)
-        decay = float(kw.get("decay", 1.0))
-        tau = kw.get("temperature", 1.0)
-        tau = float(tau.item() if isinstance(tau, torch.Tensor) else tau)
-        B, hq, q_len, D = q.shape
+        B, hq, q_len, _ = q.shape
         store = layer.store
-        keys = (store.restored(layer.member)[0] if layer.merged else store.keys).float()  # [B, Hkv, N, D]
-        hkv, N = keys.shape[1], keys.shape[2]
-        G = hq // hkv
-        n_old = N - q_len
-        mine = store.visible(layer.member)  # [B, Hkv, N] slots this layer may see
+        N = store.keys.shape[2]
+        dev = store.keys.device
+
+        def pool(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, N, ...] -> [B, N, Hkv, ...], a copy
+            return x.transpose(1, 2).contiguous()
+
+        keys = pool(store.keys)
+        score = pool(store.scores)  # updated in place by the op, then taken back
+        args: dict[str, Any] = dict(
+            scale=scale, score=score, score_mode=ev.score_mode, decay=float(kw.get("decay", 1.0)),
+            slot_mask=pool(store.visible(layer.member).to(torch.uint8)), mask_bit=1,
+            k_scale=pool(store.k_mag[layer.member]) if layer.merged else None,
+        )
+        if slopes is not None:  # ALiBi from original positions
+            args.update(alibi_slopes=slopes.float().contiguous(),
+                        slot_pos=pool(store.positions.to(torch.int32)))
+        if ev.score_mode == "gumbel":
+            tau = kw.get("temperature", 1.0)
+            args["temperature"] = torch.as_tensor(tau, dtype=torch.float32, device=dev).reshape(1).clone()
+        table = torch.arange(B, dtype=torch.int32, device=dev)[:, None]  # sequence b is page b
         for i in range(q_len):
-            seen = store.valid.clone()  # [B, N]
-            seen[:, n_old + i + 1 :] = False  # causal within the new chunk
-            visible = mine & seen[:, None, :]  # [B, Hkv, N]
-            qi = q[:, :, i].float().view(B, hkv, G, D)  # [B, Hkv, G, D]
-            x = scale * torch.einsum("bhgd,bhnd->bhgn", qi, keys)  # [B, Hkv, G, N]
-            if slopes is not None:  # ALiBi from original positions
-                rel = (store.positions - self._step.positions[:, i, None, None]).float()  # [B, Hkv, N]
-                x = x + slopes.view(1, hkv, G, 1) * rel[:, :, None, :]
+            n_seen = N - q_len + i + 1  # causal within the new chunk: the slots up to this query's own
             if ev.score_mode == "gumbel":
-                # Noise is indexed by slot (a region's invisible slots included), as kvmodels indexes it.
-                logical = (seen.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, N]
-                noise = torch.gather(
+                # Noise is indexed by logical slot (a region's invisible slots included), as kvmodels indexes
+                # it; padding slots take their neighbour's and are masked out.
+                seen = store.valid[:, :n_seen]
+                logical = (seen.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, n_seen]
+                logical = F.pad(logical, (0, N - n_seen))
+                args["gumbel_noise"] = torch.gather(
                     self._noise[layer.layer_idx], 2, logical[:, None, :].expand(B, hq, N)
-                )  # [B, Hq, N]
-                x = (x + noise.view(B, hkv, G, N)) / tau
-            x = x.masked_fill(~visible[:, :, None, :], -math.inf)
-            contrib = torch.softmax(x, dim=-1).mean(2)  # [B, Hkv, N]
-            n_valid = visible.sum(-1, keepdim=True)  # [B, Hkv, 1]
-            new = update_scores_ref(store.scores, contrib, ev.score_mode, decay=decay, n_valid=n_valid)
-            store.scores = torch.where(visible, new, store.scores)
+                ).contiguous()  # [B, Hq, N]
+            if slopes is not None:
+                args["q_pos"] = self._step.positions[:, i].to(torch.int32).contiguous()
+            lens = torch.full((B,), n_seen, dtype=torch.int32, device=dev)
+            kvkernels.paged_decode_attention(q[:, :, i].to(keys.dtype).contiguous(), keys, keys, table, lens,
+                                             **args)
+        store.scores = score.transpose(1, 2).contiguous()
 
     def _max_new_tokens(self) -> int:
         if self.max_new_tokens is None:  # model.generate fills it in (_install); a hand-written loop must not

@@ -6,7 +6,8 @@ keys and values separately, ``r = |x|``, ``u = x / |x|``, ``theta = arccos(u_{l-
 ``e = [sin((1 - t) theta) u_{l-1} + sin(t theta) u_l] / sin(theta)``; ``e`` is stored once with both
 magnitudes and restored as ``e * r``. The ``ceil(retain_ratio * N)`` tokens with the largest angle are
 kept unmerged in both layers. The kernel is ``kvkernels.magnitude_direction_merge``; this policy says
-which pairs merge (``pairs``) and with which ``t`` and ``retain_ratio``.
+which pairs merge (``pairs``) and builds each pair's region with its ``t`` and ``retain_ratio``
+(``region``).
 
 Pairs: with ``s = floor(start * n_layers)``, ``(s, s + 1), (s + 2, s + 3), ...`` while both exist
 (paper: from the middle layer, ``start = 0.5``; ``t = 0.5``; retention 5%).
@@ -15,6 +16,10 @@ Pairs: with ``s = floor(start * n_layers)``, ``(s, s + 1), (s + 2, s + 3), ...``
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+from kvkernels import merge_region
 
 from ..base import MergePolicy, check_number, check_range
 from ..registry import register_policy
@@ -39,3 +44,7 @@ class MiniCache(MergePolicy):
             raise ValueError(f"n_layers={n_layers!r} must be an int >= 0")
         first = int(self.start * n_layers + 1e-9)
         return [(l - 1, l) for l in range(first + 1, n_layers, 2)]
+
+    def region(self, ka: torch.Tensor, kb: torch.Tensor, va: torch.Tensor, vb: torch.Tensor,
+               pos: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> dict[str, torch.Tensor]:
+        return merge_region(ka, kb, va, vb, pos, sa, sb, self.t, self.retain_ratio)
