@@ -320,6 +320,25 @@ def test_triton_matches_reference(params, flags, num_splits):
         assert_scores_close(case, score, want_scores, atol=2e-5, mode=flags["mode"])
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", SCORE_MODES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_each_mode_on_both_paths(mode, num_splits):
+    """Every score mode through the one-program path (``num_splits=1``: output and score update in one
+    launch) and the split-K path (partials, then the reduce kernel), on ragged lengths with 0, 1 and page
+    boundaries, GQA, ALiBi, MiniCache restore and a slot mask, against the reference."""
+    case = make_case(7, [0, 1, 8, 17, 40], page_size=8, n_kv_heads=2, group=4, head_dim=32,
+                     dtype=torch.float32)
+    flags = dict(mode=mode, alibi=True, k_scale=True, v_scale=True, mask=True)
+    out, score = run(paged_decode_attention_triton, case, num_splits=num_splits, **flags)
+    ref_out, ref_score = run(paged_decode_attention_ref, case, **flags)
+    torch.testing.assert_close(out.cpu(), ref_out.cpu(), atol=1e-5, rtol=0)
+    ref_scores = [s.double() for s in pool_scores_per_seq(case, ref_score)]
+    assert_scores_close(case, score, ref_scores, atol=2e-5, mode=mode)
+    untouched = ~valid_slot_mask(case)
+    assert torch.equal(score.cpu()[untouched], case.pool["score"].cpu()[untouched])
+
+
 @pytest.mark.gpu
 def test_triton_bf16_long_context_split_k():
     case = make_case(3, [0, 1, 700, 4096], page_size=16, n_kv_heads=8, group=4, head_dim=128,

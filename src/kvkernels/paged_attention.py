@@ -10,10 +10,12 @@ Kernel design
 * ``_decode_partial_kernel``: one program per (sequence, KV head, split). It loads the ``G`` query heads of
   the group once and streams its split's K/V tiles through an online softmax, so each K/V byte is read
   once per group, not once per query head. It writes a partial (max, sum, unnormalised output) per query
-  head and split.
-* ``_decode_reduce_kernel``: one program per (sequence, KV head, split). Every program combines the
-  splits' (max, sum) into the global softmax normaliser (a few floats); split 0 also combines the partial
-  outputs and writes ``out``; each program then finishes the score update for its own split's slots.
+  head and split. With one split (the launcher's choice when ``B * Hkv`` programs already fill the GPU) its
+  (max, sum) are final: it writes ``out`` and runs the score update itself, and nothing else is launched.
+* ``_decode_reduce_kernel`` (split-K only): one program per (sequence, KV head, split). Every program
+  combines the splits' (max, sum) into the global softmax normaliser (a few floats); split 0 also combines
+  the partial outputs and writes ``out``; each program then finishes the score update for its own split's
+  slots (``_update_scores``, shared with the one-split path).
 
 Why the score update is finished in the reduce step: a slot's contribution is the mean over the group of
 ``exp(x_g - max_g) / sum_g``, and the normaliser of head ``g`` is only known once every split is done.
@@ -54,12 +56,13 @@ if HAS_TRITON:
     def _decode_partial_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr,
         alibi_ptr, slot_pos_ptr, q_pos_ptr, k_scale_ptr, v_scale_ptr, slot_mask_ptr, noise_ptr, temp_ptr,
-        m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr,
-        scale, mask_bit, max_pages, noise_len, logits_len, num_splits, chunk,
+        m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr, out_ptr, score_ptr,
+        scale, mask_bit, decay, max_pages, noise_len, logits_len, num_splits, chunk,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_KSCALE: tl.constexpr, HAS_VSCALE: tl.constexpr, HAS_MASK: tl.constexpr,
         KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        ONE_SPLIT: tl.constexpr, SCORE_MODE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -81,10 +84,9 @@ if HAS_TRITON:
         if HAS_ALIBI:
             slopes = tl.load(alibi_ptr + kvh * G + offs_g, mask=g_ok, other=0.0)  # [BLOCK_G]
             q_pos = tl.load(q_pos_ptr + b)
-        if GUMBEL:
-            tau = 1.0
-            if HAS_TEMP:
-                tau = tl.load(temp_ptr)
+        tau = 1.0
+        if GUMBEL and HAS_TEMP:
+            tau = tl.load(temp_ptr)
 
         m_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -134,15 +136,73 @@ if HAS_TRITON:
                     gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
                     gm_i = gm_new
 
-        stat = q_rows * num_splits + split  # [BLOCK_G] index into [B, Hq, splits]
-        tl.store(m_ptr + stat, m_i, mask=g_ok)
-        tl.store(l_ptr + stat, l_i, mask=g_ok)
-        tl.store(acc_ptr + stat[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        if KEEP_LOGITS:
-            tl.store(nvis_ptr + (b * HKV + kvh) * num_splits + split, tl.sum(n_vis, axis=0))
-            if GUMBEL:
-                tl.store(gm_ptr + stat, gm_i, mask=g_ok)
-                tl.store(gl_ptr + stat, gl_i, mask=g_ok)
+        if ONE_SPLIT:
+            # The whole sequence was this program's: its (max, sum) are final, so it normalises and scores
+            # itself, with no partials written and no second launch.
+            inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # 0 for an empty sequence
+            tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
+                     (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+            if SCORE_MODE != 0:
+                inv_gl = inv_l
+                if GUMBEL:
+                    inv_gl = tl.where(gl_i > 0, 1.0 / tl.where(gl_i > 0, gl_i, 1.0), 0.0)
+                n_valid = tl.sum(n_vis, axis=0)
+                _update_scores(logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok,
+                               b, kvh, start, end, m_i, inv_l, gm_i, inv_gl, tau,
+                               1.0 / tl.maximum(n_valid, 1).to(tl.float32), decay, mask_bit, max_pages,
+                               noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
+        else:
+            stat = q_rows * num_splits + split  # [BLOCK_G] index into [B, Hq, splits]
+            tl.store(m_ptr + stat, m_i, mask=g_ok)
+            tl.store(l_ptr + stat, l_i, mask=g_ok)
+            tl.store(acc_ptr + stat[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+            if KEEP_LOGITS:
+                tl.store(nvis_ptr + (b * HKV + kvh) * num_splits + split, tl.sum(n_vis, axis=0))
+                if GUMBEL:
+                    tl.store(gm_ptr + stat, gm_i, mask=g_ok)
+                    tl.store(gl_ptr + stat, gl_i, mask=g_ok)
+
+    @triton.jit
+    def _update_scores(
+        logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, start, end,
+        m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages, noise_len, logits_len,
+        HKV: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
+        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    ):
+        """The fused score update (docs/contract.md §2.2) of slots ``[start, end)`` of sequence ``b``, KV head
+        ``kvh``, from the group's logits in scratch and the final per-head (max, 1 / sum); the noised ones
+        (``gm_max``, ``inv_gl``, ``tau``) for gumbel, ``threshold = 1 / n_valid`` for count_low."""
+        offs_n = tl.arange(0, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            slots = n0 + offs_n
+            in_seq = slots < end
+            lmask = g_ok[:, None] & in_seq[None, :]
+            x = tl.load(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], mask=lmask,
+                        other=float("-inf"))  # [BLOCK_G, BLOCK_N]
+            if SCORE_MODE == 2:
+                noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask,
+                                other=0.0)
+                p = tl.exp((x + noise) / tau - gm_max[:, None]) * inv_gl[:, None]
+            else:
+                p = tl.exp(x - m_max[:, None]) * inv_l[:, None]
+            contrib = tl.sum(p, axis=0) / G  # [BLOCK_N] mean over the group's query heads
+
+            page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
+            row = (page * S + slots % S) * HKV + kvh
+            visible = in_seq
+            if HAS_MASK:
+                bits = tl.load(slot_mask_ptr + row, mask=in_seq, other=0).to(tl.int32)
+                visible = visible & ((bits & mask_bit) != 0)
+            old = tl.load(score_ptr + row, mask=visible, other=0.0)
+            if SCORE_MODE <= 2:  # accumulate (1), gumbel (2)
+                new = old + contrib
+            elif SCORE_MODE == 3:  # decay
+                new = decay * old + contrib
+            elif SCORE_MODE == 4:  # replace
+                new = contrib
+            else:  # count_low
+                new = old - (contrib < threshold).to(tl.float32)
+            tl.store(score_ptr + row, new, mask=visible)
 
     @triton.jit
     def _combine_stats(m_ptr, l_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS: tl.constexpr):
@@ -189,9 +249,9 @@ if HAS_TRITON:
                      mask=g_ok[:, None] & d_ok[None, :])
 
         if SCORE_MODE != 0:
+            gm_max, inv_gl, tau, threshold = m_max, inv_l, 1.0, 0.0  # stand-ins the other modes never read
             if SCORE_MODE == 2:  # gumbel: the score uses its own (noised, tempered) normaliser
                 gm_max, inv_gl = _combine_stats(gm_ptr, gl_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS)
-                tau = 1.0
                 if HAS_TEMP:
                     tau = tl.load(temp_ptr)
             if SCORE_MODE == 5:  # count_low: threshold 1 / (visible slots of this KV head)
@@ -199,41 +259,12 @@ if HAS_TRITON:
                 n_valid = tl.sum(tl.load(nvis_ptr + (b * HKV + kvh) * num_splits + offs_s,
                                          mask=offs_s < num_splits, other=0), axis=0)
                 threshold = 1.0 / tl.maximum(n_valid, 1).to(tl.float32)
-
-            offs_n = tl.arange(0, BLOCK_N)
             seq_len = tl.load(seq_lens_ptr + b)
             start = split * chunk
             end = tl.minimum(start + chunk, seq_len)
-            for n0 in range(start, end, BLOCK_N):
-                slots = n0 + offs_n
-                in_seq = slots < end
-                lmask = g_ok[:, None] & in_seq[None, :]
-                x = tl.load(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], mask=lmask,
-                            other=float("-inf"))  # [BLOCK_G, BLOCK_N]
-                if SCORE_MODE == 2:
-                    noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask,
-                                    other=0.0)
-                    p = tl.exp((x + noise) / tau - gm_max[:, None]) * inv_gl[:, None]
-                else:
-                    p = tl.exp(x - m_max[:, None]) * inv_l[:, None]
-                contrib = tl.sum(p, axis=0) / G  # [BLOCK_N] mean over the group's query heads
-
-                page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
-                row = (page * S + slots % S) * HKV + kvh
-                visible = in_seq
-                if HAS_MASK:
-                    bits = tl.load(slot_mask_ptr + row, mask=in_seq, other=0).to(tl.int32)
-                    visible = visible & ((bits & mask_bit) != 0)
-                old = tl.load(score_ptr + row, mask=visible, other=0.0)
-                if SCORE_MODE <= 2:  # accumulate (1), gumbel (2)
-                    new = old + contrib
-                elif SCORE_MODE == 3:  # decay
-                    new = decay * old + contrib
-                elif SCORE_MODE == 4:  # replace
-                    new = contrib
-                else:  # count_low
-                    new = old - (contrib < threshold).to(tl.float32)
-                tl.store(score_ptr + row, new, mask=visible)
+            _update_scores(logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b,
+                           kvh, start, end, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit,
+                           max_pages, noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
 
 
 def _pick_num_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
@@ -271,17 +302,21 @@ def paged_decode_attention_triton(
     mode_id = _MODE_IDS[score_mode]
     keep_logits = mode_id != 0 and score is not None
     gumbel = mode_id == _MODE_IDS["gumbel"]
+    one_split = num_splits == 1  # one program per (sequence, KV head) finishes alone: no partials, one launch
     dev, f32 = q.device, torch.float32
-    m = torch.empty(batch, n_q_heads, num_splits, device=dev, dtype=f32)  # per-split running max
-    l = torch.empty_like(m)  # per-split sum of exp
-    acc = torch.empty(batch, n_q_heads, num_splits, head_dim, device=dev, dtype=f32)  # unnormalised out
     out = torch.empty_like(q)
-    dummy = m  # stands in for absent optional tensors; constexpr flags keep the kernels from reading it
+    dummy = torch.empty(1, device=dev, dtype=f32)  # stands in for absent tensors; constexpr flags keep the
+    # kernels from reading it
+    partials = (batch, n_q_heads, num_splits)
+    m = dummy if one_split else torch.empty(partials, device=dev, dtype=f32)  # per-split running max
+    l = dummy if one_split else torch.empty_like(m)  # per-split sum of exp
+    acc = dummy if one_split else torch.empty(*partials, head_dim, device=dev, dtype=f32)  # unnormalised out
     logits = torch.empty(batch, n_q_heads, max_len, device=dev, dtype=f32) if keep_logits else dummy
-    nvis = (torch.empty(batch, n_kv_heads, num_splits, device=dev, dtype=torch.int32) if keep_logits
-            else dummy)  # visible slots per split, for count_low's 1 / n_valid
-    gm = torch.empty_like(m) if gumbel else dummy
-    gl = torch.empty_like(m) if gumbel else dummy
+    # Visible slots per split, for count_low's 1 / n_valid.
+    nvis = (torch.empty(batch, n_kv_heads, num_splits, device=dev, dtype=torch.int32)
+            if keep_logits and not one_split else dummy)
+    gm = torch.empty_like(m) if gumbel and not one_split else dummy
+    gl = torch.empty_like(m) if gumbel and not one_split else dummy
     noise = gumbel_noise if gumbel and gumbel_noise is not None else dummy
     noise_len = noise.shape[-1]
 
@@ -296,15 +331,17 @@ def paged_decode_attention_triton(
         q, k_pages, v_pages, page_table, seq_lens,
         opt(alibi_slopes), opt(slot_pos), opt(q_pos), opt(k_scale), opt(v_scale), opt(slot_mask), noise,
         opt(temperature),
-        m, l, acc, gm, gl, nvis, logits,
-        float(scale), int(mask_bit), max_pages, noise_len, max_len, num_splits, chunk,
+        m, l, acc, gm, gl, nvis, logits, out, opt(score) if keep_logits else dummy,
+        float(scale), int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
         HAS_ALIBI=alibi_slopes is not None, HAS_KSCALE=k_scale is not None, HAS_VSCALE=v_scale is not None,
         HAS_MASK=slot_mask is not None, KEEP_LOGITS=keep_logits, GUMBEL=gumbel,
         HAS_TEMP=temperature is not None,
         # fp32 caches get exact fp32 products (no TF32) so they match the fp32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, **consts,
+        ONE_SPLIT=one_split, SCORE_MODE=mode_id if keep_logits else 0, num_warps=4, **consts,
     )
+    if one_split:
+        return out
     launch(
         _decode_reduce_kernel, grid,
         out, m, l, acc, gm, gl, nvis, logits, noise, opt(temperature),
