@@ -4,7 +4,8 @@ prompt-only selection NVIDIA kvpress's ``TOVAPress`` makes, and ChunkKV against 
 
 Same samples, prompts, replayed prefills and scoring as ``python -m kvmodels.eval`` (SmolLM2-135M, greedy,
 question inside the prompt). One JSON line per (variant, budget), appended to ``--out``; a rerun skips the
-lines already there. Run: ``python bench/passkey_variants.py --context 1024 --n 24``.
+lines already there. Run: ``python bench/passkey_variants.py --context 1024 --n 24``; ``--report`` prints
+the recorded answers and near misses (the key with one digit left out) per variant and budget instead.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sample seed: another seed draws other keys and "
                    "passages (a held-out check of variants chosen on seed 0)")
     p.add_argument("--out", default="bench/results/passkey-variants.jsonl")
+    p.add_argument("--report", action="store_true", help="print correct / near-miss counts of the recorded "
+                   "lines for --context, --n and --seed (rebuilding the samples' keys) and run nothing")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(seed=args.seed)
     tag = f"|seed={args.seed}" if args.seed else ""  # seed 0 keeps the keys of earlier runs
     samples = runner.samples("passkey", args.context, args.n)
+    if args.report:
+        return report(out, samples, args.context, args.n, args.seed)
     runner.replay.record([list(s.prompt) for s in samples])
     for budget in [float(b) for b in args.budgets.split(",")]:
         for name in names:
@@ -91,6 +96,32 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
             print(f"{name:40s} {budget:4.2f} {res.metrics.get('correct')}/{args.n} ({record['seconds']} s)",
                   flush=True)
+    return 0
+
+
+def report(out: Path, samples: list, context: int, n: int, seed: int) -> int:
+    """Print, per recorded variant and budget, correct answers and near misses out of ``n``."""
+    from kvmodels.eval import tasks
+
+    keys = [s.answer for s in samples]
+    rows: dict[str, dict[float, str]] = {}
+    full = "not recorded"
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        if (r["context"], r["n"], r.get("seed", 0)) != (context, n, seed):
+            continue
+        near = sum(tasks.near_miss(o, k) for o, k in zip(r["outputs"], keys, strict=True))
+        if r["variant"] == "full":  # the full cache keeps everything at any budget
+            full = f"{r['correct']} ({near})"
+            continue
+        rows.setdefault(r["variant"], {})[r["budget"]] = f"{r['correct']} ({near})"
+    budgets = sorted({b for cells in rows.values() for b in cells})
+    print(f"passkey, ~{context} tokens, {n} samples, seed {seed}: correct (near misses); "
+          f"the full cache {full}")
+    print("| variant | " + " | ".join(f"{b:g}" for b in budgets) + " |")
+    print("|---|" + "---|" * len(budgets))
+    for name, cells in rows.items():
+        print(f"| `{name}` | " + " | ".join(cells.get(b, "") for b in budgets) + " |")
     return 0
 
 

@@ -128,6 +128,22 @@ def test_exact_match():
     assert not tasks.exact_match(" unknown", "12345")
 
 
+def test_near_miss_is_the_key_with_one_digit_left_out():
+    assert tasks.near_miss(" 7828.", "78281")  # the last digit's token evicted
+    assert tasks.near_miss(" 8281", "78281") and tasks.near_miss("7281", "78281")
+    assert not tasks.near_miss(" 78281.", "78281")  # a hit is not a near miss
+    assert not tasks.near_miss(" 7829", "78281")  # four digits, but not a subsequence of the key
+    assert not tasks.near_miss(" 782", "78281") and not tasks.near_miss(" none", "78281")
+
+
+@given(st.text("0123456789", min_size=2, max_size=8), st.data())
+@settings(max_examples=50)
+def test_near_miss_property(key, data):
+    i = data.draw(st.integers(0, len(key) - 1))
+    assert tasks.near_miss(f" {key[:i] + key[i + 1:]}.", key)
+    assert not tasks.near_miss(f" {key}.", key)
+
+
 def test_rouge_l_hand_computed():
     # LCS("the cat sat on the mat", "the cat lay on the mat") = "the cat on the mat": P = R = 5/6.
     assert tasks.rouge_l("the cat sat on the mat", "The cat lay on the mat.") == pytest.approx(5 / 6)

@@ -175,6 +175,13 @@ def exact_match(prediction: str, answer: str) -> bool:
     return extract_number(prediction) == answer
 
 
+def near_miss(prediction: str, answer: str) -> bool:
+    """Whether the first number in ``prediction`` is ``answer`` with exactly one digit left out ("7828" for
+    "78281"): the miss a selection makes when it keeps some of a number's tokens and evicts others."""
+    got = extract_number(prediction)
+    return len(got) == len(answer) - 1 and any(answer[:i] + answer[i + 1:] == got for i in range(len(answer)))
+
+
 def lcs_length(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the longest common subsequence of ``a`` and ``b`` (O(len(a)·len(b)) dynamic program)."""
     prev = [0] * (len(b) + 1)
