@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvkernels._modes import update_scores_ref
-from kvpolicies import EvictionPolicy, available, compose, get_policy
+from kvpolicies import EvictionPolicy, NewTokens, available, compose, get_policy
 from reference_policies import DEFAULTS, default_decode_noise, default_prefill_noise, group_probs, simulate
 
 EVICTION = [row.name for row in available("eviction")]
@@ -38,6 +38,12 @@ def select(policy: EvictionPolicy, scores: torch.Tensor, b: int) -> torch.Tensor
         order = torch.sort(key, descending=True, stable=True).indices   # stable: lower slot first on ties
         kept.append(torch.sort(order[:b]).values)
     return torch.stack(kept)
+
+
+def new_tokens(policy: EvictionPolicy, q, k, positions) -> NewTokens:
+    """What a step hands an open score rule (values are zeros here: the description has no values)."""
+    return NewTokens(k=k, v=torch.zeros_like(k), positions=positions,
+                     q=q if policy.reads_queries else None)
 
 
 def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps, b: int, *, evict_every: int,
@@ -63,7 +69,7 @@ def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps
                                                        decay=kw.get("decay", 1.0), n_valid=i + 1)
         scores = policy.postprocess_prefill_scores(scores)
     elif policy.scores_tokens and L:  # the open rule scores each token from its own key (no values here)
-        scores = policy.token_scores(k_prompt, torch.zeros_like(k_prompt)).t().double()
+        scores = policy.token_scores(new_tokens(policy, q_prompt, k_prompt, torch.arange(L))).t().double()
 
     def compact() -> None:
         nonlocal ids, scores
@@ -78,7 +84,8 @@ def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps
         ids = torch.cat([ids, torch.full((n_kv_heads, 1), L + t)], dim=1)
         new = torch.zeros(n_kv_heads, 1, dtype=scores.dtype)
         if policy.scores_tokens:
-            new = policy.token_scores(k_steps[t], torch.zeros_like(k_steps[t])).double()[:, None]
+            new = policy.token_scores(new_tokens(policy, q_steps[t], k_steps[t], torch.tensor(L + t))).double()
+            new = new[:, None]
         scores = torch.cat([scores, new], dim=1)
         kw = policy.decode_kwargs(t, max_new_tokens)
         noise = decode_noise(t, ids.shape[1]) if policy.score_mode == "gumbel" else None

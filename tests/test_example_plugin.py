@@ -130,5 +130,5 @@ def test_a_rule_with_a_score_mode_is_refused_when_defined():
         class Both(EvictionPolicy):
             score_mode = "accumulate"
 
-            def token_scores(self, k, v):
-                return -k.norm(dim=-1)
+            def token_scores(self, new):
+                return -new.k.norm(dim=-1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicies import EvictionPolicy
+from kvpolicies import EvictionPolicy, NewTokens
 from kvpolicies.base import fraction_count
 
 
@@ -30,7 +30,7 @@ class VNorm(EvictionPolicy):
         n_recent = fraction_count(budgets, self.recent)  # floor(recent * b), as H2O's window
         return torch.zeros_like(n_recent), n_recent
 
-    def token_scores(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def token_scores(self, new: NewTokens) -> torch.Tensor:
         """``[..., Hkv]``: each token's value norm (higher is kept first)."""
-        return torch.linalg.vector_norm(v.float(), dim=-1)
+        return torch.linalg.vector_norm(new.v.float(), dim=-1)
 

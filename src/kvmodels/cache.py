@@ -35,7 +35,7 @@ from kvkernels.merge import merge_restore
 from kvkernels.paged_attention import paged_decode_attention
 from kvkernels.score_update import prefill_scores
 from kvkernels.topk_compact import topk_compact, topk_evict
-from kvpolicies.base import LayerStats
+from kvpolicies.base import LayerStats, NewTokens
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -426,8 +426,8 @@ class PagedKVCache:
         scores = None
         if self.eviction.prefill_mode is not None:
             scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes, lse)  # [H, L]
-        elif self.eviction.scores_tokens:  # an open rule: each token's score from its own K/V
-            scores = self._token_scores(k, v, check=True).t()  # [H, L]
+        elif self.eviction.scores_tokens:  # an open rule: each token's score from what its step provides
+            scores = self._token_scores(q, k, v, positions, check=True).t()  # [H, L]
 
         pages = self.free_pages[self._free - n_pages:self._free].to(torch.int64)  # [n_pages]
         self.n_free -= n_pages
@@ -472,15 +472,18 @@ class PagedKVCache:
             self._shared_scores[l, b] = scores  # [Hkv, L], read by the layers that reuse this one's
         return scores
 
-    def _token_scores(self, k: torch.Tensor, v: torch.Tensor, *, check: bool = False) -> torch.Tensor:
-        """``[..., Hkv]`` float32 scores of tokens ``k, v [..., Hkv, D]`` by the policy's open score rule
-        (``EvictionPolicy.token_scores``); ``check`` (host side, at prefill) verifies what the rule
-        returns."""
-        scores = self.eviction.token_scores(k, v)
+    def _token_scores(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      *, check: bool = False) -> torch.Tensor:
+        """``[..., Hkv]`` float32 scores of the tokens ``k, v [..., Hkv, D]`` (queries ``q [..., Hq, D]``,
+        ``positions [...]``) by the policy's open score rule (``EvictionPolicy.token_scores``); ``check``
+        (host side, at prefill) verifies what the rule returns."""
+        new = NewTokens(k=k, v=v, positions=positions.to(torch.int64),
+                        q=q if self.eviction.reads_queries else None)
+        scores = self.eviction.token_scores(new)
         if check and (not isinstance(scores, torch.Tensor) or tuple(scores.shape) != tuple(k.shape[:-1])
                       or not scores.is_floating_point()):
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-            raise ValueError(f"{self.eviction.name}.token_scores(k, v) returned {got} for k of shape "
+            raise ValueError(f"{self.eviction.name}.token_scores returned {got} for k of shape "
                              f"{tuple(k.shape)}; it must return one float score per token and KV head: "
                              f"{tuple(k.shape[:-1])}")
         return scores.to(torch.float32)
@@ -759,7 +762,8 @@ class PagedKVCache:
         check_tensor(name, t, ndim=1, dtypes=_INT_DTYPES, device=self.device)
         check_shape(name, t, [self.batch_size], "one position per sequence of the batch")
 
-    def append(self, l: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(self, l: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               q: torch.Tensor | None = None) -> None:
         """Write this step's K/V of cache layer ``l`` after each active sequence's last token.
 
         Pure tensor code on static buffers (safe inside ``torch.compile(fullgraph=True)``). Rows without an
@@ -771,11 +775,19 @@ class PagedKVCache:
             ``[B, Hkv, D]`` ``dtype`` (``B`` = the batch given to ``start``).
         positions:
             ``[B]`` int absolute position of the new token.
+        q:
+            ``[B, Hq, D]`` the new token's queries; required only by an open score rule that reads them
+            (``EvictionPolicy.reads_queries``). Models pass it always.
         """
         self._check_layer(l)
         self._check_decode_input("k", k, self.n_kv_heads)
         self._check_decode_input("v", v, self.n_kv_heads)
         self._check_positions("positions", positions)
+        if q is not None:
+            self._check_decode_input("q", q, self.n_q_heads)
+        elif self.eviction.scores_tokens and self.eviction.reads_queries:
+            raise ValueError(f"append(q=None): policy {self.eviction.name!r} scores each token from its own "
+                             "queries (reads_queries); pass this step's queries q [B, Hq, D]")
         n, S = self.batch_size, self.page_size
         s = self._storage[l]  # a merged layer appends into its pair's region
         lens = self.seq_lens[s, :n]  # [n]
@@ -787,7 +799,8 @@ class PagedKVCache:
         self.k_pages[page, slot] = k
         self.v_pages[page, slot] = v
         self.slot_pos[page, slot] = positions.to(torch.int32)[:, None].expand(n, self.n_kv_heads)
-        self.slot_score[page, slot] = self._token_scores(k, v) if self.eviction.scores_tokens else 0.0
+        self.slot_score[page, slot] = self._token_scores(q, k, v, positions) if self.eviction.scores_tokens \
+            else 0.0
         if self._merged[l]:  # a private slot of this layer: exact K/V, visible to this layer only
             assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
             for mag in (self.k_mag, self.v_mag):

@@ -188,7 +188,7 @@ class GPTJ(nn.Module):
         for l, blk in enumerate(self.blocks):
             hn = blk.ln_1(x)
             q, k, v = blk.qkv(hn, positions)
-            cache.append(l, k, v, positions)
+            cache.append(l, k, v, positions, q=q)
             attn = cache.attend(l, q, positions, scale=self.scale)           # [B, H, D]
             x = x + blk.out_proj(attn.reshape(B, -1)) + blk.mlp(hn)
         return self.lm_head(self.ln_f(x))

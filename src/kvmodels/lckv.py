@@ -203,11 +203,11 @@ class LCKV(nn.Module):
             else:
                 q, k, v = layer.qkv(x, cos, sin)
                 if self.config.is_warmup(l):
-                    cache.append(cl, k, v, positions)
+                    cache.append(cl, k, v, positions, q=q)
                     attn = cache.attend(cl, q, positions, scale=self.scale)
                 else:  # condensed top layer: previous tokens only, then publish this token's KV
                     attn = cache.attend(cl, q, positions, scale=self.scale)
-                    cache.append(cl, k, v, positions)
+                    cache.append(cl, k, v, positions, q=q)
             x = x + layer.wo(attn.reshape(B, -1))
             x = x + layer.mlp(x)
         return self.output(self.norm(x))

@@ -289,7 +289,7 @@ class Llama(nn.Module):
         cos, sin = self._rope(positions, x.dtype)
         for l, layer in enumerate(self.blocks):
             q, k, v = layer.qkv(x, cos, sin)
-            cache.append(l, k, v, positions)
+            cache.append(l, k, v, positions, q=q)
             attn = cache.attend(l, q, positions, scale=layer.scale)  # [B, Hq, D]
             x = x + layer.wo(attn.reshape(B, -1))
             x = x + layer.mlp(x)

@@ -212,7 +212,7 @@ class MPT(nn.Module):
         x = self.wte(tokens)                                                 # [B, h]
         for l, blk in enumerate(self.blocks):
             q, k, v = blk.qkv(x)
-            cache.append(l, k, v, positions)
+            cache.append(l, k, v, positions, q=q)
             attn = cache.attend(l, q, positions, scale=self.scale, alibi_slopes=self.alibi_slopes)
             x = x + blk.out_proj(attn.reshape(B, -1))
             x = x + blk.mlp(x)

@@ -14,7 +14,7 @@ imported on first use, so ``transformers`` stays an optional extra.
 from __future__ import annotations
 
 from . import budget, eviction, merge  # noqa: F401  (importing registers the built-in policies)
-from .base import BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, Policy
+from .base import BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, NewTokens, Policy
 from .compose import ComposedPolicy, compose
 from .registry import PolicyInfo, UnknownPolicyError, available, get_policy, register_policy
 
@@ -34,6 +34,7 @@ __all__ = [
     "EvictionPolicy",
     "LayerStats",
     "MergePolicy",
+    "NewTokens",
     "Policy",
     "PolicyInfo",
     "UnknownPolicyError",

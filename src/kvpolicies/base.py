@@ -115,6 +115,28 @@ def residual_cos_sim(h_in: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor
 
 
 @dataclass(frozen=True)
+class NewTokens:
+    """What a step provides about the tokens it caches, for an open score rule
+    (:meth:`EvictionPolicy.token_scores`). ``...`` are the tokens' leading dimensions: ``[L]`` for one
+    sequence's prompt, ``[B]`` for a decode step of kvmodels, ``[B, q]`` for a forward of the transformers
+    bridge.
+
+    k, v:
+        ``[..., Hkv, D]`` the tokens' keys (after RoPE where the model rotates them) and values.
+    positions:
+        ``[...]`` int64 absolute positions.
+    q:
+        ``[..., Hq, D]`` the tokens' own queries (after RoPE; query head ``h`` reads KV head ``h // G``), only
+        for a rule that sets ``reads_queries = True`` (the bridge rebuilds queries for it); else ``None``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class EvictionPolicy(Policy):
     """Which tokens a cache layer keeps.
 
@@ -131,6 +153,8 @@ class EvictionPolicy(Policy):
     decode_evict: ClassVar[bool] = True       # evict during decoding
     # Whether ``decode_kwargs`` depends on the generation length (Keyformer's temperature schedule).
     needs_max_new_tokens: ClassVar[bool] = False
+    # Whether ``token_scores`` reads ``NewTokens.q`` (the caches then hand it the tokens' queries).
+    reads_queries: ClassVar[bool] = False
 
     def prefill_window(self, prompt_len: int) -> int:
         """Query rows (the last ``window``) that score the prompt; 0 = all rows."""
@@ -165,16 +189,18 @@ class EvictionPolicy(Policy):
         reuse names an earlier one). Layers are prefilled in order, so the source is always scored first."""
         return layer
 
-    def token_scores(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """An open score rule: each token's score from its own key and value, ``k, v [..., Hkv, D]`` ->
-        ``[..., Hkv]`` float32 (higher = kept first; ties: the earlier token).
+    def token_scores(self, new: NewTokens) -> torch.Tensor:
+        """An open score rule: each new token's score from what its step provides (:class:`NewTokens`: its
+        key, value, position and, with ``reads_queries = True``, its own queries), ``[...]`` leading
+        dimensions -> ``[..., Hkv]`` float32 (higher = kept first; ties: the earlier token).
 
         Override it to write a new rule in torch alone (``knorm`` is one): the caches call it on the
-        prompt's K/V at prefill and on each new token's K/V when it is appended (inside the compiled decode
-        step: keep it traceable, no host syncs), store the result as the slot's score and rank by it; no
-        cache or kernel changes. Such a policy keeps ``score_mode = "none"`` and ``prefill_mode = None``
-        (checked when the class is defined): its scores do not depend on attention. Rules that need the
-        queries or the attention probabilities still go through the built-in score modes.
+        prompt at prefill and on each new token when it is appended (inside the compiled decode step: keep
+        it traceable, no host syncs), store the result as the slot's score and rank by it; no cache or
+        kernel changes. A score is fixed when its token is cached. Such a policy keeps
+        ``score_mode = "none"`` and ``prefill_mode = None`` (checked when the class is defined): rules whose
+        scores change as later queries attend (attention mass) are the built-in score modes, fused in the
+        kernels, because the kernels do not materialise the attention probabilities.
         """
         raise NotImplementedError(f"{type(self).__name__} scores tokens through its score modes")
 
@@ -190,6 +216,8 @@ class EvictionPolicy(Policy):
             raise TypeError(f"{cls.__name__} defines token_scores and also score_mode={cls.score_mode!r} / "
                             f"prefill_mode={cls.prefill_mode!r}; a policy scores tokens one way: keep "
                             "score_mode='none' and prefill_mode=None with token_scores")
+        if cls.reads_queries and cls.token_scores is EvictionPolicy.token_scores:
+            raise TypeError(f"{cls.__name__} sets reads_queries but defines no token_scores to read them")
 
     @property
     def heads_share_selection(self) -> bool:

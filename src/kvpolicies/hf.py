@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("kvpolicies.hf needs transformers: pip install 'kvpolicies[hf]'") from exc
 
 from kvkernels import draw_gumbel_, merge_restore, noise_seed, prefill_seed
-from kvpolicies.base import LayerStats, residual_cos_sim
+from kvpolicies.base import LayerStats, NewTokens, residual_cos_sim
 
 __all__ = [
     "PolicyCache",
@@ -292,18 +292,24 @@ class PolicyLayer(DynamicLayer):
                 "kvpolicies.hf.hf_cache(policy, model) and pass it as past_key_values"
             )
         step = owner._step
+        query = kwargs.get("query")  # [B, Hq, q, D]: MPT's attention hands it over, the others are rebuilt
+        if owner.needs_queries and query is None:  # once per layer, for the open rule and the score update
+            query = owner._layer_query(self.layer_idx, key_states)
         new_scores = None
-        if owner.eviction.scores_tokens:  # an open rule: each new token's score from its own K/V
-            # [B, Hkv, q, D] -> the rule's [..., Hkv, D] -> [B, q, Hkv] -> [B, Hkv, q]
-            new_scores = owner.eviction.token_scores(key_states.transpose(1, 2), value_states.transpose(1, 2))
-            new_scores = new_scores.to(torch.float32).transpose(1, 2)
+        if owner.eviction.scores_tokens:  # an open rule: each new token's score from what the step provides
+            # [B, H, q, D] -> the rule's [..., H, D] with [...] = [B, q] -> [B, q, Hkv] -> [B, Hkv, q]
+            new = NewTokens(k=key_states.transpose(1, 2), v=value_states.transpose(1, 2),
+                            positions=step.positions,
+                            q=query.transpose(1, 2) if owner.eviction.reads_queries else None)
+            new_scores = owner.eviction.token_scores(new).to(torch.float32).transpose(1, 2)
         if self.merged:
             # A private slot of this layer in its pair's region: exact K/V, magnitude 1, visible to it only.
             keys, values = self.store._append_private(key_states, value_states, step, self.member, new_scores)
         else:
             keys, values = super().update(key_states, value_states)
             self._append_side(key_states, step, new_scores)
-        owner._score_layer(self, key_states, kwargs.get("query"))
+        if query is not None:
+            owner._score_layer(self, key_states, query)
         return keys, values
 
     def _append_side(self, key_states: torch.Tensor, step: Any,
@@ -527,7 +533,8 @@ class PolicyCache(Cache):
         # kvmodels draw identical Gumbel noise for the same policy and seed.
         self._noise_seed = noise_seed(policy.seed, seed)
         self.max_new_tokens = max_new_tokens
-        self.needs_queries = self.eviction.prefill_mode is not None or self.eviction.score_mode != "none"
+        self.needs_queries = (self.eviction.prefill_mode is not None or self.eviction.score_mode != "none"
+                              or (self.eviction.scores_tokens and self.eviction.reads_queries))
         self._fresh = True  # no forward seen yet
         self._prefilled = False  # the prompt went through
         self._compressed = False  # the prompt was compressed to the layer budgets
@@ -745,13 +752,15 @@ class PolicyCache(Cache):
         )
 
     # --- scores --------------------------------------------------------------------------------------
-    def _score_layer(self, layer: PolicyLayer, new_keys: torch.Tensor, query: torch.Tensor | None) -> None:
-        if not self.needs_queries:
-            return
+    def _layer_query(self, l: int, new_keys: torch.Tensor) -> torch.Tensor:
+        """Layer ``l``'s rotated queries ``[B, Hq, q, D]`` of this forward, from its captured projections."""
+        ctx = _CTX[id(self)] if id(self) in _CTX else {}
+        return _rebuild_query(self._family, l, ctx, new_keys, check=not self._prefilled)
+
+    def _score_layer(self, layer: PolicyLayer, new_keys: torch.Tensor, query: torch.Tensor) -> None:
+        """The policy's attention scores of this forward's queries ``[B, Hq, q, D]`` over ``layer``."""
         fam, l = self._family, layer.layer_idx
         ctx = _CTX[id(self)] if id(self) in _CTX else {}
-        if query is None:
-            query = _rebuild_query(fam, l, ctx, new_keys, check=not self._prefilled)
         scale, slopes = _scale_and_slopes(fam, l, ctx)
         if not self._prefilled:
             if self.eviction.prefill_mode is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import EvictionPolicy, check_bool
+from ..base import EvictionPolicy, NewTokens, check_bool
 from ..registry import register_policy
 
 
@@ -33,5 +33,5 @@ class KNorm(EvictionPolicy):
     def decode_evict(self) -> bool:  # type: ignore[override]
         return self.decode
 
-    def token_scores(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return -torch.linalg.vector_norm(k.float(), dim=-1)
+    def token_scores(self, new: NewTokens) -> torch.Tensor:
+        return -torch.linalg.vector_norm(new.k.float(), dim=-1)
