@@ -134,6 +134,21 @@ def recent_count(fraction: float, b: int) -> int:
     return min(b, math.floor(fraction * b + 1e-9))
 
 
+def kept_by_fixed_scores(keep_head: Callable[[list[int], int], list[int]], n_heads: int, L: int, T: int,
+                         evict_every: int) -> list[list[list[int]]]:
+    """``[step][head]`` kept positions of a rule whose scores are fixed when a token is cached (an open
+    score rule): ``keep_head(ids, h)`` (head ``h``'s kept positions out of ``ids``) after the prompt
+    ``0 .. L-1`` and after every ``evict_every``-th of ``T`` decode steps, each adding position ``L + t``."""
+    ids = [keep_head(list(range(L)), h) for h in range(n_heads)]
+    out = [ids]
+    for t in range(T):
+        ids = [i + [L + t] for i in ids]
+        if (t + 1) % evict_every == 0:
+            ids = [keep_head(i, h) for h, i in enumerate(ids)]
+        out.append(ids)
+    return out
+
+
 def keep(name: str, params: dict[str, Any], ids: list[int], scores: list[float], b: int) -> list[int]:
     """Indices into ``ids`` (one head's tokens, in order) that the paper keeps with budget ``b``."""
     n = len(ids)

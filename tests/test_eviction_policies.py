@@ -84,8 +84,8 @@ def run_description(policy: EvictionPolicy, q_prompt, k_prompt, q_steps, k_steps
         ids = torch.cat([ids, torch.full((n_kv_heads, 1), L + t)], dim=1)
         new = torch.zeros(n_kv_heads, 1, dtype=scores.dtype)
         if policy.scores_tokens:
-            new = policy.token_scores(new_tokens(policy, q_steps[t], k_steps[t], torch.tensor(L + t))).double()
-            new = new[:, None]
+            step = new_tokens(policy, q_steps[t], k_steps[t], torch.tensor(L + t))
+            new = policy.token_scores(step).double()[:, None]
         scores = torch.cat([scores, new], dim=1)
         kw = policy.decode_kwargs(t, max_new_tokens)
         noise = decode_noise(t, ids.shape[1]) if policy.score_mode == "gumbel" else None

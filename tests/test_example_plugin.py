@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 
 from kvpolicies import compose, get_policy
-from reference_policies import recent_count, resolve_budget
+from reference_policies import kept_by_fixed_scores, recent_count, resolve_budget
 from test_cache import FakeRun, check_invariants
 from test_registry import _install_plugin
 
@@ -46,14 +46,7 @@ def reference_kept(v_prompt, v_steps, b: int, n_recent: int, evict_every: int) -
         rest = sorted(ids[: len(ids) - n_recent], key=lambda p: (-float(norms[p, h]), p))
         return sorted(rest[: b - n_recent] + recent)
 
-    ids = [keep(list(range(L)), h) for h in range(H)]
-    out = [ids]
-    for t in range(v_steps.shape[0]):
-        ids = [i + [L + t] for i in ids]
-        if (t + 1) % evict_every == 0:
-            ids = [keep(i, h) for h, i in enumerate(ids)]
-        out.append(ids)
-    return out
+    return kept_by_fixed_scores(keep, H, L, v_steps.shape[0], evict_every)
 
 
 @st.composite

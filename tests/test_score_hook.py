@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 
 from kvpolicies import EvictionPolicy, NewTokens, compose, register_policy
-from reference_policies import resolve_budget
+from reference_policies import kept_by_fixed_scores, resolve_budget
 from test_cache import FakeRun, check_invariants
 
 
@@ -51,14 +51,7 @@ def reference_kept(q, k, b: int, L: int, evict_every: int) -> list[list[list[int
         ranked = sorted(ids, key=lambda p: (*(-x for x in score(p, h)), p))  # best first, ties earlier
         return ids if len(ids) <= b else sorted(ranked[:b])
 
-    ids = [keep(list(range(L)), h) for h in range(H)]
-    out = [ids]
-    for t in range(k.shape[0] - L):
-        ids = [i + [L + t] for i in ids]
-        if (t + 1) % evict_every == 0:
-            ids = [keep(i, h) for h, i in enumerate(ids)]
-        out.append(ids)
-    return out
+    return kept_by_fixed_scores(keep, H, L, k.shape[0] - L, evict_every)
 
 
 @st.composite
