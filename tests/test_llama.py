@@ -50,7 +50,7 @@ class DenseCache:
     def finish_prefill(self):
         pass
 
-    def append(self, l, k, v, positions):
+    def append(self, l, k, v, positions, q=None):  # q: for open score rules, which this cache has none of
         for b in range(k.shape[0]):
             self.k[l][b] = torch.cat([self.k[l][b], k[b : b + 1]])
             self.v[l][b] = torch.cat([self.v[l][b], v[b : b + 1]])
