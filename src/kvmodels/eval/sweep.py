@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budgets", help="comma-separated subset of the full sweep's budgets, e.g. 0.2,0.5")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--batch-size", type=int, default=0, help="sequences per generate call for passkey and "
+    ap.add_argument("--batch", type=int, default=0, help="sequences per generate call for passkey and "
                     "generation (0: all samples of a config; fewer bound memory at 4k, same outputs)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # nox's flag, passed through
@@ -457,10 +457,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or f"bench/results/quality-{'full' if args.full else 'smoke'}.jsonl"
     print(f"kvmodels.eval: {len(plan.configs())} configs -> {out} on {device_name()} "
           f"(python {platform.python_version()}, torch {torch.__version__})", file=sys.stderr)
-    if args.batch_size < 0:
-        ap.error(f"--batch-size must be >= 0 (0: all samples of a config at once), got {args.batch_size}")
+    if args.batch < 0:
+        ap.error(f"--batch must be >= 0 (0: all samples of a config at once), got {args.batch}")
     records = run_sweep(plan, out, model_path=args.model, seed=args.seed, progress=not args.no_progress,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch)
     errors = [r for r in records if r.get("status") == "error"]
     if errors:
         kinds = sorted({r["error"].split(":")[0] + ": " + r["error"].split(":", 1)[1][:90] for r in errors})
