@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
@@ -304,6 +304,10 @@ def test_batched_equals_one_by_one(lens, spec, kind, seed):
     policy = compose(spec.pop("p"), **spec)
     model = model_of(kind, "sdpa" if kind == "llama" else "eager")
     batch = prompts(lens, seed=seed)
+    # A prompt that opens with one token repeated ([62, 62]) has bit-equal hidden states at those positions
+    # (each attends over equal keys and values), so their merge angles tie exactly and the batch's rounding
+    # (1 ulp) decides which of them is retained: both answers are right, the comparison is not defined.
+    assume(all(p[0] != p[1] for p in batch if len(p) > 1))
     tokens, cache = run(model, batch, policy)
     for i, p in enumerate(batch):
         alone_tokens, alone = run(model, [p], policy)
