@@ -389,6 +389,24 @@ def test_bigger_full_cache_run_is_reported_but_rows_compare_on_their_own_samples
     assert "~1024-token prompts, 10 samples" in md
 
 
+def test_rows_on_other_samples_get_their_own_table():
+    # A rerun with 24 samples is another prompt set: its rows never share a table with the 10-sample ones.
+    more = [{"key": f"m{p}{b}", "task": "passkey", "context": 1024, "policy": p, "budget": b, "n": 24,
+             "accuracy": acc, "correct": round(acc * 24), "status": "ok", "kv_fraction": b}
+            for p, b, acc in (("full", 1.0, 0.75), ("h2o", 0.2, 0.5), ("tova", 0.2, 0.25))]
+    recs = _records() + more
+    assert plots.sample_counts(recs, "passkey", 1024) == [10, 24]
+    full, rows = plots.series(recs, "passkey", 1024)
+    assert full == 0.9 and rows["h2o"][0.2]["n"] == 10 and "tova" not in rows
+    full, rows = plots.series(recs, "passkey", 1024, n=24)
+    assert full == 0.75 and set(rows) == {"h2o", "tova"} and rows["h2o"][0.2]["correct"] == 12
+    md = plots.tables(recs)
+    ten = md.index("~1024-token prompts, 10 samples")
+    twenty_four = md.index("~1024-token prompts, 24 samples")
+    assert "| tova | 0.75 | 0.25 (6/24) |" in md[twenty_four:]
+    assert "(6/24)" not in md[ten:twenty_four] and "(12/24)" not in md[ten:twenty_four]
+
+
 def test_plots_written(tmp_path):
     paths = plots.plot_all(_records(), tmp_path)
     assert sorted(p.name for p in paths) == ["passkey-1024.png", "passkey-2048.png"]

@@ -53,13 +53,25 @@ def eviction_of(policy: str) -> str:
     return rest[0] if rest else "full"
 
 
-def series(records: Sequence[dict[str, Any]], task: str,
-           context: int) -> tuple[float | None, dict[str, dict[float, dict[str, Any]]]]:
-    """``(full-cache value, {policy: {budget: record}})`` for one task and context.
+def sample_counts(records: Sequence[dict[str, Any]], task: str, context: int) -> list[int]:
+    """The sample counts ``n`` of one task and context's policy rows, the most used first (a sweep rerun
+    with more samples is a different set of prompts, so each count gets its own table)."""
+    ns = Counter(int(r.get("n", 1)) for r in latest_ok(records).values()
+                 if r["task"] == task and r["context"] == context and r["policy"] != "full")
+    return [n for n, _ in sorted(ns.items(), key=lambda kv: (-kv[1], -kv[0]))]
 
-    When the full cache ran at several sample counts (a larger run for a tighter interval), the one
-    compared against is the run on the policies' own samples (their most common ``n``)."""
+
+def series(records: Sequence[dict[str, Any]], task: str, context: int,
+           n: int | None = None) -> tuple[float | None, dict[str, dict[float, dict[str, Any]]]]:
+    """``(full-cache value, {policy: {budget: record}})`` for one task, context and sample count.
+
+    ``n`` defaults to the policies' most used sample count; rows run on other counts (other prompts) are
+    left out, so one table never mixes sample sets. When the full cache ran at several sample counts (a
+    larger run for a tighter interval), the one compared against is the run on ``n`` samples."""
     metric = METRICS[task][0]
+    if n is None:
+        counts = sample_counts(records, task, context)
+        n = counts[0] if counts else None
     fulls: dict[int, float] = {}
     out: dict[str, dict[float, dict[str, Any]]] = defaultdict(dict)
     for r in latest_ok(records).values():
@@ -67,13 +79,11 @@ def series(records: Sequence[dict[str, Any]], task: str,
             continue
         if r["policy"] == "full":
             fulls[int(r.get("n", 1))] = float(r[metric])
-        else:
+        elif int(r.get("n", 1)) == n:
             out[r["policy"]][float(r["budget"])] = r
     if not fulls:
         return None, dict(out)
-    ns = Counter(int(r.get("n", 1)) for rows in out.values() for r in rows.values())
-    n = ns.most_common(1)[0][0] if ns else max(fulls)
-    return fulls.get(n, fulls[max(fulls)]), dict(out)
+    return fulls.get(n if n is not None else max(fulls), fulls[max(fulls)]), dict(out)
 
 
 def full_cache_table(records: Sequence[dict[str, Any]]) -> str:
@@ -100,11 +110,12 @@ def keeps_quality(value: float, full: float, higher_better: bool, frac: float = 
 
 
 def smallest_budget(records: Sequence[dict[str, Any]], context: int, task: str = "passkey",
-                    frac: float = 0.95) -> dict[str, tuple[float, float | None]]:
+                    frac: float = 0.95, n: int | None = None) -> dict[str, tuple[float, float | None]]:
     """Per policy: the smallest measured budget at which it keeps ``frac`` of the full cache's quality on
-    ``task`` at ``context``, with the KV fraction measured there; policies that never do are left out."""
+    ``task`` at ``context`` (on ``n`` samples, see :func:`series`), with the KV fraction measured there;
+    policies that never do are left out."""
     metric, _, higher = METRICS[task]
-    full, by_policy = series(records, task, context)
+    full, by_policy = series(records, task, context, n)
     if full is None:
         return {}
     out: dict[str, tuple[float, float | None]] = {}
@@ -122,10 +133,10 @@ def _fmt(task: str, value: float) -> str:
     return f"{value:.2f}"
 
 
-def markdown_table(records: Sequence[dict[str, Any]], task: str, context: int) -> str:
-    """Policies × budgets of one task and context, the full-cache figure beside every row."""
+def markdown_table(records: Sequence[dict[str, Any]], task: str, context: int, n: int | None = None) -> str:
+    """Policies × budgets of one task, context and sample count, the full-cache figure beside every row."""
     metric = METRICS[task][0]
-    full, by_policy = series(records, task, context)
+    full, by_policy = series(records, task, context, n)
     budgets = sorted({b for rows in by_policy.values() for b in rows})
     head = ["policy", "full cache", *(f"{b:g}" for b in budgets)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -146,9 +157,9 @@ def markdown_table(records: Sequence[dict[str, Any]], task: str, context: int) -
     return "\n".join(lines)
 
 
-def memory_table(records: Sequence[dict[str, Any]], task: str, context: int) -> str:
+def memory_table(records: Sequence[dict[str, Any]], task: str, context: int, n: int | None = None) -> str:
     """Measured KV bytes (fraction of the full cache's, at the longest point of the run) per budget."""
-    _, by_policy = series(records, task, context)
+    _, by_policy = series(records, task, context, n)
     budgets = sorted({b for rows in by_policy.values() for b in rows})
     head = ["policy", *(f"{b:g}" for b in budgets)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -166,21 +177,20 @@ def tables(records: Sequence[dict[str, Any]]) -> str:
     out = []
     for task in METRICS:
         for ctx in contexts(records, task):
-            full, by_policy = series(records, task, ctx)
-            if not by_policy:
-                continue
-            label = METRICS[task][1]
-            n = Counter(r["n"] for rows in by_policy.values() for r in rows.values()).most_common(1)[0][0]
-            what = f"{ctx} tokens of text" if task == "perplexity" else f"~{ctx}-token prompts, {n} samples"
-            out.append(f"### {task}: {label} — {what}\n\n" + markdown_table(records, task, ctx))
-            if task == "passkey":
-                out.append(f"KV bytes kept (fraction of the full cache, measured) — passkey {ctx}:\n\n"
-                           + memory_table(records, task, ctx))
+            for n in sample_counts(records, task, ctx):
+                label = METRICS[task][1]
+                what = (f"{ctx} tokens of text" if task == "perplexity"
+                        else f"~{ctx}-token prompts, {n} samples")
+                out.append(f"### {task}: {label} — {what}\n\n" + markdown_table(records, task, ctx, n))
+                if task == "passkey":
+                    out.append(f"KV bytes kept (fraction of the full cache, measured) — passkey {ctx}, {n} "
+                               "samples:\n\n" + memory_table(records, task, ctx, n))
     if any(r["task"] == "passkey" and r["policy"] == "full" for r in latest_ok(records).values()):
         out.append("### Full-cache passkey accuracy\n\n" + full_cache_table(records))
     for task in ("passkey", "perplexity"):
         for ctx in contexts(records, task):
-            best = smallest_budget(records, ctx, task)
+            counts = sample_counts(records, task, ctx)
+            best = smallest_budget(records, ctx, task, n=counts[0] if counts else None)
             if not best:
                 continue
             kept = "accuracy >= 0.95 x full" if task == "passkey" else "perplexity <= full / 0.95"
