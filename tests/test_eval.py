@@ -224,6 +224,9 @@ def test_plans_cover_the_issue():
     names = {c.policy for c in cfgs if c.task == "passkey"}
     for e in (p.name for p in available("eviction") if p.name != "full"):
         assert {e, f"squeeze+{e}", f"pyramid+{e}", f"{e}+minicache"} <= names
+    assert {"snapkv+adakv", "squeeze+snapkv+adakv", "pyramid+snapkv+adakv", "h2o+adakv"} <= names
+    unscored = ("window", "streaming", "tova")  # adakv needs per-head prompt scores
+    assert not {n for n in names if n.endswith("+adakv") and n.split("+")[-2] in unscored}
     assert {c.budget for c in cfgs if c.task == "passkey"} >= {0.1, 0.2, 0.3, 0.5, 1.0}
     assert {c.context for c in cfgs if c.task == "passkey"} == {1024, 2048, 4096}
     for task in ("passkey", "perplexity", "generation"):

@@ -74,6 +74,9 @@ class CacheReport:
         shared slots once, each layer's private slots -- and the pair's budget ``B_a + B_b``); ``b`` lists 0
         of each, so every column still sums to what the cache holds and the budgets still sum to
         ``Lc * budget_tokens``.
+    head_tokens:
+        ``[Lc][B][Hkv]`` tokens each KV head holds, from a ``HeadPagedKVCache`` (whose heads hold different
+        counts; its ``tokens_per_layer`` and ``layer_budgets`` are then means over the heads); else ``None``.
     """
 
     page_size: int
@@ -84,9 +87,10 @@ class CacheReport:
     peak_bytes: int
     full_cache_bytes: int
     full_cache_peak_bytes: int
-    tokens_per_layer: tuple[tuple[int, ...], ...]
-    layer_budgets: tuple[tuple[int, ...], ...] | None
+    tokens_per_layer: tuple[tuple[float, ...], ...]
+    layer_budgets: tuple[tuple[float, ...], ...] | None
     merged_pairs: tuple[tuple[int, int], ...] = ()
+    head_tokens: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     @property
     def pages_in_use(self) -> int:
@@ -164,6 +168,9 @@ class PagedKVCache:
         ``[P + 1, S, Hkv]`` uint8 visibility of a region's slots: bit 1 = layer ``a``, bit 2 = layer ``b``.
     """
 
+    # Whether each row of the pool is one (sequence, KV head) of a head-budget policy (HeadPagedKVCache).
+    rows_are_heads = False
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
@@ -175,6 +182,11 @@ class PagedKVCache:
         if not isinstance(policy, ComposedPolicy):
             raise TypeError(f"policy must be a kvpolicies.ComposedPolicy (build one with "
                             f"kvpolicies.compose(...)), got {type(policy).__name__}")
+        if policy.heads.per_head and not self.rows_are_heads:
+            raise ValueError(f"policy {policy.name!r} gives the KV heads of a layer different budgets "
+                             f"({policy.heads.name!r}), which a page of every head cannot hold; use "
+                             "kvmodels.head_cache.HeadPagedKVCache (or kvmodels.cache.paged_cache, which "
+                             "picks the class for a policy)")
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                             ("n_q_heads", n_q_heads), ("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("page_size", page_size)):
@@ -933,3 +945,18 @@ class PagedKVCache:
             full_cache_peak_bytes=self._full_peak_pages * self.page_bytes,
             tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in self._lens),
             layer_budgets=budgets, merged_pairs=tuple(self.merged_pairs))
+
+
+def paged_cache(**kw) -> PagedKVCache:
+    """The cache ``kw["policy"]`` needs, built from ``PagedKVCache``'s keywords: a
+    :class:`kvmodels.head_cache.HeadPagedKVCache` when the policy gives the KV heads of a layer different
+    budgets (``policy.heads.per_head``), else a :class:`PagedKVCache`. ``num_pages`` counts pages of every
+    KV head; it is scaled to one-head pages."""
+    policy = kw.get("policy")
+    if policy is None or not policy.heads.per_head:
+        return PagedKVCache(**kw)
+    from .head_cache import HeadPagedKVCache  # a subclass of this module's cache
+
+    if kw.get("num_pages") is not None:
+        kw["num_pages"] = kw["num_pages"] * kw["n_kv_heads"]
+    return HeadPagedKVCache(**kw)

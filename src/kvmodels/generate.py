@@ -175,7 +175,7 @@ def generate(
     -------
     GenerationResult
     """
-    from kvmodels.cache import PagedKVCache  # the cache pulls in the kernels; import when used
+    from kvmodels.cache import paged_cache  # the cache pulls in the kernels; import when used
 
     if policy is None:
         from kvpolicies import compose
@@ -188,7 +188,7 @@ def generate(
     B = len(prompts)
     prompt_lens = [len(p) for p in prompts]
     layout = model.cache_layout()
-    cache = PagedKVCache(
+    cache = paged_cache(
         n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
         n_q_heads=layout.n_q_heads, max_batch=B, max_tokens=max(prompt_lens) + max_new_tokens,
         page_size=page_size, num_pages=num_pages, dtype=dtype, device=device, policy=policy, seed=seed)

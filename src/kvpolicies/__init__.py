@@ -5,16 +5,17 @@
     >>> policy.name
     'squeeze+keyformer'
 
-Three roles: eviction (which tokens a layer keeps), budget (how many each layer keeps), merge (which
-layers share storage). ``available()`` lists the registered policies; third-party packages add their own
-through the ``kvpolicies.policies`` entry-point group. ``kvpolicies.hf`` (the ``transformers`` bridge) is
+Four roles: eviction (which tokens a layer keeps), budget (how many each layer keeps), heads (how a
+layer's budget is split among its KV heads: ``adakv``), merge (which layers share storage).
+``available()`` lists the registered policies; third-party packages add their own through the
+``kvpolicies.policies`` entry-point group. ``kvpolicies.hf`` (the ``transformers`` bridge) is
 imported on first use, so ``transformers`` stays an optional extra.
 """
 
 from __future__ import annotations
 
-from . import budget, eviction, merge  # noqa: F401  (importing registers the built-in policies)
-from .base import BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, NewTokens, Policy
+from . import budget, eviction, heads, merge  # noqa: F401  (importing registers the built-in policies)
+from .base import BudgetPolicy, EvictionPolicy, HeadBudgetPolicy, LayerStats, MergePolicy, NewTokens, Policy
 from .compose import ComposedPolicy, compose
 from .registry import PolicyInfo, UnknownPolicyError, available, get_policy, register_policy
 
@@ -32,6 +33,7 @@ __all__ = [
     "BudgetPolicy",
     "ComposedPolicy",
     "EvictionPolicy",
+    "HeadBudgetPolicy",
     "LayerStats",
     "MergePolicy",
     "NewTokens",

@@ -1,4 +1,4 @@
-"""The three policy roles and the statistics they read.
+"""The four policy roles and the statistics they read.
 
 A policy is a frozen dataclass: its fields are its parameters, validated in ``__post_init__`` with
 errors that name the parameter. Policies carry no tensors and no state; the cache
@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-Role = Literal["eviction", "budget", "merge"]
-ROLES: tuple[Role, ...] = ("eviction", "budget", "merge")
+Role = Literal["eviction", "budget", "merge", "heads"]
+ROLES: tuple[Role, ...] = ("eviction", "budget", "merge", "heads")
 
 # Decode-time per-slot score updates the attention kernel can fuse (docs/contract.md §2.2).
 ScoreMode = Literal["none", "accumulate", "gumbel", "decay", "replace", "count_low"]
@@ -282,3 +282,36 @@ class MergePolicy(Policy):
             raise TypeError(f"{cls.__name__} defines pairs but not region; a merge policy that pairs layers "
                             "says how the pair is stored: define region(ka, kb, va, vb, pos, sa, sb), e.g. "
                             "by calling kvkernels.merge_region with the policy's own parameters")
+
+
+@dataclass(frozen=True)
+class HeadBudgetPolicy(Policy):
+    """How a cache layer's budget is split among its KV heads (Ada-KV).
+
+    The default, ``even``, gives every head the layer's budget. A policy with ``per_head = True`` gives the
+    heads of a layer different token counts; the cache must then hold each (sequence, KV head) in pages of
+    its own (``kvmodels.cache.HeadPagedKVCache``), so a head that keeps ``n`` tokens holds ``ceil(n / S)``
+    pages (docs/contract.md §4.1).
+    """
+
+    role: ClassVar[Role] = "heads"
+    per_head: ClassVar[bool] = False
+
+    def split(self, scores: torch.Tensor, budget: int, n_forced: tuple[int, int]) -> torch.Tensor:
+        """Per-head budgets ``[Hkv]`` int64 of one layer of one sequence.
+
+        Parameters
+        ----------
+        scores:
+            ``[Hkv, L]`` float32 prompt scores of the layer's tokens in position order, as the eviction policy
+            ranks them (higher = kept first).
+        budget:
+            The layer's budget ``B`` per head (from the layer-budget policy).
+        n_forced:
+            ``(n_sink, n_recent)`` the eviction policy forces in every head at budget ``B``: the first
+            ``n_sink`` and the last ``n_recent`` tokens.
+
+        Returns budgets that sum to ``Hkv * B`` when ``L > B`` (each at least ``n_sink + n_recent`` and 1, at
+        most ``L``) and ``B`` for every head otherwise.
+        """
+        return torch.full((scores.shape[0],), int(budget), dtype=torch.int64)

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from .base import ROLES, BudgetPolicy, EvictionPolicy, LayerStats, MergePolicy, Policy
+from .base import ROLES, BudgetPolicy, EvictionPolicy, HeadBudgetPolicy, LayerStats, MergePolicy, Policy
 from .budget._rounding import cap_budgets
 from .registry import _REGISTRY, available, get_policy
 
 # Roles left out of a composition get these; their names are omitted from ``ComposedPolicy.name``.
-DEFAULTS = {"eviction": "full", "budget": "uniform", "merge": "none"}
-_NAME_ORDER = ("budget", "eviction", "merge")      # canonical order of names: "squeeze+keyformer"
+DEFAULTS = {"eviction": "full", "budget": "uniform", "merge": "none", "heads": "even"}
+_NAME_ORDER = ("budget", "eviction", "heads", "merge")  # canonical order of names: "squeeze+snapkv+adakv"
 _OPTIONS = ("budget", "evict_every", "seed", "min_tokens")  # compose's keywords that are not policy names
 MIN_TOKENS = 4  # default floor of every layer's budget: StreamingLLM's four attention sinks
 
@@ -54,13 +54,13 @@ def _check_count(name: str, value: object, lo: int | None) -> None:
 
 @dataclass(frozen=True, repr=False)
 class ComposedPolicy:
-    """One eviction, one layer-budget and one merge policy plus the budget they share.
+    """One eviction, one layer-budget, one merge and one head-budget policy plus the budget they share.
 
     Build it with ``compose``. Immutable and hashable; ``compose(p.spec()) == p``.
 
     Attributes
     ----------
-    eviction, budget_policy, merge : the three role policies.
+    eviction, budget_policy, merge, heads : the four role policies (``heads`` defaults to ``even``).
     budget : float in (0, 1] (fraction of each prompt) or int >= 1 (cache size in tokens per layer: what a
         layer may grow to and is held at while decoding, whatever the prompt length); docs/contract.md §4.
     evict_every : int >= 1 — decode-time eviction runs every ``evict_every`` steps, so a layer holds at most
@@ -77,9 +77,13 @@ class ComposedPolicy:
     evict_every: int = 1
     seed: int = 0
     min_tokens: int = MIN_TOKENS
+    heads: HeadBudgetPolicy = None  # type: ignore[assignment]  # None: ``even``, set in __post_init__
 
     def __post_init__(self) -> None:
-        roles = (("eviction", EvictionPolicy), ("budget_policy", BudgetPolicy), ("merge", MergePolicy))
+        if self.heads is None:
+            object.__setattr__(self, "heads", get_policy(DEFAULTS["heads"])())
+        roles = (("eviction", EvictionPolicy), ("budget_policy", BudgetPolicy), ("merge", MergePolicy),
+                 ("heads", HeadBudgetPolicy))
         for attr, base in roles:
             if not isinstance(getattr(self, attr), base):
                 raise TypeError(f"{attr} must be a {base.__name__}, got {getattr(self, attr)!r}")
@@ -91,17 +95,36 @@ class ComposedPolicy:
             name = self.budget_policy.name
             raise ValueError(f"budget policy {name!r} needs an eviction policy: 'full' keeps every token; "
                              f"add one, e.g. compose({name!r}, 'h2o')")
+        if self.heads.per_head:
+            self._check_per_head()
+
+    def _check_per_head(self) -> None:
+        """Per-head budgets split a layer's budget by the prompt scores of its heads (HeadBudgetPolicy)."""
+        ev, name = self.eviction, self.heads.name
+        if ev.prefill_mode is None and not ev.scores_tokens:
+            raise ValueError(f"head-budget policy {name!r} splits a layer's budget among its KV heads by "
+                             f"their prompt scores, and eviction policy {ev.name!r} scores no prompt; "
+                             f"compose it with a scorer, e.g. compose('snapkv', {name!r})")
+        if ev.heads_share_selection:
+            raise ValueError(f"head-budget policy {name!r} gives heads different tokens, and eviction "
+                             f"policy {ev.name!r} (with {ev.params() or 'its defaults'}) makes every "
+                             "head of a layer keep the same ones; use a per-head scorer (e.g. "
+                             "tova={'per_head': True})")
+        if self.merge.name != DEFAULTS["merge"]:
+            raise ValueError(f"head-budget policy {name!r} cannot be composed with merge policy "
+                             f"{self.merge.name!r}: a merged region holds one token count for every head")
 
     # -- naming and serialisation -------------------------------------------------------------------------
     def policies(self) -> dict[str, Policy]:
-        """The role policies by role, in canonical order (budget, eviction, merge)."""
+        """The role policies by role, in canonical order (budget, eviction, heads, merge)."""
         by_role: dict[str, Policy] = {"budget": self.budget_policy, "eviction": self.eviction,
-                                      "merge": self.merge}
+                                      "merge": self.merge, "heads": self.heads}
         return {role: by_role[role] for role in _NAME_ORDER}
 
     @property
     def name(self) -> str:
-        """Canonical name: non-default policies joined by ``+`` (budget, eviction, merge), or ``"full"``."""
+        """Canonical name: non-default policies joined by ``+`` (budget, eviction, heads, merge), or
+        ``"full"``."""
         parts = [p.name for role, p in self.policies().items() if p.name != DEFAULTS[role]]
         return "+".join(parts) or DEFAULTS["eviction"]
 
@@ -221,6 +244,24 @@ class ComposedPolicy:
                              f"than the layer budgets {budgets.tolist()} allow; raise the budget")
         return budgets, n_sink, n_recent
 
+    def head_budgets(self, scores: torch.Tensor, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:
+        """``[Hkv]`` int64 budgets of the KV heads of one layer of one sequence, from the head-budget policy
+        (``heads.split``) given the layer's ``[Hkv, L]`` prompt scores, its budget ``B`` and its forced
+        counts (from :meth:`plan`); checked: each head keeps its forced tokens (and at least one), and when
+        the layer is compressed (``L > B``) the heads hold ``Hkv * B`` tokens, none more than ``L``."""
+        H, L = scores.shape
+        out = torch.as_tensor(self.heads.split(scores, int(budget), (int(n_sink), int(n_recent))))
+        out = out.to(torch.int64).cpu()
+        ok = out.shape == (H,) and bool((out >= max(1, n_sink + n_recent)).all())
+        if ok and L > budget:
+            ok = int(out.sum()) == H * budget and bool((out <= L).all())
+        if not ok:
+            raise ValueError(f"head-budget policy {self.heads.name!r} split budget {budget} of a "
+                             f"layer of {L} tokens into {out.tolist()} for {H} KV heads; it must give "
+                             f"each head at least max(1, n_sink + n_recent) = {max(1, n_sink + n_recent)} "
+                             f"and, when L > budget, at most L each and {H * budget} in all")
+        return out
+
 
 # ---------------------------------------------------------------------------------------------------------
 def _suggest(word: str, options: list[str]) -> str:
@@ -275,14 +316,15 @@ def _expand(item: Any, names: list[tuple[str, dict[str, Any]]], options: dict[st
 
 
 def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
-    """Compose eviction, layer-budget and merge policies by name.
+    """Compose eviction, layer-budget, merge and head-budget policies by name.
 
     Parameters
     ----------
     *policies
         Any mix of names (``"keyformer"``), ``"squeeze+keyformer"`` strings, ``(name, params)`` pairs,
         policy objects, or a spec (dict or JSON string, as ``ComposedPolicy.spec()`` returns). Order does
-        not matter; at most one policy per role; missing roles get ``full`` / ``uniform`` / ``none``.
+        not matter; at most one policy per role; missing roles get ``full`` / ``uniform`` / ``none`` /
+        ``even``.
     budget : float in (0, 1] or int >= 1, default 1.0
         Fraction of each prompt, or tokens per cache layer (docs/contract.md §4). ``full`` ignores it.
     evict_every : int >= 1, default 1
@@ -345,6 +387,7 @@ def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
 
     built = {role: _make(*chosen.get(role, (DEFAULTS[role], {}))) for role in ROLES}
     return ComposedPolicy(eviction=built["eviction"], budget_policy=built["budget"],  # type: ignore[arg-type]
-                          merge=built["merge"], budget=settings.get("budget", 1.0),  # type: ignore[arg-type]
+                          merge=built["merge"], heads=built["heads"],  # type: ignore[arg-type]
+                          budget=settings.get("budget", 1.0),  # type: ignore[arg-type]
                           evict_every=settings.get("evict_every", 1),
                           seed=settings.get("seed", 0), min_tokens=settings.get("min_tokens", MIN_TOKENS))

@@ -515,6 +515,12 @@ class PolicyCache(Cache):
                 f"policy must be a kvpolicies.ComposedPolicy (build one with kvpolicies.compose(...)), "
                 f"got {type(policy).__name__}"
             )
+        if policy.heads.per_head:
+            raise ValueError(
+                f"policy {policy.name!r}: the transformers bridge stores every KV head of a layer with one "
+                f"token count, so it cannot hold head-budget policy {policy.heads.name!r}; run it on a "
+                "kvmodels model (kvmodels.generate), whose HeadPagedKVCache gives each head its own pages"
+            )
         self._family = _install(model)
         n = len(self._family.layers)
         super().__init__(layers=[PolicyLayer(self, i) for i in range(n)])

@@ -53,8 +53,9 @@ def register_policy(name: str, *, role: Role, description: str | None = None) ->
     ----------
     name : str
         The name ``compose`` accepts (lower case, no ``+``).
-    role : {"eviction", "budget", "merge"}
-        Must match the class's base (``EvictionPolicy``, ``BudgetPolicy``, ``MergePolicy``).
+    role : {"eviction", "budget", "merge", "heads"}
+        Must match the class's base (``EvictionPolicy``, ``BudgetPolicy``, ``MergePolicy``,
+        ``HeadBudgetPolicy``).
     description : str, optional
         One line for ``available()``; defaults to the first line of the class docstring.
 
@@ -135,7 +136,7 @@ def available(role: Role | None = None, pattern: str | None = None) -> list[Poli
 
     Parameters
     ----------
-    role : {"eviction", "budget", "merge"}, optional
+    role : {"eviction", "budget", "merge", "heads"}, optional
         Only this role.
     pattern : str, optional
         ``fnmatch`` pattern on the name, e.g. ``"s*"``.

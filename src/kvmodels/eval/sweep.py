@@ -47,9 +47,11 @@ class Config:
 
 
 def policy_names(evictions: Sequence[str] | None = None, budget_policies: Sequence[str] = BUDGET_POLICIES,
-                 merge: bool = True) -> list[str]:
-    """``full``, then every eviction policy alone, under each layer-budget policy and with ``minicache``."""
-    from kvpolicies import available
+                 merge: bool = True, heads: bool = False) -> list[str]:
+    """``full``, then every eviction policy alone, under each layer-budget policy and with ``minicache``;
+    ``heads``: then with ``adakv`` head budgets under each layer-budget policy (for every eviction policy
+    that ``adakv`` composes with)."""
+    from kvpolicies import available, compose
 
     if evictions is None:
         evictions = [p.name for p in available("eviction") if p.name != "full"]
@@ -58,6 +60,15 @@ def policy_names(evictions: Sequence[str] | None = None, budget_policies: Sequen
         names += [e if bp == "uniform" else f"{bp}+{e}" for e in evictions]
     if merge:
         names += [f"{e}+minicache" for e in evictions]
+    if heads:
+        for bp in budget_policies:
+            for e in evictions:
+                name = f"{e}+adakv" if bp == "uniform" else f"{bp}+{e}+adakv"
+                try:
+                    compose(name)
+                except ValueError:  # adakv needs per-head prompt scores (not window, streaming, tova)
+                    continue
+                names.append(name)
     return names
 
 
@@ -164,10 +175,11 @@ def full_plan(ppl_tokens: int = 512, contexts: dict[int, int] | None = None,
               gen: dict[int, int] | None = None) -> Plan:
     """The published sweep (docs/results.md says what it measured and what it cut for time).
 
-    Budgets run budget-major in the order 0.2, 0.5, 0.1, 0.3, 1.0 and policies in ``CORE_EVICTIONS`` order,
-    alone, then under ``squeeze``, ``pyramid``, then with ``minicache``: a sweep stopped early still has
-    every policy at the most telling budgets. Perplexity covers the decode-evicting policies, with
-    ``h2o`` under each layer-budget policy right after the first three (the SqueezeAttention question).
+    Budgets run budget-major in the order 0.2, 0.5, 0.1, 0.3, 1.0 and policies in ``CORE_EVICTIONS``
+    order, alone, then under ``squeeze``, ``pyramid``, then with ``minicache``, then with ``adakv`` head
+    budgets: a sweep stopped early still has every policy at the most telling budgets. Perplexity covers the
+    decode-evicting policies, with ``h2o`` under each layer-budget policy right after the first three (the
+    SqueezeAttention question).
     """
     from kvpolicies import available
 
@@ -179,7 +191,8 @@ def full_plan(ppl_tokens: int = 512, contexts: dict[int, int] | None = None,
     ppl = [p for p in ppl if decode_evicting(p)]
     return Plan(passkey=contexts if contexts is not None else {1024: 8, 2048: 8, 4096: 4},
                 perplexity_tokens=ppl_tokens, generation=gen if gen is not None else {1024: 4},
-                policies=policy_names(evictions), budgets=(0.2, 0.5, 0.1, 0.3, 1.0), ppl_policies=ppl,
+                policies=policy_names(evictions, heads=True), budgets=(0.2, 0.5, 0.1, 0.3, 1.0),
+                ppl_policies=ppl,
                 gen_policies=policy_names(evictions[:4], merge=False))
 
 

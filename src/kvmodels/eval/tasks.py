@@ -415,7 +415,7 @@ def run_perplexity(model: Any, tokens: Sequence[int], policy: Any, budgets: Sequ
     ``T - 1`` predictions), ``ppl`` = exp(nll), ``kv_tokens`` / ``kv_tokens_full`` (tokens held over all
     layers at the last step vs an uncompressed cache), ``decode_tok_s``.
     """
-    from kvmodels.cache import PagedKVCache
+    from kvmodels.cache import paged_cache
 
     T = len(tokens)
     if T < 2 or any(not 1 <= n <= T for n in budgets):
@@ -432,9 +432,9 @@ def run_perplexity(model: Any, tokens: Sequence[int], policy: Any, budgets: Sequ
     # ``start`` checks the longest prompt against all steps; no layer ever holds more than T tokens, so the
     # pool needs only T tokens' pages per (layer, sequence).
     pages = layout.n_layers * B * (-(-T // 16) + 1)
-    cache = PagedKVCache(n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
-                         n_q_heads=layout.n_q_heads, max_batch=B, max_tokens=max(budgets) + max(steps, 0),
-                         page_size=16, num_pages=pages, dtype=dtype, device=device, policy=policy)
+    cache = paged_cache(n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+                        n_q_heads=layout.n_q_heads, max_batch=B, max_tokens=max(budgets) + max(steps, 0),
+                        page_size=16, num_pages=pages, dtype=dtype, device=device, policy=policy)
     nll = [0.0] * B
     kept = [L_c * n for n in budgets]  # tokens held at each sequence's last step (over all layers)
     n_tok, decode_s = 0, 0.0
