@@ -345,7 +345,7 @@ def test_outputs_do_not_depend_on_the_batch(tiny):
     # The sweep's --batch-size only bounds memory: each sequence keeps its own cache and budget.
     g = torch.Generator().manual_seed(5)
     samples = [tasks.Sample(tuple(torch.randint(0, 63, (n,), generator=g).tolist())) for n in (30, 1, 22, 17)]
-    for name in ("h2o", "snapkv"):
+    for name in ("h2o", "snapkv", "h2o+adakv"):
         policy = compose(name, budget=0.3)
         one = tasks.run_generation(tiny, IdTokenizer(), samples, policy, None, max_new_tokens=6, batch_size=1)
         every = tasks.run_generation(tiny, IdTokenizer(), samples, policy, None, max_new_tokens=6,
@@ -414,6 +414,18 @@ def test_plots_written(tmp_path):
     paths = plots.plot_all(_records(), tmp_path)
     assert sorted(p.name for p in paths) == ["passkey-1024.png", "passkey-2048.png"]
     assert all(p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_head_budgets_get_their_own_panels(tmp_path):
+    assert [(plots.panel_of(p), plots.eviction_of(p)) for p in
+            ("snapkv", "squeeze+snapkv", "snapkv+adakv", "squeeze+snapkv+adakv", "pyramid+h2o+adakv")] == [
+        ("uniform", "snapkv"), ("squeeze", "snapkv"), ("adakv", "snapkv"), ("squeeze+adakv", "snapkv"),
+        ("pyramid+adakv", "h2o")]
+    recs = _records() + [{**r, "key": r["key"] + "ak", "policy": r["policy"] + "+adakv"} for r in _records()
+                         if r["policy"] in ("h2o", "squeeze+h2o")]
+    md = plots.markdown_table(recs, "passkey", 1024)
+    assert md.index("| squeeze+h2o |") < md.index("| h2o+adakv |") < md.index("| squeeze+h2o+adakv |")
+    assert plots.plot_task(recs, "passkey", 1024, tmp_path / "p.png").stat().st_size > 5000
 
 
 # --- the real model: CI smoke sweep -----------------------------------------------------------------------

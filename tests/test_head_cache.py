@@ -294,3 +294,14 @@ def test_a_split_that_breaks_the_contract_is_refused(clean_registry):
     run = FakeRun(1, 2, 1, 4, [10], 1, seed=0)
     with pytest.raises(ValueError, match="greedy_heads"):
         run.prefill(head_cache(run, policy))
+
+
+def test_pool_checks_count_every_head():
+    """``start(compress_each=True)`` needs the longest prompt whole in every head's rows, before anything is
+    written: 2 layers x 3 heads x ceil(9 / 4) pages = 18."""
+    run = FakeRun(2, 3, 1, 4, [9, 9], 1, seed=0)
+    kw = dict(n_layers=2, n_kv_heads=3, head_dim=4, n_q_heads=3, max_batch=2, max_tokens=10, page_size=4,
+              device=DEVICE, policy=compose("snapkv", "adakv", budget=0.3))
+    with pytest.raises(RuntimeError, match="needs 18 more pages"):
+        HeadPagedKVCache(**kw, num_pages=17).start(run.prompt_lens, 1, compress_each=True)
+    HeadPagedKVCache(**kw, num_pages=18).start(run.prompt_lens, 1, compress_each=True)

@@ -168,8 +168,10 @@ class PagedKVCache:
         ``[P + 1, S, Hkv]`` uint8 visibility of a region's slots: bit 1 = layer ``a``, bit 2 = layer ``b``.
     """
 
-    # Whether each row of the pool is one (sequence, KV head) of a head-budget policy (HeadPagedKVCache).
+    # Whether each row of the pool is one (sequence, KV head) of a head-budget policy (HeadPagedKVCache),
+    # and how many consecutive rows one sequence spans.
     rows_are_heads = False
+    rows_per_sequence = 1
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
@@ -356,7 +358,9 @@ class PagedKVCache:
         if compress_each and self.eviction.prefill_compress and not self.merged_pairs:
             # Prompts are compressed one by one (compress_prompt): only the longest must fit whole; each
             # later prefill_layer checks its own pages before writing anything.
-            prompt_pages = self.n_layers * _ceil_div(max(prompt_lens), self.page_size)
+            # (A HeadPagedKVCache's sequence spans one row per KV head: all of them are compressed together.)
+            rows = self.rows_per_sequence
+            prompt_pages = self.n_layers * rows * _ceil_div(max(prompt_lens), self.page_size)
             what = f"prefill of the longest prompt ({max(prompt_lens)} tokens) in {self.n_layers} layers"
         else:
             prompt_pages = self.n_layers * sum(_ceil_div(L, self.page_size) for L in prompt_lens)

@@ -65,6 +65,7 @@ class HeadPagedKVCache(PagedKVCache):
             raise ValueError(f"eviction policy {policy.eviction.name!r} makes every KV head of a layer keep "
                              "the same tokens, which a cache of separate heads cannot see; use PagedKVCache")
         self.kv_heads, self.q_heads, self.max_sequences = n_kv_heads, n_q_heads, max_batch
+        self.rows_per_sequence = n_kv_heads
         if num_pages is None:
             num_pages = n_layers * max_batch * n_kv_heads * _ceil_div(max_tokens, page_size)
         super().__init__(n_layers, 1, head_dim, n_q_heads // n_kv_heads, max_batch * n_kv_heads, max_tokens,

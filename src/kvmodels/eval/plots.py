@@ -22,7 +22,7 @@ from kvmodels.eval.sweep import read_records
 METRICS = {"passkey": ("accuracy", "passkey accuracy (exact match)", True),
            "perplexity": ("ppl", "perplexity", False),
            "generation": ("rouge_l", "ROUGE-L F1 vs full-cache output", True)}
-PANELS = ("uniform", "squeeze", "pyramid", "minicache")
+PANELS = ("uniform", "squeeze", "pyramid", "minicache", "adakv", "squeeze+adakv", "pyramid+adakv")
 
 
 def latest_ok(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -39,17 +39,20 @@ def latest_ok(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def panel_of(policy: str) -> str:
-    """Which figure panel a policy belongs to: its layer-budget policy, ``minicache``, or ``uniform``."""
+    """Which figure panel a policy belongs to: its layer-budget policy, ``minicache``, or ``uniform``; with
+    ``adakv`` head budgets, ``adakv`` after its layer-budget policy (``"squeeze+snapkv+adakv"`` ->
+    ``"squeeze+adakv"``)."""
     parts = policy.split("+")
-    for p in ("squeeze", "pyramid", "minicache"):
-        if p in parts:
-            return p
-    return "uniform"
+    panel = next((p for p in ("squeeze", "pyramid", "minicache") if p in parts), "uniform")
+    if "adakv" in parts:
+        return "adakv" if panel == "uniform" else f"{panel}+adakv"
+    return panel
 
 
 def eviction_of(policy: str) -> str:
-    """The eviction part of a canonical policy name (``"squeeze+h2o"`` -> ``"h2o"``)."""
-    rest = [p for p in policy.split("+") if p not in ("squeeze", "pyramid", "minicache", "uniform")]
+    """The eviction part of a canonical policy name (``"squeeze+h2o+adakv"`` -> ``"h2o"``)."""
+    rest = [p for p in policy.split("+")
+            if p not in ("squeeze", "pyramid", "minicache", "uniform", "adakv")]
     return rest[0] if rest else "full"
 
 
@@ -218,7 +221,12 @@ def plot_task(records: Sequence[dict[str, Any]], task: str, context: int, path: 
     panels = [p for p in PANELS if any(panel_of(q) == p for q in by_policy)]
     evictions = sorted({eviction_of(p) for p in by_policy})
     colors = {e: plt.get_cmap("tab10")(i % 10) for i, e in enumerate(evictions)}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    cols = min(4, len(panels))  # at most four panels a row
+    rows = -(-len(panels) // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), sharey=True, squeeze=False)
+    axes = grid.reshape(1, -1)
+    for ax in axes[0][len(panels):]:
+        ax.set_visible(False)
     for ax, panel in zip(axes[0], panels):
         for p in sorted(q for q in by_policy if panel_of(q) == panel):
             pts = sorted(by_policy[p].items())
@@ -232,7 +240,8 @@ def plot_task(records: Sequence[dict[str, Any]], task: str, context: int, path: 
         if task == "perplexity":
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(label)
+    for row in grid:
+        row[0].set_ylabel(label)
     legend: dict[str, Any] = {}  # one entry per line label over all panels
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
