@@ -1,6 +1,7 @@
 """Passkey retrieval for policy *variants* (parameters the sweep's names cannot carry): TOVA as the paper
 describes it (one selection per layer, at every decode step) against the per-KV-head variant and the
-prompt-only selection NVIDIA kvpress's ``TOVAPress`` makes, and ChunkKV against SnapKV.
+prompt-only selection NVIDIA kvpress's ``TOVAPress`` makes, ChunkKV against SnapKV, and Ada-KV's head
+budgets with other floors.
 
 Same samples, prompts, replayed prefills and scoring as ``python -m kvmodels.eval`` (SmolLM2-135M, greedy,
 question inside the prompt). One JSON line per (variant, budget), appended to ``--out``; a rerun skips the
@@ -42,6 +43,12 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
     "pyramid+snapkv chunk=10": (("pyramid", "snapkv"), {"snapkv": {"chunk": 10}}),
     "squeeze p=0.8+snapkv chunk=10": (("squeeze", "snapkv"),
                                       {"squeeze": {"p": 0.8}, "snapkv": {"chunk": 10}}),
+    # Ada-KV head budgets (docs/design-adakv.md): the paper's floor (alpha=0.2), a larger one, and on chunks.
+    "snapkv+adakv": (("snapkv", "adakv"), {}),
+    "snapkv+adakv alpha=0.5": (("snapkv", "adakv"), {"adakv": {"alpha": 0.5}}),
+    "snapkv chunk=10+adakv": (("snapkv", "adakv"), {"snapkv": {"chunk": 10}}),
+    "chunkkv+adakv": (("chunkkv", "adakv"), {}),
+    "h2o+adakv": (("h2o", "adakv"), {}),
 }
 
 
