@@ -3,7 +3,9 @@
 
 CPU: SmolLM2-135M-Instruct (the bundled GGUF) at fp32, batch 1, a 4096-token prompt of the bundled
 Moby-Dick text, 32 new tokens. CUDA: a Llama-3.2-1B-shaped model with random bf16 weights, 4k-token
-prompts + 512 new tokens. Ratios go to ``extra_info``; nothing is asserted about speed. Compiled runs
+prompts + 512 new tokens. ``h2o+adakv`` measures the per-head pages Ada-KV's budgets need
+(``kvmodels.head_cache``) against ``h2o`` on shared pages. Ratios go to ``extra_info``; nothing is asserted
+about speed. Compiled runs
 report steady-state decode speed (the first step, which compiles, is reported apart). Run:
 ``pytest bench/test_bench_generate.py --benchmark-json out.json`` (``OMP_NUM_THREADS`` sets threads).
 """
@@ -26,11 +28,11 @@ transformers = pytest.importorskip("transformers")
 CUDA = torch.cuda.is_available()
 if CUDA:
     PROMPT_LEN, NEW_TOKENS, BATCHES, BUDGETS = 4096, 512, [1, 16, 64], [1.0, 0.5, 0.2]
-    POLICIES, COMPILE = ["full", "streaming", "squeeze+keyformer", "h2o"], [True]
+    POLICIES, COMPILE = ["full", "streaming", "squeeze+keyformer", "h2o", "h2o+adakv"], [True]
 else:
     PROMPT_LEN = int(os.environ.get("KVBENCH_PROMPT_LEN", "4096"))
     NEW_TOKENS, BATCHES, BUDGETS = 32, [1], [1.0, 0.2]
-    POLICIES, COMPILE = ["full", "streaming", "h2o", "h2o/16"], [False, True]
+    POLICIES, COMPILE = ["full", "streaming", "h2o", "h2o/16", "h2o+adakv"], [False, True]
 
 
 def device_name() -> str:
