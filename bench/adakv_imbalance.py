@@ -8,7 +8,11 @@ selection: the layer keeps ``Hkv * B`` tokens chosen by one top-k over all heads
 per-head counts ``n_h`` are reported as ``max_h n_h / B``: in today's layout, where a page holds every KV
 head of ``S`` slots and a layer's length is one number per sequence, the layer would need ``max_h n_h``
 slots for every head (the rest empty), i.e. that factor more pages than uniform budgets. Also reported: how
-many of the uniform top-``B`` tokens Ada-KV moves between heads. Writes one JSON line per (budget, alpha).
+many of the uniform top-``B`` tokens Ada-KV moves between heads, and where the key goes: the share of
+(layer, KV head) pairs that keep all of the key's digit tokens with uniform budgets and with Ada-KV's, and
+the mean budget Ada-KV gives the heads that keep the whole key with uniform budgets (in units of ``B``).
+The split is the policy's own (``compose("snapkv", "adakv").head_budgets``). Writes one JSON line per
+(budget, alpha).
 Run: ``python bench/adakv_imbalance.py --context 1024 --n 24``.
 """
 
@@ -23,23 +27,26 @@ import sys
 import torch
 
 
-def adakv_counts(scores: torch.Tensor, budget: int, forced_recent: int, alpha: float) -> torch.Tensor:
-    """``[Hkv]`` tokens each head keeps: the last ``forced_recent`` in every head, a floor of
-    ``floor(alpha * budget)`` best per head, the rest of ``Hkv * budget`` by one top-k across heads."""
+def kept(scores: torch.Tensor, counts: torch.Tensor, forced_recent: int) -> torch.Tensor:
+    """``[Hkv, L]`` bool: the tokens each head keeps with ``counts[h]`` slots: its last ``forced_recent``
+    tokens, then its best scores (ties to the earlier token), as ``topk_compact`` selects them."""
     H, L = scores.shape
-    if budget >= L:
-        return torch.full((H,), L)
-    keep = torch.zeros(H, L, dtype=torch.bool)
-    keep[:, L - forced_recent:] = True
-    floor = max(int(alpha * budget), forced_recent)
-    s = scores.masked_fill(keep, float("inf"))
-    top = s.topk(floor, dim=1).indices
-    keep.scatter_(1, top, True)
-    rest = H * budget - int(keep.sum())
-    if rest > 0:
-        flat = scores.masked_fill(keep, float("-inf")).flatten()
-        keep.view(-1)[flat.topk(rest).indices] = True
-    return keep.sum(1)
+    ranked = scores.clone()
+    ranked[:, L - forced_recent:] = float("inf")
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
+    mask = torch.zeros(H, L, dtype=torch.bool)
+    for h in range(H):
+        mask[h, order[h, :int(counts[h])]] = True
+    return mask
+
+
+def key_span(tokenizer, prompt: list[int], key: str) -> list[int]:
+    """Positions of the key's digit tokens in the prompt (SmolLM2 writes each digit as one token)."""
+    n = len(tokenizer.encode(key, add_special_tokens=False))
+    for i in range(len(prompt) - n + 1):
+        if tokenizer.decode(prompt[i:i + n]).strip() == key:
+            return list(range(i, i + n))
+    raise ValueError(f"key {key} not found in the prompt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--n", type=int, default=24)
     p.add_argument("--budgets", default="0.1,0.2,0.5")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alphas", default="0.2,0.5")
     p.add_argument("--out", default="bench/results/adakv-imbalance.jsonl")
     args = p.parse_args(argv)
-    runner = Runner()
+    runner = Runner(seed=args.seed)
     samples = runner.samples("passkey", args.context, args.n)
     runner.replay.record([list(s.prompt) for s in samples])
     snap = compose("snapkv", budget=0.2).eviction
@@ -70,25 +78,36 @@ def main(argv: list[str] | None = None) -> int:
         def record_cos_sim(self, l, b, value):
             pass
 
-    per_prompt = []  # [(L, [layer scores [Hkv, L]])]
+    per_prompt = []  # [(L, [layer scores [Hkv, L]], key positions)]
     for s in samples:
         scorer = Scorer()
         runner.replay.prefill(torch.tensor(list(s.prompt)), scorer, 0, last_only=True)
-        per_prompt.append((len(s.prompt), scorer.layers))
+        key = key_span(runner.tokenizer, list(s.prompt), s.answer)
+        per_prompt.append((len(s.prompt), scorer.layers, key))
     for budget in [float(b) for b in args.budgets.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
-            factors, moved = [], []
-            for L, layers in per_prompt:
+            ada = compose("snapkv", "adakv", adakv={"alpha": alpha})
+            factors, moved, key_even, key_ada, key_heads_budget = [], [], [], [], []
+            for L, layers, key in per_prompt:
                 B = math.ceil(budget * L)
                 window = min(snap.prefill_window(L), B)
                 for sc in layers:
-                    n = adakv_counts(sc, B, window, alpha)
+                    n = ada.head_budgets(sc, B, 0, window)
                     factors.append(float(n.max()) / B)
                     moved.append(float((n - B).abs().sum()) / 2 / (sc.shape[0] * B))
-            record = {"context": args.context, "n": args.n, "budget": budget, "alpha": alpha,
+                    even = kept(sc, torch.full_like(n, B), window)[:, key].all(1)  # [Hkv]
+                    key_even += even.tolist()
+                    key_ada += kept(sc, n, window)[:, key].all(1).tolist()
+                    key_heads_budget += (n[even].double() / B).tolist()
+            record = {"context": args.context, "n": args.n, "seed": args.seed, "budget": budget,
+                      "alpha": alpha,
                       "max_over_uniform_mean": statistics.mean(factors),
                       "max_over_uniform_p90": sorted(factors)[int(0.9 * len(factors))],
                       "max_over_uniform_max": max(factors), "moved_fraction_mean": statistics.mean(moved),
+                      "key_kept_heads_uniform": statistics.mean(key_even),
+                      "key_kept_heads_adakv": statistics.mean(key_ada),
+                      "adakv_budget_of_uniform_key_heads": (statistics.mean(key_heads_budget)
+                                                            if key_heads_budget else None),
                       "device": device_name(), "torch": torch.__version__}
             print(json.dumps(record), flush=True)
             with open(args.out, "a") as f:
