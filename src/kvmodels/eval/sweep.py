@@ -440,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ppl-tokens", type=int, default=512, help="perplexity text length in tokens (--full)")
     ap.add_argument("--contexts", default="1024:8,2048:8,4096:4",
                     help="passkey contexts and samples, CONTEXT:N,... (--full)")
+    ap.add_argument("--gen-contexts", default="1024:4",
+                    help="generation-agreement contexts and samples, CONTEXT:N,... (--full)")
     ap.add_argument("--policies", help="comma-separated subset of the full sweep's policies (canonical "
                     "compose names, e.g. full,h2o,squeeze+h2o)")
     ap.add_argument("--budgets", help="comma-separated subset of the full sweep's budgets, e.g. 0.2,0.5")
@@ -453,8 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.full:
-        ctx = {int(c): int(n) for c, n in (item.split(":") for item in args.contexts.split(","))}
-        plan = full_plan(args.ppl_tokens, ctx)
+        def pairs(spec: str) -> dict[int, int]:
+            return {int(c): int(n) for c, n in (item.split(":") for item in spec.split(","))}
+
+        plan = full_plan(args.ppl_tokens, pairs(args.contexts), pairs(args.gen_contexts))
         wanted = set(args.tasks.split(","))
         plan.passkey = plan.passkey if "passkey" in wanted else {}
         plan.perplexity_tokens = plan.perplexity_tokens if "perplexity" in wanted else 0
