@@ -225,6 +225,7 @@ def test_plans_cover_the_issue():
     for e in (p.name for p in available("eviction") if p.name != "full"):
         assert {e, f"squeeze+{e}", f"pyramid+{e}", f"{e}+minicache"} <= names
     assert {"snapkv+adakv", "squeeze+snapkv+adakv", "pyramid+snapkv+adakv", "h2o+adakv"} <= names
+    assert "h2o+adakv" in {c.policy for c in cfgs if c.task == "perplexity"}
     unscored = ("window", "streaming", "tova")  # adakv needs per-head prompt scores
     assert not {n for n in names if n.endswith("+adakv") and n.split("+")[-2] in unscored}
     assert {c.budget for c in cfgs if c.task == "passkey"} >= {0.1, 0.2, 0.3, 0.5, 1.0}

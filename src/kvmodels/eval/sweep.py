@@ -187,7 +187,7 @@ def full_plan(ppl_tokens: int = 512, contexts: dict[int, int] | None = None,
     evictions = [e for e in CORE_EVICTIONS if e in registered] + \
         [e for e in registered if e not in CORE_EVICTIONS]
     ppl = ["window", "streaming", "h2o", "squeeze+h2o", "pyramid+h2o"]
-    ppl += [p for p in policy_names(evictions, merge=False) if p not in ppl and p != "full"]
+    ppl += [p for p in policy_names(evictions, merge=False, heads=True) if p not in ppl and p != "full"]
     ppl = [p for p in ppl if decode_evicting(p)]
     return Plan(passkey=contexts if contexts is not None else {1024: 8, 2048: 8, 4096: 4},
                 perplexity_tokens=ppl_tokens, generation=gen if gen is not None else {1024: 4},
