@@ -94,7 +94,19 @@ def test_generation_on_a_tiny_checkpoint(capsys, tiny_ckpt, tmp_path):
     rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "3",
                            "--batch-file", str(tmp_path / "batch.txt"))
     assert rc == 0 and "[0] hello world" in out and "[1] the cache is big" in out
-    assert "layer budgets (sequence 1)" in err
+    assert "layer budgets (sequence 1)" in err and "tokens per KV head" not in err
+
+
+def test_head_budgets_print_each_heads_count(capsys, tiny_ckpt):
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "3",
+                           "--policy", "snapkv+adakv", "--budget", "0.5",
+                           "hello world the cache is small " * 3)
+    assert rc == 0 and "layer budgets (sequence 0) per KV head, mean: 9 9" in err
+    line = next(x for x in err.splitlines() if x.startswith("tokens per KV head (sequence 0"))
+    per_layer = [[int(n) for n in layer.split("/")] for layer in line.split(": ")[1].split()]
+    # each layer's heads share 2 x 9 prompt slots (split by score), and each head appends the 2 decoded
+    # tokens (snapkv does not evict while decoding)
+    assert len(per_layer) == 2 and all(len(layer) == 2 and sum(layer) == 2 * (9 + 2) for layer in per_layer)
 
 
 def test_prompt_file_is_one_prompt(capsys, tiny_ckpt, tmp_path):

@@ -175,8 +175,13 @@ def _summary(result: Any, policy: Any, path: str = "") -> str:
                      f"cache's longest); peak {r.peak_bytes * mib:.2f} MiB")
         if r.layer_budgets is not None:
             for b in range(len(r.layer_budgets[0])):
-                budgets = " ".join(str(row[b]) for row in r.layer_budgets)
-                lines.append(f"layer budgets (sequence {b}): {budgets}")
+                budgets = " ".join(f"{row[b]:g}" for row in r.layer_budgets)
+                lines.append(f"layer budgets (sequence {b}){' per KV head, mean' if r.head_tokens else ''}: "
+                             f"{budgets}")
+        if r.head_tokens is not None:  # per-head budgets (adakv): each KV head's own count, per layer
+            for b in range(len(r.head_tokens[0])):
+                counts = " ".join("/".join(str(n) for n in layer[b]) for layer in r.head_tokens)
+                lines.append(f"tokens per KV head (sequence {b}, layer by layer): {counts}")
     return "\n".join(lines)
 
 
