@@ -429,6 +429,24 @@ def test_head_budgets_get_their_own_panels(tmp_path):
     assert plots.plot_task(recs, "passkey", 1024, tmp_path / "p.png").stat().st_size > 5000
 
 
+def test_head_budget_table_pairs_each_policy_with_its_even_heads():
+    # 1k, 10 samples: h2o 2/9/9 and squeeze+h2o 5/9/9 correct at 0.1/0.2/0.5 (from _records); the +adakv
+    # rows answer 3/9/7 and 5/8/9; window (0/5 at 0.2/0.5) against window+adakv 1/1, with no even twin at 0.1
+    # (left out there). Ties for "best" go to the later name.
+    ada = {"h2o+adakv": (3, 9, 7), "squeeze+h2o+adakv": (5, 8, 9), "window+adakv": (None, 1, 1)}
+    recs = _records() + [{"key": f"{p}{b}a", "task": "passkey", "context": 1024, "policy": p, "budget": b,
+                          "accuracy": c / 10, "correct": c, "n": 10, "status": "ok", "kv_fraction": b}
+                         for p, cs in ada.items() for b, c in zip((0.1, 0.2, 0.5), cs) if c is not None]
+    recs = [r for r in recs if not (r["policy"] == "window" and r["budget"] == 0.1)]
+    md = plots.head_budget_table(recs, 1024)
+    assert md.splitlines()[2:] == [
+        "| 0.1 | 2 | 1 / 0 / 1 | 7 -> 8 | squeeze+h2o 5 | squeeze+h2o+adakv 5 |",
+        "| 0.2 | 3 | 1 / 1 / 1 | 18 -> 18 | squeeze+h2o 9 | h2o+adakv 9 |",
+        "| 0.5 | 3 | 0 / 2 / 1 | 23 -> 17 | squeeze+h2o 9 | squeeze+h2o+adakv 9 |"]
+    assert plots.head_budget_table(_records(), 1024) == ""  # no +adakv rows: no table
+    assert "Head budgets: `+adakv` against even heads — passkey, ~1024" in plots.tables(recs)
+
+
 # --- the real model: CI smoke sweep -----------------------------------------------------------------------
 @pytest.mark.slow
 def test_smoke_sweep_on_smollm2(tmp_path):

@@ -175,6 +175,32 @@ def memory_table(records: Sequence[dict[str, Any]], task: str, context: int, n: 
     return "\n".join(lines)
 
 
+def head_budget_table(records: Sequence[dict[str, Any]], context: int, n: int | None = None) -> str:
+    """Passkey answers of every ``...+adakv`` policy against the same policy with even head budgets, per
+    budget, on the same ``n`` samples: how many pairs ``adakv`` makes better, worse or leaves, the correct
+    answers summed over the pairs, and the best policy of each kind (``""`` if no pair was measured)."""
+    _, by_policy = series(records, "passkey", context, n)
+    rows = []
+    for b in sorted({b for r in by_policy.values() for b in r}):
+        pairs = [(even, by_policy[even][b]["correct"], p, by_policy[p][b]["correct"]) for p in by_policy
+                 if p.endswith("+adakv") and b in by_policy[p]
+                 and b in by_policy.get(even := p.removesuffix("+adakv"), {})]
+        if not pairs:
+            continue
+        better = sum(a > e for _, e, _, a in pairs)
+        worse = sum(a < e for _, e, _, a in pairs)
+        even_best = max(pairs, key=lambda t: (t[1], t[0]))
+        ada_best = max(pairs, key=lambda t: (t[3], t[2]))
+        rows.append(f"| {b:g} | {len(pairs)} | {better} / {worse} / {len(pairs) - better - worse} | "
+                    f"{sum(t[1] for t in pairs)} -> {sum(t[3] for t in pairs)} | "
+                    f"{even_best[0]} {even_best[1]} | {ada_best[2]} {ada_best[3]} |")
+    if not rows:
+        return ""
+    head = ["| budget | pairs | `+adakv` better / worse / same | correct, summed: even -> `+adakv` | "
+            "best of the even | best `+adakv` |", "|---|---|---|---|---|---|"]
+    return "\n".join(head + rows)
+
+
 def tables(records: Sequence[dict[str, Any]]) -> str:
     """All tables of a results file as markdown."""
     out = []
@@ -188,6 +214,12 @@ def tables(records: Sequence[dict[str, Any]]) -> str:
                 if task == "passkey":
                     out.append(f"KV bytes kept (fraction of the full cache, measured) — passkey {ctx}, {n} "
                                "samples:\n\n" + memory_table(records, task, ctx, n))
+    for ctx in contexts(records, "passkey"):
+        counts = sample_counts(records, "passkey", ctx)
+        paired = head_budget_table(records, ctx, counts[0] if counts else None)
+        if paired:
+            out.append(f"### Head budgets: `+adakv` against even heads — passkey, ~{ctx}-token prompts, "
+                       f"{counts[0]} samples\n\n" + paired)
     if any(r["task"] == "passkey" and r["policy"] == "full" for r in latest_ok(records).values()):
         out.append("### Full-cache passkey accuracy\n\n" + full_cache_table(records))
     for task in ("passkey", "perplexity"):
