@@ -29,14 +29,12 @@ import torch
 
 def kept(scores: torch.Tensor, counts: torch.Tensor, forced_recent: int) -> torch.Tensor:
     """``[Hkv, L]`` bool: the tokens each head keeps with ``counts[h]`` slots: its last ``forced_recent``
-    tokens, then its best scores (ties to the earlier token), as ``topk_compact`` selects them."""
-    H, L = scores.shape
-    ranked = scores.clone()
-    ranked[:, L - forced_recent:] = float("inf")
-    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
-    mask = torch.zeros(H, L, dtype=torch.bool)
-    for h in range(H):
-        mask[h, order[h, :int(counts[h])]] = True
+    tokens, then its best scores (ties to the earlier token), by ``topk_compact``'s own reference rule."""
+    from kvkernels.topk_compact import _select_ref
+
+    mask = torch.zeros(scores.shape, dtype=torch.bool)
+    for h in range(scores.shape[0]):
+        mask[h, _select_ref(scores[h], int(counts[h]), 0, forced_recent)] = True
     return mask
 
 
