@@ -182,9 +182,11 @@ def head_budget_table(records: Sequence[dict[str, Any]], context: int, n: int | 
     _, by_policy = series(records, "passkey", context, n)
     rows = []
     for b in sorted({b for r in by_policy.values() for b in r}):
-        pairs = [(even, by_policy[even][b]["correct"], p, by_policy[p][b]["correct"]) for p in by_policy
-                 if p.endswith("+adakv") and b in by_policy[p]
-                 and b in by_policy.get(even := p.removesuffix("+adakv"), {})]
+        pairs = []  # (even-head policy, its correct, +adakv policy, its correct)
+        for p, rows_p in by_policy.items():
+            even = p.removesuffix("+adakv")
+            if even != p and b in rows_p and b in by_policy.get(even, {}):
+                pairs.append((even, by_policy[even][b]["correct"], p, rows_p[b]["correct"]))
         if not pairs:
             continue
         better = sum(a > e for _, e, _, a in pairs)
