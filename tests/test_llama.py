@@ -44,6 +44,14 @@ class DenseCache:
         assert torch.equal(positions.cpu(), torch.arange(len(positions)))
         self.k[l][b], self.v[l][b] = k.clone(), v.clone()
 
+    def prefill_attend(self, l, b, q, k, v, positions, *, scale):  # plain causal softmax attention
+        self.prefill_layer(l, b, q, k, v, positions, scale=scale)
+        L, g = q.shape[0], q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [L, Hq, D]
+        logits = torch.einsum("ihd,jhd->hij", q, k) * scale
+        future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+        return torch.einsum("hij,jhd->ihd", torch.softmax(logits.masked_fill(future, float("-inf")), -1), v)
+
     def record_cos_sim(self, l, b, value):
         self.cos_sim[l, b] = float(value)
 

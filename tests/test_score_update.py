@@ -14,8 +14,10 @@ from devices import DEVICE
 from kvkernels import SCORE_MODES, update_scores_ref
 from kvkernels._noise import gumbel_noise_hash, gumbel_noise_hash_triton, hash_u32
 from kvkernels.score_update import (
+    COLUMN_SUM_MODES,
     _prefill_scores_op,
     prefill_attention,
+    prefill_attention_scores,
     prefill_scores,
     prefill_scores_ref,
     prefill_scores_torch,
@@ -292,6 +294,46 @@ def test_prefill_attention_is_sdpa_with_its_lse(L, heads, dtype):
         torch.testing.assert_close(lse, true_lse(q, k, 0.3), rtol=1e-4, atol=1e-4)
     else:
         assert lse is None
+
+
+@given(problems(), st.sampled_from(COLUMN_SUM_MODES), st.integers(1, 40),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+@settings(max_examples=40)
+def test_prefill_attention_scores_is_attention_and_scores(problem, mode, chunk, dtype):
+    """One computation of the probabilities gives both: the output equals a dense causal softmax attention
+    (and prefill_attention's) and the scores equal the row-by-row oracle's, across chunk boundaries."""
+    q, k, kwargs = problem
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    gen = torch.Generator().manual_seed(L)
+    v = torch.randn(L, Hkv, D, generator=gen)
+    q, k, v = (x.to(DEVICE, dtype) for x in (q, k, v))
+    args = dict(scale=kwargs["scale"], mode=mode, window=kwargs["window"], decay=kwargs["decay"])
+    out, scores = prefill_attention_scores(q, k, v, chunk=chunk, **args)
+    assert out.shape == (L, Hq, D) and out.dtype == dtype
+    assert_scores_close(scores, naive_prefill_scores(q, k, **args), mode, rtol=1e-4, atol=1e-5)
+    if L == 0:
+        return
+    # Dense causal attention in float64 from the same (rounded) inputs.
+    i = torch.arange(L, device=DEVICE)[:, None]
+    logits = torch.einsum("ihd,jhd->hij", q.double(), k.double().repeat_interleave(Hq // Hkv, dim=1))
+    probs = torch.softmax((logits * args["scale"]).masked_fill(i.T > i, float("-inf")), dim=-1)
+    want = torch.einsum("hij,jhd->ihd", probs, v.double().repeat_interleave(Hq // Hkv, dim=1))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(out, prefill_attention(q, k, v, scale=args["scale"])[0], rtol=2 * tol,
+                               atol=2 * tol)
+
+
+def test_prefill_attention_scores_refuses_other_modes_and_bad_v():
+    q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    for mode in ("gumbel", "count_low", "none"):
+        with pytest.raises(ValueError, match="prefill_scores"):
+            prefill_attention_scores(q, k, v, scale=0.3, mode=mode)
+    with pytest.raises(ValueError, match="v"):
+        prefill_attention_scores(q, k, v[:4], scale=0.3, mode="accumulate")
+    with pytest.raises(ValueError, match="window"):
+        prefill_attention_scores(q, k, v, scale=0.3, mode="accumulate", window=6)
 
 
 # --- the noise hash --------------------------------------------------------------------------------

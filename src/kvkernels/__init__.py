@@ -25,7 +25,9 @@ from .paged_attention import (
     paged_decode_attention_triton,
 )
 from .score_update import (
+    COLUMN_SUM_MODES,
     prefill_attention,
+    prefill_attention_scores,
     prefill_scores,
     prefill_scores_ref,
     prefill_scores_torch,
@@ -45,6 +47,7 @@ from .topk_compact import (  # noqa: I001
 )
 
 __all__ = [
+    "COLUMN_SUM_MODES",
     "SCORE_MODES",
     "check_shape",
     "check_tensor",
@@ -61,6 +64,7 @@ __all__ = [
     "paged_decode_attention_torch",
     "paged_decode_attention_triton",
     "prefill_attention",
+    "prefill_attention_scores",
     "prefill_scores",
     "prefill_scores_ref",
     "prefill_scores_torch",

@@ -33,7 +33,12 @@ from kvkernels import check_shape, check_tensor, draw_gumbel_, noise_seed, prefi
 # submodule, which hides the package's lazily exported function of the same name.
 from kvkernels.merge import merge_restore
 from kvkernels.paged_attention import paged_decode_attention
-from kvkernels.score_update import prefill_scores
+from kvkernels.score_update import (
+    COLUMN_SUM_MODES,
+    prefill_attention,
+    prefill_attention_scores,
+    prefill_scores,
+)
 from kvkernels.topk_compact import topk_compact, topk_evict
 from kvpolicies.base import LayerStats, NewTokens
 
@@ -397,9 +402,52 @@ class PagedKVCache:
         # decay is a constant of the policy, so it is a Python float baked into the compiled step.
         self.decay = float(kw.get("decay", 1.0))
 
+    def prefill_attend(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       positions: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """:meth:`prefill_layer`, and the prompt's causal attention the model needs: ``[L, Hq, D]``.
+
+        The model's prompt attention and the policy's prompt scores read the same probabilities. When the
+        scores are a row-weighted column sum of them over most of the prompt (``h2o``, ``a2sf``: every row)
+        and this layer computes its own, ``kvkernels.prefill_attention_scores`` takes both from one
+        computation of the probabilities (CPU; see :meth:`_fused_scoring`). Otherwise this is
+        ``kvkernels.prefill_attention`` followed by ``prefill_layer(..., lse=...)``. Arguments as
+        :meth:`prefill_layer` (no ALiBi: ALiBi models run their own attention and call ``prefill_layer``).
+        """
+        fused = self._fused_scoring(l, q.shape[0]) if q.device.type == "cpu" else None
+        if fused is None:
+            attn, lse = prefill_attention(q, k, v, scale=scale)
+            self.prefill_layer(l, b, q, k, v, positions, scale=scale, lse=lse)
+            return attn
+        attn, scores = prefill_attention_scores(q, k, v, scale=scale, **fused)
+        self.prefill_layer(l, b, q, k, v, positions, scale=scale, scores=scores)
+        return attn
+
+    def _fused_scoring(self, l: int, L: int) -> dict | None:
+        """``prefill_attention_scores`` keyword arguments (``mode``, ``window``, ``decay``) for layer ``l``'s
+        prompt of ``L`` tokens when fusing pays, else ``None``.
+
+        Fusing replaces the flash kernel (~1x) plus the scorer (~0.75x for every row, in proportion to the
+        rows it scores) by one pass of ~1.25x (CPU, L=4096, see ``prefill_attention_scores``): it pays when
+        the policy scores at least half of the rows, not for a 32-row observation window (SnapKV) nor for
+        the last row alone (TOVA). Not for a layer that reuses another's scores, nor for policies with
+        other score arguments (Gumbel noise, counts).
+        """
+        ev = self.eviction
+        mode = ev.prefill_mode
+        if mode not in COLUMN_SUM_MODES or mode == "replace" or ev.score_source_layer(l) != l:
+            return None
+        kwargs = ev.prefill_kwargs(L)
+        if not set(kwargs) <= {"decay"}:
+            return None
+        window = ev.prefill_window(L)
+        if window and 2 * window < L:
+            return None
+        return {"mode": mode, "window": window, **kwargs}
+
     def prefill_layer(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,
-                      alibi_slopes: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+                      alibi_slopes: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      scores: torch.Tensor | None = None) -> None:
         """Store one sequence's prompt K/V for cache layer ``l`` and score it if the policy needs scores.
 
         Parameters
@@ -416,6 +464,10 @@ class PagedKVCache:
             Optional ``[Hq, L]`` float32 log-sum-exp of each row of this layer's causal attention logits
             (``kvkernels.prefill_attention`` returns it on CPU): the scorer then skips its own softmax
             normaliser pass (``prefill_scores(lse=...)``).
+        scores:
+            Optional ``[Hkv, L]`` float32 prompt scores already computed with this layer's
+            ``_fused_scoring`` arguments (:meth:`prefill_attend` passes them): used in place of
+            ``prefill_scores`` (the policy's post-processing still applies).
         """
         if self._state != "prefill":
             raise RuntimeError(f"prefill_layer called in state {self._state!r}; call start(...) first and "
@@ -439,9 +491,17 @@ class PagedKVCache:
         n_pages = _ceil_div(L, self.page_size)
         if n_pages > self._free:
             raise self._out_of_pages(n_pages, f"prefill of sequence {b} layer {l}")
-        scores = None
+        if scores is not None:
+            fused = self._fused_scoring(l, L)
+            if fused is None or alibi_slopes is not None:
+                raise ValueError(f"scores were given for layer {l}, where the policy "
+                                 f"{type(self.eviction).__name__} does not take precomputed column-sum "
+                                 "scores (or ALiBi is on); call prefill_attend, or prefill_layer without "
+                                 "scores")
+            check_tensor("scores", scores, ndim=2, dtypes=(torch.float32,), device=dev)
+            check_shape("scores", scores, [H, L], f"n_kv_heads x prompt_lens[{b}]")
         if self.eviction.prefill_mode is not None:
-            scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes, lse)  # [H, L]
+            scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes, lse, scores)  # [H, L]
         elif self.eviction.scores_tokens:  # an open rule: each token's score from what its step provides
             scores = self._token_scores(q, k, v, positions, check=True).t()  # [H, L]
 
@@ -472,17 +532,20 @@ class PagedKVCache:
         """
         return prefill_seed(self._noise_seed, l, b)
 
-    def _prefill_scores(self, l, b, q, k, scale, alibi_slopes, lse) -> torch.Tensor:
+    def _prefill_scores(self, l, b, q, k, scale, alibi_slopes, lse, raw=None) -> torch.Tensor:
+        """``[Hkv, L]`` prompt scores of layer ``l``, sequence ``b``; ``raw``: already computed
+        (``prefill_attend``), only post-processed here."""
         source = self.eviction.score_source_layer(l)
         if source != l:  # layer-wise index reuse: the scores an earlier layer of this sequence computed
             return self._shared_scores[source, b]
         L = q.shape[0]
-        kwargs = {"seed": self.prefill_seed(l, b), **self.eviction.prefill_kwargs(L)}
         mode = self.eviction.prefill_mode
         assert mode is not None  # callers check
-        scores = prefill_scores(q, k, scale=scale, mode=mode,
-                                window=self.eviction.prefill_window(L), alibi_slopes=alibi_slopes, lse=lse,
-                                **kwargs)
+        scores = raw
+        if scores is None:
+            kwargs = {"seed": self.prefill_seed(l, b), **self.eviction.prefill_kwargs(L)}
+            scores = prefill_scores(q, k, scale=scale, mode=mode, window=self.eviction.prefill_window(L),
+                                    alibi_slopes=alibi_slopes, lse=lse, **kwargs)
         scores = self.eviction.postprocess_prefill_scores(scores)
         if l + 1 < self.n_layers and self.eviction.score_source_layer(l + 1) == l:
             self._shared_scores[l, b] = scores  # [Hkv, L], read by the layers that reuse this one's

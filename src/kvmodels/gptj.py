@@ -166,10 +166,10 @@ class GPTJ(nn.Module):
         for l, blk in enumerate(self.blocks):
             hn = blk.ln_1(x)
             q, k, v = blk.qkv(hn, positions)
-            # On CPU the flash kernel's row log-sum-exp comes back too: the scorer reuses it.
-            attn, lse = prefill_attention(q, k, v, scale=self.scale)           # [L, H, D], [H, L] or None
-            if cache is not None:
-                cache.prefill_layer(l, b, q, k, v, positions, scale=self.scale, lse=lse)
+            if cache is None:
+                attn, _ = prefill_attention(q, k, v, scale=self.scale)         # [L, H, D]
+            else:  # stores and scores the prompt K/V too, from the same attention probabilities
+                attn = cache.prefill_attend(l, b, q, k, v, positions, scale=self.scale)
             attn = blk.out_proj(attn.reshape(L, -1))                          # [L, h]
             if cache is not None:
                 # SqueezeAttention: how little the attention branch turns the residual stream.

