@@ -4,6 +4,10 @@ torch scorer that materialises ``softmax(Q K^T)`` for the whole prompt.
     python -m pytest bench/test_bench_scores.py                       # tiny shapes on CPU, real ones on CUDA
     python -m pytest bench/test_bench_scores.py --benchmark-disable   # smoke run, each case once
 
+``test_prefill_attention_with_scores`` times what a scoring prefill adds to the model's prompt attention:
+the attention alone, the attention then the scorer (given its ``lse``), and both from one computation of
+the probabilities (``prefill_attention_scores``; fused on CPU only). Compare within one run.
+
 ``extra_info`` records the shape, the device, the working-set estimate of each method and, on CUDA, the
 measured peak allocation of one call. The naive scorer is skipped where its ``[Hq, L, L]`` matrices do
 not fit in free device memory.
@@ -14,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvkernels.score_update import prefill_scores
+from kvkernels.score_update import prefill_attention, prefill_attention_scores, prefill_scores
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -81,3 +85,28 @@ def test_prefill_scores(benchmark, shape, method):
         device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE), L=L, Hq=Hq, Hkv=Hkv, D=D,
         working_bytes_estimate=need, torch=torch.__version__,
     )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "L{}-Hq{}-Hkv{}-D{}".format(*s))
+@pytest.mark.parametrize("method", ["attention", "attention+scorer", "fused"])
+def test_prefill_attention_with_scores(benchmark, shape, method):
+    L, Hq, Hkv, D = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(L, Hq, D, device=DEVICE, dtype=DTYPE, generator=gen)
+    k, v = (torch.randn(L, Hkv, D, device=DEVICE, dtype=DTYPE, generator=gen) for _ in range(2))
+    scale = D**-0.5
+
+    def call():
+        if method == "fused":
+            out = prefill_attention_scores(q, k, v, scale=scale, mode="accumulate")[0]
+        else:
+            out, lse = prefill_attention(q, k, v, scale=scale)
+            if method == "attention+scorer":
+                prefill_scores(q, k, scale=scale, mode="accumulate", lse=lse)
+        _sync()
+        return out
+
+    out = benchmark(call)
+    assert out.shape == (L, Hq, D) and torch.isfinite(out.float()).all()
+    benchmark.extra_info.update(device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE), L=L,
+                                Hq=Hq, Hkv=Hkv, D=D, torch=torch.__version__)
