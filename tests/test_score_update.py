@@ -361,6 +361,20 @@ def test_hash_matches_python_oracle(seed, head, q_idx, k_idx):
     assert int(bits[0]) == _hash_python(seed, head, q_idx, k_idx)
 
 
+def test_hash_of_many_counters_matches_python_oracle():
+    """Thousands of counters in one call (the vectorised int32 kernels, whose multiply must wrap), with
+    values near 2**31 and heads from a broadcast tensor."""
+    gen = torch.Generator().manual_seed(1)
+    q_idx = torch.cat([torch.randint(0, 2**31 - 1, (1500,), generator=gen), torch.arange(2**31 - 500, 2**31)])
+    k_idx = torch.cat([torch.arange(1000), torch.randint(0, 2**31 - 1, (1000,), generator=gen)])
+    heads = torch.tensor([0, 7, 63]).view(3, 1)
+    for seed in (0, 2**40 + 3, 2**64 - 1):
+        bits = hash_u32(seed, heads, q_idx, k_idx)  # [3, 2000]
+        for h, head in enumerate((0, 7, 63)):
+            want = [_hash_python(seed, head, int(a), int(b)) for a, b in zip(q_idx, k_idx, strict=True)]
+            assert bits[h].tolist() == want
+
+
 def test_noise_is_deterministic_and_gumbel_distributed():
     heads = torch.arange(4).view(4, 1, 1)
     q_idx, k_idx = torch.arange(256).view(256, 1), torch.arange(256)

@@ -14,10 +14,14 @@ Triton kernel could not reproduce the reference. Instead every noise value is a 
    ``[2**-24, 1 - 2**-24]``, never 0 or 1;
 4. ``G = -log(-log(u))``.
 
-Torch has no wrapping 32-bit unsigned multiply, so the torch form keeps values in int64 in
-``[0, 2**32)`` and multiplies by splitting the constant into 16-bit halves (no int64 overflow); Triton
-uses native ``uint32`` arithmetic, which wraps. The hash bits agree exactly; ``G`` agrees to the last ulp
-or two of ``log`` (the two ``log`` implementations may round differently).
+Torch has no unsigned 32-bit arithmetic, so the torch form works on the same 32 bits as signed int32:
+``+``, ``*`` and ``^`` give the same bits in two's complement (torch's int32 kernels wrap on overflow, as
+the hardware's vector multiply does; ``tests/test_score_update.py`` checks every value against a
+Python big-int oracle), and a logical right shift is an arithmetic one masked to the low ``32 - s`` bits.
+(An earlier int64 form split each multiply into 16-bit halves: ~10x slower on CPUs without a 64-bit vector
+multiply, and most of Keyformer's CPU prefill.) Host-side Python ints (the seed key) use exact unsigned
+arithmetic. Triton uses native ``uint32`` arithmetic. The hash bits agree exactly; ``G`` agrees to the last
+ulp or two of ``log`` (the two ``log`` implementations may round differently).
 """
 
 from __future__ import annotations
@@ -36,21 +40,16 @@ _U_SCALE = 2.0**-23
 IntLike = torch.Tensor | int
 
 
-def _mul32(a: IntLike, c: int) -> IntLike:
-    """``a * c mod 2**32`` for ``a`` in ``[0, 2**32)`` (int or int64 tensor), without int64 overflow."""
-    c_lo, c_hi = c & 0xFFFF, c >> 16
-    return (a * c_lo + (((a * c_hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _fmix32(h: IntLike) -> IntLike:
-    h = h ^ (h >> 16)
-    h = _mul32(h, _FMIX_A)
-    h = h ^ (h >> 13)
-    h = _mul32(h, _FMIX_B)
+def _fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser on a Python int in ``[0, 2**32)`` (exact arithmetic, host side)."""
+    h ^= h >> 16
+    h = (h * _FMIX_A) & _MASK32
+    h ^= h >> 13
+    h = (h * _FMIX_B) & _MASK32
     return h ^ (h >> 16)
 
 
-def _absorb(h: IntLike, v: IntLike) -> IntLike:
+def _absorb(h: int, v: int) -> int:
     return _fmix32(((h ^ v) + _GOLDEN) & _MASK32)
 
 
@@ -60,20 +59,39 @@ def seed_key(seed: int) -> int:
     return int(_absorb(_absorb(_SEED_INIT, s & _MASK32), s >> 32))
 
 
+def _shr_i32(h: torch.Tensor, s: int, *, out: torch.Tensor) -> torch.Tensor:
+    """Logical right shift of int32 bits into ``out``: the arithmetic shift, sign copies masked off."""
+    return torch.bitwise_right_shift(h, s, out=out).bitwise_and_((1 << (32 - s)) - 1)
+
+
+def _absorb_i32(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`_absorb` on int32 tensors holding the 32-bit values' bits (wrapping ``+`` and ``*``), ``h``
+    and ``v`` broadcast. After the one allocation of ``h ^ v`` it works in place with one scratch buffer:
+    on CPU a fresh block per operation costs as much as the arithmetic (new pages each time)."""
+    h = torch.bitwise_xor(h, v).add_(_as_int32(_GOLDEN))
+    scratch = torch.empty_like(h)
+    for shift, factor in ((16, _FMIX_A), (13, _FMIX_B), (16, None)):
+        h.bitwise_xor_(_shr_i32(h, shift, out=scratch))
+        if factor is not None:
+            h.mul_(_as_int32(factor))
+    return h
+
+
+def _hash_i32(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash of :func:`hash_u32` as int32 bits (``bits & 0xFFFFFFFF`` is the unsigned value)."""
+    dev = q_idx.device
+    h = torch.tensor(_as_int32(seed_key(seed)), dtype=torch.int32, device=dev)
+    h = _absorb_i32(h, torch.as_tensor(head, device=dev).to(torch.int32))
+    h = _absorb_i32(h, q_idx.to(torch.int32))
+    return _absorb_i32(h, k_idx.to(torch.int32))
+
+
 def hash_u32(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
     """The 32-bit hash behind :func:`gumbel_noise_hash`, as int64 values in ``[0, 2**32)``.
 
-    ``head``, ``q_idx`` and ``k_idx`` are non-negative integers (tensors broadcast together).
+    ``head``, ``q_idx`` and ``k_idx`` are integers in ``[0, 2**31)`` (tensors broadcast together).
     """
-    h = _absorb(seed_key(seed), torch.as_tensor(head, dtype=torch.int64, device=q_idx.device) & _MASK32)
-    h = _absorb(h, q_idx.to(torch.int64) & _MASK32)
-    return torch.as_tensor(_absorb(h, k_idx.to(torch.int64) & _MASK32))  # as_tensor: a no-op, for mypy
-
-
-def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Map 32-bit hash values (int64 in ``[0, 2**32)``) to ``Gumbel(0, 1)`` samples, float32."""
-    u = ((bits >> 9).to(torch.float32) + 0.5) * _U_SCALE  # exact: 23 bits + a half fit a float32
-    return -torch.log(-torch.log(u))
+    return _hash_i32(seed, head, q_idx, k_idx).to(torch.int64) & _MASK32
 
 
 def gumbel_noise_hash(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
@@ -95,7 +113,9 @@ def gumbel_noise_hash(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torc
         depends only on ``(seed, head, q_idx, k_idx)``: see the module docstring for the exact hash, which
         the Triton helper :func:`gumbel_noise_tl` reproduces bit for bit.
     """
-    return gumbel_from_bits(hash_u32(seed, head, q_idx, k_idx))
+    bits = _hash_i32(seed, head, q_idx, k_idx)  # a fresh tensor: mapped in place
+    u = bits.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF).to(torch.float32)  # the top 23 bits
+    return u.add_(0.5).mul_(_U_SCALE).log_().neg_().log_().neg_()  # exact u, then -log(-log(u))
 
 
 def _as_int32(key: int) -> int:
