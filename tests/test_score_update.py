@@ -278,6 +278,15 @@ def test_triton_with_lse_matches_ref(mode):
     assert_scores_close(actual, prefill_scores_ref(q, k, **kwargs), mode, rtol=1e-4)
 
 
+def test_prefill_attention_of_an_empty_prompt_is_empty():
+    """L = 0 returns empty tensors (torch's CPU flash kernel would divide by zero and kill the process)."""
+    q = torch.zeros(0, 4, 8, device=DEVICE)
+    k = v = torch.zeros(0, 2, 8, device=DEVICE)
+    out, lse = prefill_attention(q, k, v, scale=0.3)
+    assert out.shape == (0, 4, 8)
+    assert lse is None if ON_CUDA else lse.shape == (4, 0)
+
+
 @given(st.integers(1, 70), st.sampled_from([(4, 2), (3, 3), (9, 3)]),
        st.sampled_from([torch.float32, torch.bfloat16]))
 @settings(max_examples=10)

@@ -452,6 +452,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         returns it at no cost), ``None`` elsewhere (``F.scaled_dot_product_attention`` does not return it;
         the scorer then computes its normaliser itself).
     """
+    if q.shape[0] == 0:  # torch's CPU flash kernel divides by the length (SIGFPE on an empty prompt)
+        lse0 = q.new_zeros((q.shape[1], 0), dtype=torch.float32) if q.device.type == "cpu" else None
+        return q.new_zeros((0, q.shape[1], v.shape[2])), lse0
     qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
     if q.device.type == "cpu":
         # The kernel F.scaled_dot_product_attention picks for these inputs on CPU (GQA included).
