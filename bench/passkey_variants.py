@@ -1,7 +1,7 @@
 """Passkey retrieval for policy *variants* (parameters the sweep's names cannot carry): TOVA as the paper
 describes it (one selection per layer, at every decode step) against the per-KV-head variant and the
-prompt-only selection NVIDIA kvpress's ``TOVAPress`` makes, ChunkKV against SnapKV, and Ada-KV's head
-budgets with other floors.
+prompt-only selection NVIDIA kvpress's ``TOVAPress`` makes, ChunkKV against SnapKV, Ada-KV's head
+budgets with other floors, and SnapKV / ChunkKV with one selection per layer (``per_head=False``).
 
 Same samples, prompts, replayed prefills and scoring as ``python -m kvmodels.eval`` (SmolLM2-135M, greedy,
 question inside the prompt). One JSON line per (variant, budget), appended to ``--out``; a rerun skips the
@@ -49,6 +49,19 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
     "snapkv chunk=10+adakv": (("snapkv", "adakv"), {"snapkv": {"chunk": 10}}),
     "chunkkv+adakv": (("chunkkv", "adakv"), {}),
     "h2o+adakv": (("h2o", "adakv"), {}),
+    # One selection per layer (every KV head keeps the tokens of the heads' mean score), as TOVA's paper does.
+    "snapkv per_head=False": (("snapkv",), {"snapkv": {"per_head": False}}),
+    "snapkv chunk=5 per_head=False": (("snapkv",), {"snapkv": {"chunk": 5, "per_head": False}}),
+    "snapkv chunk=10 per_head=False": (("snapkv",), {"snapkv": {"chunk": 10, "per_head": False}}),
+    "chunkkv per_head=False": (("chunkkv",), {"chunkkv": {"per_head": False}}),
+    # ... and a shorter observation window (16 queries: the question and the answer prefix, less prose).
+    "snapkv chunk=10 window=16": (("snapkv",), {"snapkv": {"chunk": 10, "window": 16}}),
+    "snapkv chunk=10 window=16 per_head=False": (("snapkv",),
+                                                 {"snapkv": {"chunk": 10, "window": 16, "per_head": False}}),
+    "snapkv chunk=5 window=16 per_head=False": (("snapkv",),
+                                                {"snapkv": {"chunk": 5, "window": 16, "per_head": False}}),
+    "squeeze+chunkkv per_head=False": (("squeeze", "chunkkv"), {"chunkkv": {"per_head": False}}),
+    "pyramid+chunkkv per_head=False": (("pyramid", "chunkkv"), {"chunkkv": {"per_head": False}}),
 }
 
 

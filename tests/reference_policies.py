@@ -48,8 +48,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "h2o": {"recent": 0.5},
     "keyformer": {"tau_init": 1.0, "tau_end": 2.0, "recent": 0.3},
     "a2sf": {"decay": 0.9, "recent": 0.5},
-    "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "chunk": 1},
-    "chunkkv": {"window": 32, "chunk": 10, "reuse": 1},
+    "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "chunk": 1, "per_head": True},
+    "chunkkv": {"window": 32, "chunk": 10, "reuse": 1, "per_head": True},
     "scissorhands": {"recent": 0.5},
     "tova": {"per_head": False, "decode": True},
     "knorm": {"decode": True},
@@ -213,6 +213,8 @@ def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.T
         for start in range(0, n_prefix, c):
             end = min(start + c, n_prefix)
             scores[:, start:end] = scores[:, start:end].sum(-1, keepdim=True)
+    if name in ("snapkv", "chunkkv") and not params["per_head"]:  # one ranking for the layer, after pooling
+        scores[:] = scores.mean(0)
     return scores
 
 
@@ -281,7 +283,7 @@ def simulate(policy: str, params: dict[str, Any] | None, q_prompt: torch.Tensor,
     head_scores = [scores[h].tolist() for h in range(n_kv_heads)]
 
     def evict() -> None:
-        if policy == "tova" and not p["per_head"]:  # one ranking for the layer: every head holds the same ids
+        if not p.get("per_head", True):  # one ranking for the layer: every head holds the same ids
             assert all(ids[h] == ids[0] for h in range(n_kv_heads))
             mean = [sum(col) / n_kv_heads for col in zip(*head_scores)]
             for h in range(n_kv_heads):

@@ -58,9 +58,16 @@ def test_cache_keeps_what_the_reference_keeps(name):
     given(cases())(lambda case: check_against_reference(name, case))()
 
 
-def check_against_reference(name: str, case) -> None:
+@pytest.mark.parametrize("name", ["snapkv", "chunkkv"])
+def test_one_selection_per_layer_keeps_what_the_reference_keeps(name):
+    """``per_head=False``: every KV head of a layer keeps the tokens of the heads' mean score."""
+    params = {**PARAMS[name], "per_head": False}
+    given(cases())(lambda case: check_against_reference(name, case, params))()
+
+
+def check_against_reference(name: str, case, params: dict | None = None) -> None:
     """Run ``case`` through the cache and through ``simulate``; compare per (layer, sequence, head)."""
-    params = PARAMS.get(name, {})
+    params = PARAMS.get(name, {}) if params is None else params
     n_layers, n_kv, group, head_dim, prompt_lens, n_steps, page_size, budget, evict_every, seed = case
     options = {name: params} if params else {}
     policy = compose(name, budget=budget, evict_every=evict_every, seed=seed, **options)

@@ -75,6 +75,34 @@ def test_immutable_and_printable():
     assert str(compose()).startswith("full @")
 
 
+def test_a_name_carries_its_parameters_as_it_prints_them():
+    """One string says everything (kvgen --policy): ``name(param=literal, ...)``, joined by '+'."""
+    want = compose("pyramid", "snapkv", budget=0.2, snapkv={"chunk": 10, "window": 16, "per_head": False})
+    assert compose("pyramid+snapkv(chunk=10, window=16, per_head=False)", budget=0.2) == want
+    assert want.label == "pyramid+snapkv(window=16, chunk=10, per_head=False)"
+    assert compose(want.label, budget=0.2) == want  # what it prints reads back
+    assert compose("squeeze(p=0.8) + keyformer(tau_end=3.0, recent=0.25)").budget_policy.p == 0.8
+    assert compose("snapkv()") == compose("snapkv")
+    assert compose("snapkv(chunk=10)", snapkv={"window": 8}).eviction.window == 8  # the two forms combine
+
+
+@pytest.mark.parametrize("text, match", [
+    ("snapkv(chunk=)", "keyword=literal"),
+    ("snapkv(10)", "keyword=literal"),
+    ("snapkv(chunk=ten)", "keyword=literal"),
+    ("snapkv(chunk=10", "cannot read the policy"),
+    ("snap kv", "cannot read the policy"),
+    ("snapkv(chunk=10)(window=8)", "keyword=literal"),
+])
+def test_unreadable_parameters_name_the_fix(text, match):
+    with pytest.raises(ValueError, match=match):
+        compose(text)
+    with pytest.raises(ValueError, match=r"\['chunk'\] given twice"):
+        compose("snapkv(chunk=10)", snapkv={"chunk": 5})
+    with pytest.raises(ValueError, match="unknown parameter 'chunks'"):
+        compose("snapkv(chunks=10)")
+
+
 @pytest.mark.parametrize("combo", VALID, ids=lambda c: "+".join(c))
 def test_spec_round_trip_for_every_combination(combo):
     policy = compose(*combo, budget=0.3, evict_every=2, seed=7)

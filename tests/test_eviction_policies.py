@@ -130,9 +130,10 @@ def cases(draw, name: str):
     if name == "snapkv":
         params.update(window=draw(st.integers(1, 5)), kernel=draw(st.sampled_from([1, 3, 5])),
                       pooling=draw(st.sampled_from(["max", "avg"])),
-                      chunk=draw(st.sampled_from([1, 1, 2, 3])))
+                      chunk=draw(st.sampled_from([1, 1, 2, 3])), per_head=draw(st.booleans()))
     if name == "chunkkv":
-        params.update(window=draw(st.integers(1, 5)), chunk=draw(st.sampled_from([1, 2, 3, 4])))
+        params.update(window=draw(st.integers(1, 5)), chunk=draw(st.sampled_from([1, 2, 3, 4])),
+                      per_head=draw(st.booleans()))
     if name == "a2sf":
         params["decay"] = draw(st.sampled_from([0.5, 0.9, 1.0]))
     if name == "tova":

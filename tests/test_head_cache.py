@@ -79,6 +79,8 @@ def test_compose_checks_head_policies_up_front():
     with pytest.raises(ValueError, match="tova"):
         compose("tova", "adakv")  # its heads share one selection
     assert compose("tova", "adakv", tova={"per_head": True}).heads.per_head
+    with pytest.raises(ValueError, match=r"snapkv=\{'per_head': True\}"):
+        compose("snapkv", "adakv", snapkv={"per_head": False})  # one selection per layer, by choice
     with pytest.raises(ValueError, match="minicache"):
         compose("h2o", "adakv", "minicache")
     with pytest.raises(ValueError, match="alpha"):

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "budgets) go to stderr.")
     p.add_argument("prompt", nargs="*", help="the prompt (several words are joined with spaces)")
     p.add_argument("--policy", default="full",
-                   help="KV-cache policy by name, parts joined by '+', e.g. 'squeeze+keyformer' "
+                   help="KV-cache policy by name, parts joined by '+', e.g. 'squeeze+keyformer', each "
+                        "optionally with parameters, e.g. 'snapkv(chunk=10, window=16, per_head=False)' "
                         "(default: full)")
     p.add_argument("--budget", default=None,
                    help="what each layer keeps: a fraction of the prompt in (0, 1] such as 0.5, or a cache "
@@ -164,7 +165,7 @@ def _steady(result: Any) -> str:
 def _summary(result: Any, policy: Any, path: str = "") -> str:
     r = result.report
     mib = 2.0 ** -20
-    lines = [f"policy {policy.name} (budget {policy.budget})" + (f"; {path}" if path else ""),
+    lines = [f"policy {policy.label} (budget {policy.budget})" + (f"; {path}" if path else ""),
              f"prefill {result.prefill_tokens} tokens in {result.prefill_s:.2f} s "
              f"({result.prefill_tok_s:.1f} tok/s); decode {result.decode_tokens} tokens in "
              f"{result.decode_s:.2f} s ({result.decode_tok_s:.1f} tok/s{_steady(result)})"]

@@ -8,13 +8,17 @@
 
 The spec (``ComposedPolicy.spec()``) has the same shape as ``compose``'s keywords, so a spec is a call:
 ``{"policies": ["squeeze", "keyformer"], "budget": 0.2, "evict_every": 1, "seed": 0, "squeeze": {"p": 0.3}}``.
+A name may carry its parameters as the policies print them, so one string (a command-line flag) says it
+all: ``compose("squeeze(p=0.3)+keyformer", budget=0.2)`` is the policy above.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -108,8 +112,8 @@ class ComposedPolicy:
         if ev.heads_share_selection:
             raise ValueError(f"head-budget policy {name!r} gives heads different tokens, and eviction "
                              f"policy {ev.name!r} (with {ev.params() or 'its defaults'}) makes every "
-                             "head of a layer keep the same ones; use a per-head scorer (e.g. "
-                             "tova={'per_head': True})")
+                             f"head of a layer keep the same ones; use a per-head scorer: "
+                             f"{ev.name}={{'per_head': True}}")
         if self.merge.name != DEFAULTS["merge"]:
             raise ValueError(f"head-budget policy {name!r} cannot be composed with merge policy "
                              f"{self.merge.name!r}: a merged region holds one token count for every head")
@@ -148,14 +152,20 @@ class ComposedPolicy:
         return (f"ComposedPolicy({self.name!r}, budget={self.budget!r}, evict_every={self.evict_every}, "
                 f"seed={self.seed}{floor}{params})")
 
-    def __str__(self) -> str:
+    @property
+    def label(self) -> str:
+        """:attr:`name` with each policy's non-default parameters, e.g. ``'pyramid+snapkv(chunk=10)'``;
+        ``compose(label, budget=...)`` reads it back."""
         parts = []
         for role, p in self.policies().items():
             if p.name == DEFAULTS[role] and not (role == "eviction" and self.name == "full"):
                 continue
             args = ", ".join(f"{k}={v!r}" for k, v in p.params().items())
             parts.append(f"{p.name}({args})" if args else p.name)
-        return f"{'+'.join(parts)} @ budget={self.budget!r}, evict_every={self.evict_every}, seed={self.seed}"
+        return "+".join(parts)
+
+    def __str__(self) -> str:
+        return f"{self.label} @ budget={self.budget!r}, evict_every={self.evict_every}, seed={self.seed}"
 
     def hf_cache(self, model: Any, **kw: Any) -> Any:
         """A ``transformers`` cache driven by this policy, for ``model.generate(..., past_key_values=...)``.
@@ -281,6 +291,43 @@ def _make(name: str, params: Mapping[str, Any]) -> Policy:
     return cls(**params)
 
 
+_NAME_WITH_PARAMS = re.compile(r"([A-Za-z_][\w-]*)\s*(?:\((.*)\))?", re.S)
+
+
+def _split_plus(text: str) -> list[str]:
+    """``text`` split at the ``+`` signs outside parentheses (a parameter value may hold one: ``1e+3``)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "+" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def _parse_name(part: str) -> tuple[str, dict[str, Any]]:
+    """``"snapkv(chunk=10, per_head=False)"`` -> ``("snapkv", {"chunk": 10, "per_head": False})``: keyword
+    arguments with Python literal values, as a policy prints itself; a bare name has no parameters."""
+    m = _NAME_WITH_PARAMS.fullmatch(part)
+    if m is None:
+        raise ValueError(f"cannot read the policy {part!r}; write a name, optionally with parameters as "
+                         "keyword literals, e.g. 'snapkv' or 'snapkv(chunk=10, per_head=False)'")
+    name, args = m.group(1), m.group(2)
+    if args is None or not args.strip():
+        return name, {}
+    bad = ValueError(f"cannot read the parameters of {part!r}; give them as keyword=literal pairs, e.g. "
+                     f"'{name}(chunk=10, per_head=False)'")
+    try:
+        call = ast.parse(f"f({args})", mode="eval").body
+        # One plain call of keyword arguments only (no positional ones, no **kwargs, no second call).
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                and all(k.arg for k in call.keywords)):
+            raise bad
+        return name, {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError):
+        raise bad from None
+
+
 def _expand(item: Any, names: list[tuple[str, dict[str, Any]]], options: dict[str, Any]) -> None:
     """Add one positional argument of ``compose`` to ``names`` / ``options``."""
     if isinstance(item, str) and item.lstrip().startswith("{"):
@@ -302,10 +349,10 @@ def _expand(item: Any, names: list[tuple[str, dict[str, Any]]], options: dict[st
         for p in policies:
             _expand(p, names, options)
     elif isinstance(item, str):
-        for part in item.split("+"):
+        for part in _split_plus(item):
             if not part.strip():
                 raise ValueError(f"empty policy name in {item!r}; join names with '+', e.g. 'squeeze+h2o'")
-            names.append((part.strip(), {}))
+            names.append(_parse_name(part.strip()))
     elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
         names.append((item[0], dict(item[1])))
     elif isinstance(item, Policy):

@@ -11,6 +11,9 @@ chunk taken may be cut short (its earliest tokens kept). No pooling: the chunk s
 ``reuse = r`` is the paper's layer-wise index reuse: layer ``l`` selects by the scores of layer
 ``l - l % r`` (one scoring pass per ``r`` layers; each layer still keeps its own budget's worth of the
 ranking). ``reuse = 1`` (default) scores every layer.
+
+``per_head=False`` (as for ``snapkv``; not in the paper) gives every KV head of a layer one selection, by
+the heads' mean chunk scores.
 """
 
 from __future__ import annotations

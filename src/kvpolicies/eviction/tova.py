@@ -50,6 +50,4 @@ class TOVA(EvictionPolicy):
         return not self.per_head
 
     def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.per_head:
-            return scores
-        return scores.mean(0, keepdim=True).expand_as(scores).contiguous()  # [Hkv, L], one row repeated
+        return self.eviction_scores(scores, head_dim=0).contiguous()  # [Hkv, L]; shared: one row repeated
