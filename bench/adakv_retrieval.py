@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = runner.model, runner.tokenizer
     samples = runner.samples("passkey", args.context, args.n)
     snap = compose("snapkv", budget=0.2).eviction
+    shared = compose("snapkv(per_head=False)").eviction  # ranks by the heads' mean of snap's scores
+    ada = compose("snapkv", "adakv")
 
     class SnapScorer:  # receives the dense prefill as a cache would; keeps SnapKV's prompt scores per layer
         def __init__(self) -> None:
@@ -123,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
             model.prefill(torch.tensor(prompt), scorer, 0, last_only=True)
             per_prompt.append((len(prompt), scorer.layers, key, mass, s))
         for budget in [float(b) for b in args.budgets.split(",")]:
-            ada = compose("snapkv", "adakv")
             right = {name: [exact_match(tok.decode(a, skip_special_tokens=True), s.answer)
                             for a, s in zip(answers(compose(name, budget=budget)), samples, strict=True)]
                      for name in ("snapkv", "snapkv+adakv", "snapkv(per_head=False)")}
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 for l, sc in enumerate(layers):
                     n = ada.head_budgets(sc, B, 0, window)
                     budgets += (n.double() / B).tolist()
-                    mean = sc.mean(0, keepdim=True).expand_as(sc)  # what per_head=False ranks by
+                    mean = shared.eviction_scores(sc, head_dim=0)  # what per_head=False ranks by
                     for name, counts, by in (("even", torch.full_like(n, B), sc), ("adakv", n, sc),
                                              ("shared", torch.full_like(n, B), mean)):
                         keep = kept(by, counts, window)[:, key]  # [Hkv, digits]

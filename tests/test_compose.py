@@ -97,6 +97,9 @@ def test_a_name_carries_its_parameters_as_it_prints_them():
 def test_unreadable_parameters_name_the_fix(text, match):
     with pytest.raises(ValueError, match=match):
         compose(text)
+
+
+def test_parameters_in_names_are_checked_like_keywords():
     with pytest.raises(ValueError, match=r"\['chunk'\] given twice"):
         compose("snapkv(chunk=10)", snapkv={"chunk": 5})
     with pytest.raises(ValueError, match="unknown parameter 'chunks'"):

@@ -315,17 +315,19 @@ def _parse_name(part: str) -> tuple[str, dict[str, Any]]:
     name, args = m.group(1), m.group(2)
     if args is None or not args.strip():
         return name, {}
-    bad = ValueError(f"cannot read the parameters of {part!r}; give them as keyword=literal pairs, e.g. "
-                     f"'{name}(chunk=10, per_head=False)'")
     try:
         call = ast.parse(f"f({args})", mode="eval").body
-        # One plain call of keyword arguments only (no positional ones, no **kwargs, no second call).
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
-                and all(k.arg for k in call.keywords)):
-            raise bad
-        return name, {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
     except (SyntaxError, ValueError):
-        raise bad from None
+        call = None
+    # One plain call of keyword arguments only (no positional ones, no **kwargs, no second call).
+    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+            and all(k.arg for k in call.keywords)):
+        try:
+            return name, {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+        except ValueError:  # a value that is not a literal
+            pass
+    raise ValueError(f"cannot read the parameters of {part!r}; give them as keyword=literal pairs, e.g. "
+                     f"'{name}(chunk=10, per_head=False)'")
 
 
 def _expand(item: Any, names: list[tuple[str, dict[str, Any]]], options: dict[str, Any]) -> None:

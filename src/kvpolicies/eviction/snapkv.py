@@ -14,9 +14,10 @@ chunks of ``chunk`` consecutive tokens, so whole chunks are kept.
 ``per_head=False`` (not in the paper, which selects per head) makes the KV heads of a layer keep one
 selection: each token's final score becomes its mean over the layer's KV heads (the mean over all query
 heads), as TOVA's paper does. On SmolLM2-135M (3 KV heads per layer) this raised passkey answers at budget
-0.2 from 9 to 19 of 22 for ``snapkv`` and from 15 to 20 for ``chunkkv`` (docs/results.md, "Shared
-selection"): a head that does not read the key no longer drops it from the layer. Both caches then hold
-every head of a layer at the same tokens; it does not compose with ``adakv``'s per-head budgets.
+0.2 from 9 to 19 of 22 for ``snapkv`` and from 15 to 20 for ``chunkkv`` (docs/results.md, "One selection
+per layer and a 16-query window"): a head that does not read the key no longer drops it from the layer.
+Both caches then hold every head of a layer at the same tokens; it does not compose with ``adakv``'s
+per-head budgets.
 """
 
 from __future__ import annotations
