@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_benchmarks_run_once_at_small_shapes():
-    env = {**os.environ, "KVBENCH_PROMPT_LEN": "48", "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "KVBENCH_PROMPT_LEN": "48", "KVBENCH_SMOKE": "1", "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "bench", "-q", "-x", "--benchmark-disable",
                            "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
