@@ -60,6 +60,14 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
                                                  {"snapkv": {"chunk": 10, "window": 16, "per_head": False}}),
     "snapkv chunk=5 window=16 per_head=False": (("snapkv",),
                                                 {"snapkv": {"chunk": 5, "window": 16, "per_head": False}}),
+    # ... with the chunks placed on the scores instead of a grid from the first token (a boundary no longer
+    # cuts the key in two).
+    "snapkv chunk=10 window=16 per_head=False align=scores": (
+        ("snapkv",), {"snapkv": {"chunk": 10, "window": 16, "per_head": False, "align": "scores"}}),
+    "snapkv chunk=5 window=16 per_head=False align=scores": (
+        ("snapkv",), {"snapkv": {"chunk": 5, "window": 16, "per_head": False, "align": "scores"}}),
+    "chunkkv per_head=False align=scores": (("chunkkv",),
+                                            {"chunkkv": {"per_head": False, "align": "scores"}}),
     "squeeze+chunkkv per_head=False": (("squeeze", "chunkkv"), {"chunkkv": {"per_head": False}}),
     "pyramid+chunkkv per_head=False": (("pyramid", "chunkkv"), {"chunkkv": {"per_head": False}}),
 }

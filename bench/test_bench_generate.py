@@ -33,9 +33,9 @@ else:
     PROMPT_LEN = int(os.environ.get("KVBENCH_PROMPT_LEN", "4096"))
     NEW_TOKENS, BATCHES, BUDGETS = 32, [1], [1.0, 0.2]
     POLICIES, COMPILE = ["full", "streaming", "h2o", "h2o/16", "h2o+adakv"], [False, True]
-# tests/test_bench_smoke.py runs every benchmark once at tiny shapes so none rots. The compiled body is the same
-# for every policy, and compiling SmolLM2's decode step costs ~15 s per policy from a cold cache, so the
-# smoke run compiles one evicting policy; every policy's compiled step is tested in tests/.
+# tests/test_bench_smoke.py runs every benchmark once at tiny shapes so none rots. The compiled body is the
+# same for every policy, and compiling SmolLM2's decode step costs ~15 s per policy from a cold cache, so
+# the smoke run compiles one evicting policy; every policy's compiled step is tested in tests/.
 SMOKE = os.environ.get("KVBENCH_SMOKE") == "1"
 
 

@@ -48,8 +48,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "h2o": {"recent": 0.5},
     "keyformer": {"tau_init": 1.0, "tau_end": 2.0, "recent": 0.3},
     "a2sf": {"decay": 0.9, "recent": 0.5},
-    "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "chunk": 1, "per_head": True},
-    "chunkkv": {"window": 32, "chunk": 10, "reuse": 1, "per_head": True},
+    "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "chunk": 1, "per_head": True, "align": "grid"},
+    "chunkkv": {"window": 32, "chunk": 10, "reuse": 1, "per_head": True, "align": "grid"},
     "scissorhands": {"recent": 0.5},
     "tova": {"per_head": False, "decode": True},
     "knorm": {"decode": True},
@@ -170,6 +170,38 @@ def keep(name: str, params: dict[str, Any], ids: list[int], scores: list[float],
     return sorted(candidates[: b - n_recent] + recent)
 
 
+def placed_chunks(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``[n]`` -> ``[n]``: every token scores the total of its chunk, the chunks placed greedily: the span of
+    ``c`` tokens with the highest total first (ties: the earlier), then the best span that overlaps no
+    placed chunk, and so on; the runs of tokens left between chunks are chunks of their own, scored by their
+    total scaled to ``c`` tokens. Totals are summed left to right."""
+    def total(a: int, b: int) -> torch.Tensor:
+        t = x[a]
+        for j in range(a + 1, b):
+            t = t + x[j]
+        return t
+
+    n = len(x)
+    spans = {s: total(s, s + c) for s in range(n - c + 1)}
+    out = x.clone()
+    placed = [False] * n
+    for s in sorted(spans, key=lambda s: (-float(spans[s]), s)):
+        if not any(placed[s:s + c]):
+            out[s:s + c] = spans[s]
+            placed[s:s + c] = [True] * c
+    j = 0
+    while j < n:                                  # a run of tokens no chunk holds
+        if placed[j]:
+            j += 1
+            continue
+        end = j
+        while end < n and not placed[end]:
+            end += 1
+        out[j:end] = total(j, end) * c / (end - j)     # scaled to a chunk's length: its mean x c
+        j = end
+    return out
+
+
 def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.Tensor, scale: float,
                   noise: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``[Hkv, L]`` scores of the prompt tokens, computed from the dense causal attention per paper."""
@@ -210,9 +242,15 @@ def prompt_scores(name: str, params: dict[str, Any], q: torch.Tensor, k: torch.T
     if name in ("snapkv", "chunkkv") and params["chunk"] > 1:  # every prefix token scores its chunk's total
         n_prefix = L - min(params["window"], L)
         c = params["chunk"]
-        for start in range(0, n_prefix, c):
-            end = min(start + c, n_prefix)
-            scores[:, start:end] = scores[:, start:end].sum(-1, keepdim=True)
+        if params.get("align", "grid") == "grid":               # chunks every c tokens from the first
+            for start in range(0, n_prefix, c):
+                end = min(start + c, n_prefix)
+                scores[:, start:end] = scores[:, start:end].sum(-1, keepdim=True)
+        elif params["per_head"]:                                 # chunks placed on each head's scores
+            for h in range(n_kv_heads):
+                scores[h, :n_prefix] = placed_chunks(scores[h, :n_prefix], c)
+        elif n_prefix > 0:                                       # ... on the heads' mean, once per layer
+            scores[:, :n_prefix] = placed_chunks(scores[:, :n_prefix].mean(0), c)
     if name in ("snapkv", "chunkkv") and not params["per_head"]:  # one ranking for the layer, after pooling
         scores[:] = scores.mean(0)
     return scores

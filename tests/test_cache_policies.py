@@ -65,6 +65,14 @@ def test_one_selection_per_layer_keeps_what_the_reference_keeps(name):
     given(cases())(lambda case: check_against_reference(name, case, params))()
 
 
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head", "shared"])
+@pytest.mark.parametrize("name", ["snapkv", "chunkkv"])
+def test_chunks_placed_on_the_scores_keep_what_the_reference_keeps(name, per_head):
+    """``align="scores"``: chunks placed greedily on each head's (or the heads' mean) votes."""
+    params = {**PARAMS[name], "chunk": 2, "align": "scores", "per_head": per_head}
+    given(cases())(lambda case: check_against_reference(name, case, params))()
+
+
 def check_against_reference(name: str, case, params: dict | None = None) -> None:
     """Run ``case`` through the cache and through ``simulate``; compare per (layer, sequence, head)."""
     params = PARAMS.get(name, {}) if params is None else params

@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 
 from kvkernels._modes import update_scores_ref
 from kvpolicies import EvictionPolicy, NewTokens, available, compose, get_policy
-from reference_policies import DEFAULTS, default_decode_noise, default_prefill_noise, group_probs, simulate
+from kvpolicies.base import placed_chunk_sums
+from reference_policies import (
+    DEFAULTS,
+    default_decode_noise,
+    default_prefill_noise,
+    group_probs,
+    placed_chunks,
+    simulate,
+)
 
 EVICTION = [row.name for row in available("eviction")]
 
@@ -130,10 +138,11 @@ def cases(draw, name: str):
     if name == "snapkv":
         params.update(window=draw(st.integers(1, 5)), kernel=draw(st.sampled_from([1, 3, 5])),
                       pooling=draw(st.sampled_from(["max", "avg"])),
-                      chunk=draw(st.sampled_from([1, 1, 2, 3])), per_head=draw(st.booleans()))
+                      chunk=draw(st.sampled_from([1, 1, 2, 3])), per_head=draw(st.booleans()),
+                      align=draw(st.sampled_from(["grid", "scores"])))
     if name == "chunkkv":
         params.update(window=draw(st.integers(1, 5)), chunk=draw(st.sampled_from([1, 2, 3, 4])),
-                      per_head=draw(st.booleans()))
+                      per_head=draw(st.booleans()), align=draw(st.sampled_from(["grid", "scores"])))
     if name == "a2sf":
         params["decay"] = draw(st.sampled_from([0.5, 0.9, 1.0]))
     if name == "tova":
@@ -232,6 +241,31 @@ def test_chunkkv_scores_chunks_of_the_prefix():
     assert out.tolist() == [[3.0, 3.0, 3.0, 4.5, 4.5, 4.5, 1.0, 7.0, 8.0]]
     assert get_policy("snapkv")(window=2, kernel=1, chunk=3).postprocess_prefill_scores(scores).tolist() == \
         out.tolist()  # snapkv's chunk option: the same chunk totals (kernel 1 = no pooling)
+
+
+def test_placed_chunks_keep_whole_the_span_a_grid_cuts():
+    # The votes peak on tokens 2-4 (a 3-token number, say); a grid of 3 from the first token cuts it at 3.
+    scores = torch.tensor([[0.0, 0.1, 3.0, 4.0, 3.0, 0.1, 0.0, 0.2, 0.0, 9.0, 9.0]])  # window: the last 2
+    grid = get_policy("chunkkv")(window=2, chunk=3).postprocess_prefill_scores(scores)
+    placed = get_policy("chunkkv")(window=2, chunk=3, align="scores").postprocess_prefill_scores(scores)
+    assert grid[0, :9].tolist() == pytest.approx([3.1] * 3 + [7.1] * 3 + [0.2] * 3)
+    # The best span [2, 5) first; then [5, 8); [0, 2) and [8, 9) are runs shorter than a chunk, scored by
+    # their total scaled to a chunk's length (0.1 * 3 / 2).
+    assert placed[0, :9].tolist() == pytest.approx([0.15, 0.15, 10.0, 10.0, 10.0, 0.3, 0.3, 0.3, 0.0])
+    assert placed[0, 9:].tolist() == [9.0, 9.0]  # the window is untouched
+    keep = lambda sc: sorted(sc[0, :9].topk(3).indices.tolist())
+    assert keep(grid) == [3, 4, 5] and keep(placed) == [2, 3, 4]
+
+
+@given(n=st.integers(0, 30), chunk=st.integers(1, 6), rows=st.integers(1, 3), seed=st.integers(0, 2**16),
+       coarse=st.booleans())
+def test_placed_chunk_sums_equal_the_reference(n, chunk, rows, seed, coarse):
+    """Against the plain greedy placement, per row, bit for bit (values on a coarse grid tie often)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 3, (rows, n), generator=g).float() if coarse else torch.rand(rows, n, generator=g)
+    got = placed_chunk_sums(x, chunk)
+    want = torch.stack([placed_chunks(x[h], chunk) for h in range(rows)]) if chunk > 1 else x
+    assert torch.equal(got, want)
 
 
 @given(L=st.integers(1, 40), chunk=st.integers(1, 6), window=st.integers(1, 6), budget=st.integers(1, 40),

@@ -211,6 +211,7 @@ IN_HOUSE_POLICIES = [
     dict(p="squeeze+h2o", budget=0.5),  # cos-sim layer budgets, accumulated scores
     dict(p="snapkv", budget=0.5, snapkv=dict(window=4, kernel=3)),  # pooled prompt votes, ties
     dict(p="chunkkv", budget=0.5, chunkkv=dict(window=4, chunk=3, per_head=False)),  # one selection per layer
+    dict(p="snapkv", budget=0.5, snapkv=dict(window=4, chunk=2, align="scores")),  # chunks placed on votes
     dict(p="pyramid+tova", budget=6, evict_every=2),  # int budget, evict every other step
     dict(p="streaming", budget=5),
     dict(p="knorm", budget=0.5),  # the open score hook: each token's score from its own key

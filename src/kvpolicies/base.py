@@ -64,6 +64,59 @@ def chunk_sums(scores: torch.Tensor, chunk: int) -> torch.Tensor:
     return sums.repeat_interleave(chunk, dim=-1)[..., :n]
 
 
+def placed_chunk_sums(scores: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Like :func:`chunk_sums`, but each row's chunks are placed on its scores instead of every ``chunk``
+    tokens from the first: the span of ``chunk`` consecutive tokens with the highest total becomes a chunk,
+    then the highest span that overlaps no placed chunk, and so on (ties: the earlier span); the tokens left
+    between placed chunks (runs shorter than ``chunk``) form chunks of their own, scored by their total
+    scaled to ``chunk`` tokens. ``[H, n] -> [H, n]``.
+
+    Why: a fixed grid cuts a number or a name in two wherever a boundary falls inside it, and a layer then
+    keeps one half (SmolLM2 writes a 5-digit key as five tokens; docs/results.md, "Chunks placed on the
+    scores"). A chunk placed on the highest-scoring span keeps it whole. Placement is greedy: one pass on
+    the host over the spans sorted by total (prompt time only; on CUDA it syncs once per call)."""
+    if chunk <= 1 or scores.shape[-1] == 0:
+        return scores
+    rows, n = scores.shape
+    m = max(n - chunk + 1, 0)  # spans that fit
+    spans = scores[:, :m].clone()  # [H, m]: span totals, summed left to right (the reference's order)
+    for o in range(1, chunk):
+        spans += scores[:, o:o + m]
+    # Greedy = one pass over the spans, best first: a span is placed unless it overlaps a placed one. Two
+    # spans of one length overlap iff one holds an end of the other, so two lookups decide it.
+    order = torch.sort(spans, dim=-1, descending=True, stable=True).indices.tolist()  # ties: earlier span
+    placed_starts: list[list[int]] = []
+    for row in order:
+        taken = bytearray(n)
+        starts = []
+        for s in row:
+            if not taken[s] and not taken[s + chunk - 1]:
+                taken[s:s + chunk] = b"\x01" * chunk
+                starts.append(s)
+        placed_starts.append(starts)
+    first = torch.zeros_like(scores, dtype=torch.int64)  # first[h, j]: start of the placed chunk holding j
+    placed = torch.zeros_like(scores, dtype=torch.bool)
+    offsets = torch.arange(chunk, device=scores.device)
+    for h, starts in enumerate(placed_starts):
+        if starts:
+            s = torch.tensor(starts, device=scores.device)
+            idx = (s[:, None] + offsets).flatten()
+            first[h, idx] = s.repeat_interleave(chunk)
+            placed[h, idx] = True
+    out = spans.gather(1, first.clamp(max=max(m - 1, 0))) if m else scores
+    # The runs between placed chunks: each run's tokens score the run's total scaled to a chunk's length
+    # (its mean x chunk), so a short run that holds a key's last digit competes with whole chunks on equal
+    # terms instead of ranking below every one of them. scatter_add sums a run in token order on CPU;
+    # CUDA's atomics may round a run's total differently.
+    gap = ~placed
+    run_start = gap & torch.cat([torch.ones_like(gap[:, :1]), placed[:, :-1]], dim=-1)
+    run = torch.where(gap, run_start.cumsum(-1) - 1, n)  # [H, n] run index, n for placed tokens
+    totals = torch.zeros(rows, n + 1, dtype=scores.dtype, device=scores.device).scatter_add_(1, run, scores)
+    lengths = torch.zeros(rows, n + 1, dtype=scores.dtype, device=scores.device).scatter_add_(
+        1, run, torch.ones_like(scores))
+    return torch.where(gap, totals.gather(1, run) * chunk / lengths.gather(1, run), out)
+
+
 def fraction_count(budgets: torch.Tensor, fraction: float) -> torch.Tensor:
     """``floor(fraction * budgets)`` as int32 ``[B]``: how many of a budget's slots a fraction names.
 

@@ -13,7 +13,8 @@ chunk taken may be cut short (its earliest tokens kept). No pooling: the chunk s
 ranking). ``reuse = 1`` (default) scores every layer.
 
 ``per_head=False`` (as for ``snapkv``; not in the paper) gives every KV head of a layer one selection, by
-the heads' mean chunk scores.
+the heads' mean chunk scores. ``align="scores"`` (as for ``snapkv``; not in the paper) places the chunks on
+the highest-scoring spans instead of a grid from the first token.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ padding; the window's own scores are left alone, they are forced). Keep the wind
 (``decode_evict = False``, ``score_mode = "none"``), as in the paper.
 
 ``chunk > 1`` (not in the paper; ChunkKV's idea, see ``chunkkv``) then sums the pooled prefix scores over
-chunks of ``chunk`` consecutive tokens, so whole chunks are kept.
+chunks of ``chunk`` consecutive tokens, so whole chunks are kept. ``align="grid"`` (default, ChunkKV's) cuts
+the prefix every ``chunk`` tokens from the first; ``align="scores"`` places the chunks on the scores instead
+(the highest-scoring span of ``chunk`` tokens first, then the best span overlapping none placed;
+``kvpolicies.base.placed_chunk_sums``), so a grid boundary cannot cut a number in two; with
+``per_head=False`` the chunks are placed once for the layer, on the heads' mean.
 
 ``per_head=False`` (not in the paper, which selects per head) makes the KV heads of a layer keep one
 selection: each token's final score becomes its mean over the layer's KV heads (the mean over all query
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import EvictionPolicy, check_bool, check_int, chunk_sums
+from ..base import EvictionPolicy, check_bool, check_int, chunk_sums, placed_chunk_sums
 from ..registry import register_policy
 
 
@@ -40,6 +44,7 @@ class WindowVotes(EvictionPolicy):
     window: int = 32
     chunk: int = 1
     per_head: bool = True
+    align: str = "grid"
 
     prefill_mode = "accumulate"
     decode_evict = False
@@ -48,6 +53,10 @@ class WindowVotes(EvictionPolicy):
         check_int(self.name, "window", self.window, 1)
         check_int(self.name, "chunk", self.chunk, 1)
         check_bool(self.name, "per_head", self.per_head)
+        if self.align not in ("grid", "scores"):
+            raise ValueError(f"{self.name}: parameter align={self.align!r} is out of range; choose 'grid' "
+                             "(chunks every `chunk` tokens from the first) or 'scores' (chunks placed on the "
+                             "highest-scoring spans)")
 
     @property
     def heads_share_selection(self) -> bool:
@@ -69,7 +78,13 @@ class WindowVotes(EvictionPolicy):
         with ``per_head=False``, each token's result averaged over the KV heads (every row the same)."""
         n_prefix = scores.shape[-1] - self.prefill_window(scores.shape[-1])
         if n_prefix > 0:
-            prefix = chunk_sums(self.smooth(scores[:, :n_prefix]), self.chunk)
+            prefix = self.smooth(scores[:, :n_prefix])
+            if self.align == "grid":
+                prefix = chunk_sums(prefix, self.chunk)
+            elif self.per_head:
+                prefix = placed_chunk_sums(prefix, self.chunk)
+            else:  # one placement for the layer: chunks placed on the heads' mean
+                prefix = placed_chunk_sums(prefix.mean(0, keepdim=True), self.chunk).expand_as(prefix)
             scores = torch.cat([prefix, scores[:, n_prefix:]], dim=-1)
         # Shared after smoothing: each head's own pooling first, as per head; then one ranking for all.
         return self.eviction_scores(scores, head_dim=0).contiguous()
