@@ -66,8 +66,6 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
         ("snapkv",), {"snapkv": {"chunk": 10, "window": 16, "per_head": False, "align": "scores"}}),
     "snapkv chunk=5 window=16 per_head=False align=scores": (
         ("snapkv",), {"snapkv": {"chunk": 5, "window": 16, "per_head": False, "align": "scores"}}),
-    "chunkkv per_head=False align=scores": (("chunkkv",),
-                                            {"chunkkv": {"per_head": False, "align": "scores"}}),
     "squeeze+chunkkv per_head=False": (("squeeze", "chunkkv"), {"chunkkv": {"per_head": False}}),
     "pyramid+chunkkv per_head=False": (("pyramid", "chunkkv"), {"chunkkv": {"per_head": False}}),
 }
