@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(margins_file: Path, variants_file: Path, variant: str) -> int:
-    """Misses of ``variant`` among the prompts the full cache answers, with the full cache's margins."""
+def report(margins_file: Path, variants_file: Path, variant: str, thin: float = 0.3) -> int:
+    """Misses of ``variant`` among the prompts the full cache answers, with the full cache's margins; then,
+    per budget, the answers it keeps among the prompts whose weakest margin is below ``thin``, and above."""
     from kvmodels.eval.tasks import exact_match
 
     margins = {(r["context"], r["seed"], r["sample"]): r
@@ -118,6 +119,7 @@ def report(margins_file: Path, variants_file: Path, variant: str) -> int:
         if r["variant"] != variant or r["n"] != 24:
             continue
         rows.setdefault((r["context"], r["budget"]), []).append(r)
+    buckets: dict[float, dict[bool, list[int]]] = {}  # budget -> thin? -> [kept, of]
     for (context, budget), records in sorted(rows.items()):
         kept, lost, seeds = [], [], []
         for r in sorted(records, key=lambda r: r.get("seed", 0)):
@@ -130,16 +132,23 @@ def report(margins_file: Path, variants_file: Path, variant: str) -> int:
             for m, out in zip(found, r["outputs"], strict=True):
                 if not m["full_answers"]:
                     continue
+                cell = buckets.setdefault(budget, {True: [0, 0], False: [0, 0]})[m["weakest_margin"] < thin]
+                cell[0] += exact_match(out, m["key"])
+                cell[1] += 1
                 if exact_match(out, m["key"]):
                     kept.append(m["weakest_margin"])
                 else:
-                    lost.append(f"{m['key']} -> {out.strip().split('.')[0][:8]} ({m['weakest_margin']:.2f})")
+                    answer = out.strip().split(".")[0][:8]
+                    lost.append(f"seed {seed}: {m['key']} -> {answer} ({m['weakest_margin']:.2f})")
         if not seeds:
             continue
         kept.sort()
         median = kept[len(kept) // 2] if kept else float("nan")
         print(f"| ~{context} | {budget:g} | {', '.join(map(str, seeds))} | {len(kept)}, {median:.2f}, "
               f"{kept[0] if kept else float('nan'):.2f} | {'; '.join(lost) or '-'} |")
+    for budget, cells in sorted(buckets.items()):
+        print(f"budget {budget:g}, all lengths: margin < {thin:g}: {cells[True][0]} of {cells[True][1]} "
+              f"kept; >= {thin:g}: {cells[False][0]} of {cells[False][1]}")
     return 0
 
 
