@@ -49,7 +49,6 @@ def ablated(policy: ComposedPolicy, whole: set[int]) -> LayerAblated:
 def main(argv: list[str] | None = None) -> int:
     from kvmodels.eval import tasks
     from kvmodels.eval.sweep import Runner, append_record, device_name
-    from kvpolicies import compose
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("policy", help="the composed policy by name, parameters inside the name")
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--sample must be in [0, {len(samples)}), got {args.sample}")
     sample = samples[args.sample]
     runner.replay.record([list(sample.prompt)])
-    policy = compose(args.policy, budget=args.budget, seed=runner.seed)
+    policy = runner.policy(args.policy, args.budget)
     n_layers = runner.replay.n_cache_layers
     layers = set(range(n_layers))
     runs: list[set[int]] = []

@@ -14,7 +14,6 @@ Run: ``python bench/passkey_margins.py --context 4096 --n 24 --seed 2``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     from kvkernels import prefill_attention
-    from kvmodels.eval.sweep import Runner, append_record, device_name
+    from kvmodels.eval.sweep import Runner, append_record, device_name, read_records
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=4096)
@@ -44,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     only = {int(i) for i in args.only.split(",") if i}
     out = Path(args.out)
-    done = set()
-    if out.exists():
-        done = {(r["context"], r["n"], r["seed"], r["sample"])
-                for r in map(json.loads, out.read_text().splitlines())}
+    done = {(r["context"], r["n"], r["seed"], r["sample"]) for r in read_records(out)}
     runner = Runner(seed=args.seed)
     tok = runner.tokenizer
 
@@ -98,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 def report(margins_file: Path, variants_file: Path, variant: str, thin: float = 0.3) -> int:
     """Misses of ``variant`` among the prompts the full cache answers, with the full cache's margins; then,
     per budget, the answers it keeps among the prompts whose weakest margin is below ``thin``, and above."""
+    from kvmodels.eval.sweep import read_records
     from kvmodels.eval.tasks import exact_match
 
-    margins = {(r["context"], r["seed"], r["sample"]): r
-               for r in map(json.loads, margins_file.read_text().splitlines())}
+    margins = {(r["context"], r["seed"], r["sample"]): r for r in read_records(margins_file)}
+    variants = read_records(variants_file)
     agree = total = 0  # the teacher-forced verdict against the full cache's recorded greedy answers
-    for r in map(json.loads, variants_file.read_text().splitlines()):
+    for r in variants:
         if r["variant"] == "full":
             for i, out in enumerate(r["outputs"]):
                 m = margins.get((r["context"], r.get("seed", 0), i))
@@ -115,7 +112,7 @@ def report(margins_file: Path, variants_file: Path, variant: str, thin: float = 
     print("| context | budget | seeds | kept: n, median margin, smallest | lost: key -> answer (margin) |")
     print("|---|---|---|---|---|")
     rows: dict[tuple[int, float], list] = {}
-    for r in map(json.loads, variants_file.read_text().splitlines()):
+    for r in variants:
         if r["variant"] != variant or r["n"] != 24:
             continue
         rows.setdefault((r["context"], r["budget"]), []).append(r)
