@@ -21,8 +21,38 @@ from pathlib import Path
 import torch
 
 
+class _Dense:
+    """The cache a dense prefill needs: attention over the whole sequence, nothing kept."""
+
+    def prefill_attend(self, l, b, q, k, v, positions, *, scale):
+        from kvkernels import prefill_attention
+
+        return prefill_attention(q, k, v, scale=scale)[0]
+
+    def record_cos_sim(self, l, b, value):
+        pass
+
+
+def teacher_forced(model, prompt: list[int], answer: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]:
+    """The full cache's probabilities of ``answer`` after ``prompt``, teacher-forced (one dense prefill).
+
+    Returns ``(p_key, p_other, other)``, each ``[len(answer)]``: the probability of each answer token given
+    the prompt and the answer tokens before it, and the most likely *other* token and its probability.
+    ``p_key > p_other`` at every position iff greedy decoding of ``prompt`` produces ``answer``.
+    """
+    ids = torch.tensor([*prompt, *answer])
+    with torch.no_grad():
+        logits = model.prefill(ids, _Dense(), 0, last_only=False)
+    # logits[t] predicts token t + 1: the answer's tokens are predicted by the rows before them.
+    probs = torch.softmax(logits[len(prompt) - 1:-1].float(), dim=-1)  # [len(answer), V]
+    target = torch.tensor(answer)
+    p_key = probs.gather(1, target[:, None])[:, 0]
+    p_other, other = probs.scatter(1, target[:, None], 0.0).max(dim=1)
+    return p_key, p_other, other
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kvkernels import prefill_attention
     from kvmodels.eval.sweep import Runner, append_record, device_name, read_records
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,31 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     done = {(r["context"], r["n"], r["seed"], r["sample"]) for r in read_records(out)}
     runner = Runner(seed=args.seed)
     tok = runner.tokenizer
-
-    class Dense:  # the cache a dense prefill needs: attention over the whole prompt, nothing kept
-        def prefill_attend(self, l, b, q, k, v, positions, *, scale):
-            return prefill_attention(q, k, v, scale=scale)[0]
-
-        def record_cos_sim(self, l, b, value):
-            pass
-
     with torch.no_grad():
         for i, s in enumerate(runner.samples("passkey", args.context, args.n)):
             if (only and i not in only) or (args.context, args.n, args.seed, i) in done:
                 continue
             t0 = time.perf_counter()
             answer = tok.encode(f" {s.answer}.", add_special_tokens=False)  # " ", digits, "." (one each)
-            ids = torch.tensor([*s.prompt, *answer])
-            logits = runner.model.prefill(ids, Dense(), 0, last_only=False)
-            # logits[t] predicts token t + 1: the answer's tokens are predicted by the rows before them.
-            probs = torch.softmax(logits[len(s.prompt) - 1:-1].float(), dim=-1)  # [len(answer), V]
-            target = torch.tensor(answer)
-            p_key = probs.gather(1, target[:, None])[:, 0]
-            others = probs.scatter(1, target[:, None], 0.0)
-            p_other, other = others.max(dim=1)
+            p_key, p_other, other = teacher_forced(runner.model, list(s.prompt), answer)
             margin = p_key - p_other
             digits = [j for j, t in enumerate(answer) if tok.decode([t]).isdigit()]
             weakest = min(digits, key=lambda j: float(margin[j]))
+            last = answer[-1] if margin[-1] > 0 else int(other[-1])  # greedy's token at the "." position
             record = {"context": args.context, "n": args.n, "seed": args.seed, "sample": i, "key": s.answer,
                       "depth": s.depth, "prompt_tokens": len(s.prompt),
                       "tokens": [tok.decode([t]) for t in answer],
@@ -82,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                       # greedy decoding gives the key iff every digit (and the space before it) is the
                       # argmax and no digit follows the last one
                       "full_answers": bool((margin[:-1] > 0).all())
-                      and not tok.decode([int(probs[-1].argmax())]).strip().isdigit(),
+                      and not tok.decode([last]).strip().isdigit(),
                       "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
                       "torch": torch.__version__}
             append_record(out, record)

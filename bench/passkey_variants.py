@@ -7,6 +7,11 @@ Same samples, prompts, replayed prefills and scoring as ``python -m kvmodels.eva
 question inside the prompt). One JSON line per (variant, budget), appended to ``--out``; a rerun skips the
 lines already there. Run: ``python bench/passkey_variants.py --context 1024 --n 24``; ``--report`` prints
 the recorded answers and near misses (the key with one digit left out) per variant and budget instead.
+
+``--task generation`` runs the sweep's generation-agreement task instead (greedy 48-token summaries of
+~``--context``-token passages, ROUGE-L F1 against the full cache's summary of the same prompt, which the
+script computes first on the same samples) into ``bench/results/generation-variants.jsonl``: whether a
+setting chosen on the passkey keeps what the model writes. ``--report`` prints its ROUGE-L table.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
 
 def main(argv: list[str] | None = None) -> int:
     from kvmodels.eval import tasks
-    from kvmodels.eval.sweep import Runner, device_name
+    from kvmodels.eval.sweep import Runner, device_name, read_records
     from kvpolicies import compose
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,42 +91,63 @@ def main(argv: list[str] | None = None) -> int:
                    "lower it to bound the cache's memory at long contexts)")
     p.add_argument("--seed", type=int, default=0, help="sample seed: another seed draws other keys and "
                    "passages (a held-out check of variants chosen on seed 0)")
-    p.add_argument("--out", default="bench/results/passkey-variants.jsonl")
-    p.add_argument("--report", action="store_true", help="print correct / near-miss counts of the recorded "
-                   "lines for --context, --n and --seed (rebuilding the samples' keys) and run nothing")
+    p.add_argument("--task", choices=("passkey", "generation"), default="passkey")
+    p.add_argument("--out", default=None, help="JSONL results (default: "
+                   "bench/results/passkey-variants.jsonl; generation-variants.jsonl for --task generation)")
+    p.add_argument("--report", action="store_true", help="print correct / near-miss counts (ROUGE-L for "
+                   "--task generation) of the recorded lines for --context, --n and --seed and run nothing")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    out = Path(args.out or f"bench/results/{args.task}-variants.jsonl")
     done = set()
     if out.exists():
-        done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
+        done = {r["key"] for r in read_records(out)}
     names = list(VARIANTS) if args.variants is None else args.variants.split(";")
     runner = Runner(seed=args.seed)
     tag = f"|seed={args.seed}" if args.seed else ""  # seed 0 keeps the keys of earlier runs
-    samples = runner.samples("passkey", args.context, args.n)
+    samples = runner.samples(args.task, args.context, args.n)
     if args.report:
+        if args.task == "generation":
+            return report_generation(out, args.context, args.n, args.seed)
         return report(out, samples, args.context, args.n, args.seed)
     runner.replay.record([list(s.prompt) for s in samples])
+    refs = None
+    if args.task == "generation":
+        # The full cache's summaries of these samples are the references: from the file, else run first.
+        full_key = f"generation|ctx={args.context}|n={args.n}|full|1{tag}"
+        found = [r["outputs"] for r in read_records(out) if r["key"] == full_key]
+        if found:
+            refs = found[-1]
+        else:
+            names = ["full"] + [n for n in names if n != "full"]
     for budget in [float(b) for b in args.budgets.split(",")]:
         for name in names:
-            key = f"passkey|ctx={args.context}|n={args.n}|{name}|{budget if name != 'full' else 1.0:g}{tag}"
+            budget_key = budget if name != "full" else 1.0
+            key = f"{args.task}|ctx={args.context}|n={args.n}|{name}|{budget_key:g}{tag}"
             if key in done:
                 continue
             done.add(key)
             spec, params = VARIANTS[name]
             policy = compose(*spec, budget=budget if name != "full" else 1.0, seed=runner.seed, **params)
             t0 = time.perf_counter()
-            res = tasks.run_passkey(runner.replay, runner.tokenizer, samples, policy,
-                                    batch_size=args.batch or args.n)
-            record = {"key": key, "variant": name, "policy": repr(policy), "budget": budget,
-                      "context": args.context, "n": args.n, "seed": args.seed,
+            if args.task == "generation":
+                res = tasks.run_generation(runner.replay, runner.tokenizer, samples, policy,
+                                           None if name == "full" else refs, batch_size=args.batch or args.n)
+                if name == "full":
+                    refs = res.outputs
+            else:
+                res = tasks.run_passkey(runner.replay, runner.tokenizer, samples, policy,
+                                        batch_size=args.batch or args.n)
+            record = {"key": key, "task": args.task, "variant": name, "policy": repr(policy),
+                      "budget": budget, "context": args.context, "n": args.n, "seed": args.seed,
                       "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
                       "torch": torch.__version__, **res.metrics, "outputs": res.outputs}
             with out.open("a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
-            print(f"{name:40s} {budget:4.2f} {res.metrics.get('correct')}/{args.n} ({record['seconds']} s)",
-                  flush=True)
+            score = (f"ROUGE-L {res.metrics['rouge_l']:.3f}" if args.task == "generation"
+                     else f"{res.metrics.get('correct')}/{args.n}")
+            print(f"{name:40s} {budget:4.2f} {score} ({record['seconds']} s)", flush=True)
     return 0
 
 
@@ -141,13 +167,45 @@ def report(out: Path, samples: list, context: int, n: int, seed: int) -> int:
             full = f"{r['correct']} ({near})"
             continue
         rows.setdefault(r["variant"], {})[r["budget"]] = f"{r['correct']} ({near})"
-    budgets = sorted({b for cells in rows.values() for b in cells})
     print(f"passkey, ~{context} tokens, {n} samples, seed {seed}: correct (near misses); "
           f"the full cache {full}")
+    print_table(rows)
+    return 0
+
+
+def print_table(rows: dict[str, dict[float, str]]) -> None:
+    """A markdown table: one row per variant, one column per budget."""
+    budgets = sorted({b for cells in rows.values() for b in cells})
     print("| variant | " + " | ".join(f"{b:g}" for b in budgets) + " |")
     print("|---|" + "---|" * len(budgets))
     for name, cells in rows.items():
         print(f"| `{name}` | " + " | ".join(cells.get(b, "") for b in budgets) + " |")
+
+
+def report_generation(out: Path, context: int, n: int, seed: int) -> int:
+    """Print, per recorded variant and budget, the mean ROUGE-L F1 against the full cache's summaries with
+    its standard error over the samples, and how many summaries are identical to the full cache's."""
+    import numpy as np
+
+    from kvmodels.eval.sweep import read_records
+    from kvmodels.eval.tasks import rouge_l
+
+    records = [r for r in read_records(out) if (r["context"], r["n"], r.get("seed", 0)) == (context, n, seed)]
+    refs = [r["outputs"] for r in records if r["variant"] == "full"]
+    if not refs:
+        print(f"{out}: no full-cache record for ~{context} tokens, {n} samples, seed {seed}")
+        return 1
+    rows: dict[str, dict[float, str]] = {}
+    for r in records:
+        if r["variant"] == "full":
+            continue
+        scores = np.array([rouge_l(o, ref) for o, ref in zip(r["outputs"], refs[-1], strict=True)])
+        se = scores.std(ddof=1) / np.sqrt(len(scores)) if len(scores) > 1 else float("nan")
+        exact = sum(o == ref for o, ref in zip(r["outputs"], refs[-1], strict=True))
+        rows.setdefault(r["variant"], {})[r["budget"]] = f"{scores.mean():.2f} ± {se:.2f} ({exact})"
+    print(f"generation agreement, ~{context} tokens, {n} samples, seed {seed}: mean ROUGE-L F1 against the "
+          f"full cache's summary ± its standard error (summaries identical to the full cache's)")
+    print_table(rows)
     return 0
 
 

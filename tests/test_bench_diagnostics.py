@@ -1,0 +1,101 @@
+"""The passkey diagnostics in ``bench/`` (docs/results.md, "The last ~4k answer at 0.5") on a tiny model:
+``passkey_margins.teacher_forced`` must agree with greedy decoding, and ``passkey_layer_ablation``'s
+``LayerAblated`` must keep exactly the chosen layers whole and leave every other layer as the policy has it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmodels.generate import generate
+from kvmodels.llama import Llama, LlamaConfig
+from kvpolicies import compose
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+V = 61
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+margins = _bench_module("passkey_margins")
+ablation = _bench_module("passkey_layer_ablation")
+
+
+def _tiny_llama(n_layers: int = 3) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=V, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                              intermediate=48, max_seq_len=128)).eval()
+    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+MODEL = _tiny_llama()
+
+
+@settings(max_examples=15, deadline=None)
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=40), n_new=st.integers(1, 6),
+       flip=st.integers(0, 5))
+def test_teacher_forced_margins_agree_with_greedy(prompt, n_new, flip):
+    greedy = generate(MODEL, [prompt], n_new).tokens[0]
+    p_key, p_other, other = margins.teacher_forced(MODEL, prompt, greedy)
+    assert p_key.shape == p_other.shape == other.shape == (n_new,)
+    assert bool((p_key > p_other).all()), "greedy's own tokens are the argmax at every position"
+    assert not bool((other == torch.tensor(greedy)).any())
+    # The first probability is the dense next-token distribution after the prompt.
+    with torch.no_grad():
+        first = torch.softmax(MODEL.prefill(torch.tensor(prompt), None, 0)[-1].float(), dim=-1)
+    torch.testing.assert_close(p_key[0], first[greedy[0]], rtol=1e-4, atol=1e-6)
+    # Replace one token by the runner-up: that position's margin turns negative, the ones before it stay.
+    j = flip % n_new
+    changed = list(greedy)
+    changed[j] = int(other[j])
+    q_key, q_other, _ = margins.teacher_forced(MODEL, prompt, changed)
+    assert float(q_key[j]) < float(q_other[j])
+    torch.testing.assert_close(q_key[:j], p_key[:j])
+
+
+def _layer_tokens(policy, prompts, n_new):
+    result = generate(MODEL, prompts, n_new, policy, page_size=4)
+    return result.tokens, result.report.tokens_per_layer
+
+
+@pytest.mark.parametrize("name", ["snapkv", "squeeze+h2o"])
+def test_layer_ablated_keeps_exactly_the_chosen_layers_whole(name):
+    prompts = [list(range(3, 50)), [7, 1, 4] * 12]
+    n_new = 5
+    policy = compose(name, budget=0.25)
+    n_layers = MODEL.n_cache_layers
+    tokens, kept = _layer_tokens(policy, prompts, n_new)
+    full_tokens, full_kept = _layer_tokens(compose("full"), prompts, n_new)
+    assert all(kept[l][b] < full_kept[l][b] for l in range(n_layers) for b in range(2)), "it compresses"
+
+    none_tokens, none_kept = _layer_tokens(ablation.ablated(policy, set()), prompts, n_new)
+    assert none_tokens == tokens and none_kept == kept
+
+    all_tokens, all_kept = _layer_tokens(ablation.ablated(policy, set(range(n_layers))), prompts, n_new)
+    assert all_tokens == full_tokens and all_kept == full_kept
+
+    for layer in range(n_layers):
+        _, one_kept = _layer_tokens(ablation.ablated(policy, {layer}), prompts, n_new)
+        for l in range(n_layers):
+            # the chosen layer keeps everything; the others exactly what the policy keeps (their budgets
+            # are the policy's own, also under squeeze, which moves budget between layers)
+            assert one_kept[l] == (full_kept[l] if l == layer else kept[l])
