@@ -41,12 +41,13 @@ def teacher_forced(model, prompt: list[int], answer: list[int]) -> tuple[torch.T
     the prompt and the answer tokens before it, and the most likely *other* token and its probability.
     ``p_key > p_other`` at every position iff greedy decoding of ``prompt`` produces ``answer``.
     """
-    ids = torch.tensor([*prompt, *answer])
+    device = next(model.parameters()).device
+    ids = torch.tensor([*prompt, *answer], device=device)
     with torch.no_grad():
         logits = model.prefill(ids, _Dense(), 0, last_only=False)
     # logits[t] predicts token t + 1: the answer's tokens are predicted by the rows before them.
     probs = torch.softmax(logits[len(prompt) - 1:-1].float(), dim=-1)  # [len(answer), V]
-    target = torch.tensor(answer)
+    target = torch.tensor(answer, device=device)
     p_key = probs.gather(1, target[:, None])[:, 0]
     p_other, other = probs.scatter(1, target[:, None], 0.0).max(dim=1)
     return p_key, p_other, other

@@ -17,7 +17,6 @@ setting chosen on the passkey keeps what the model writes. ``--report`` prints i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -78,7 +77,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
 
 def main(argv: list[str] | None = None) -> int:
     from kvmodels.eval import tasks
-    from kvmodels.eval.sweep import Runner, device_name, read_records
+    from kvmodels.eval.sweep import Runner, append_record, device_name, read_records
     from kvpolicies import compose
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or f"bench/results/{args.task}-variants.jsonl")
-    done = set()
-    if out.exists():
-        done = {r["key"] for r in read_records(out)}
+    recorded = read_records(out)
+    done = {r["key"] for r in recorded}
     names = list(VARIANTS) if args.variants is None else args.variants.split(";")
     runner = Runner(seed=args.seed)
     tag = f"|seed={args.seed}" if args.seed else ""  # seed 0 keeps the keys of earlier runs
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.task == "generation":
         # The full cache's summaries of these samples are the references: from the file, else run first.
         full_key = f"generation|ctx={args.context}|n={args.n}|full|1{tag}"
-        found = [r["outputs"] for r in read_records(out) if r["key"] == full_key]
+        found = [r["outputs"] for r in recorded if r["key"] == full_key]
         if found:
             refs = found[-1]
         else:
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             done.add(key)
             spec, params = VARIANTS[name]
-            policy = compose(*spec, budget=budget if name != "full" else 1.0, seed=runner.seed, **params)
+            policy = compose(*spec, budget=budget_key, seed=runner.seed, **params)
             t0 = time.perf_counter()
             if args.task == "generation":
                 res = tasks.run_generation(runner.replay, runner.tokenizer, samples, policy,
@@ -143,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                       "budget": budget, "context": args.context, "n": args.n, "seed": args.seed,
                       "seconds": round(time.perf_counter() - t0, 2), "device": device_name(),
                       "torch": torch.__version__, **res.metrics, "outputs": res.outputs}
-            with out.open("a") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
+            append_record(out, record)
             score = (f"ROUGE-L {res.metrics['rouge_l']:.3f}" if args.task == "generation"
                      else f"{res.metrics.get('correct')}/{args.n}")
             print(f"{name:40s} {budget:4.2f} {score} ({record['seconds']} s)", flush=True)
@@ -154,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
 def report(out: Path, samples: list, context: int, n: int, seed: int) -> int:
     """Print, per recorded variant and budget, correct answers and near misses out of ``n``."""
     from kvmodels.eval import tasks
+    from kvmodels.eval.sweep import read_records
 
     keys = [s.answer for s in samples]
     rows: dict[str, dict[float, str]] = {}
     full = "not recorded"
-    for line in out.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_records(out):
         if (r["context"], r["n"], r.get("seed", 0)) != (context, n, seed):
             continue
         near = sum(tasks.near_miss(o, k) for o, k in zip(r["outputs"], keys, strict=True))

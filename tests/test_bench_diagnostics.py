@@ -14,14 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from devices import DEVICE
 from kvmodels.generate import generate
-from kvmodels.llama import Llama, LlamaConfig
 from kvpolicies import compose
+from test_generate import V, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-V = 61
 
 
 def _bench_module(name: str):
@@ -36,18 +36,7 @@ margins = _bench_module("passkey_margins")
 ablation = _bench_module("passkey_layer_ablation")
 
 
-def _tiny_llama(n_layers: int = 3) -> Llama:
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=V, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                              intermediate=48, max_seq_len=128)).eval()
-    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    return model
-
-
-MODEL = _tiny_llama()
+MODEL = tiny_llama(n_layers=3)
 
 
 @settings(max_examples=15, deadline=None)
@@ -58,10 +47,10 @@ def test_teacher_forced_margins_agree_with_greedy(prompt, n_new, flip):
     p_key, p_other, other = margins.teacher_forced(MODEL, prompt, greedy)
     assert p_key.shape == p_other.shape == other.shape == (n_new,)
     assert bool((p_key > p_other).all()), "greedy's own tokens are the argmax at every position"
-    assert not bool((other == torch.tensor(greedy)).any())
+    assert not bool((other == torch.tensor(greedy, device=DEVICE)).any())
     # The first probability is the dense next-token distribution after the prompt.
     with torch.no_grad():
-        first = torch.softmax(MODEL.prefill(torch.tensor(prompt), None, 0)[-1].float(), dim=-1)
+        first = torch.softmax(MODEL.prefill(torch.tensor(prompt, device=DEVICE), None, 0)[-1].float(), dim=-1)
     torch.testing.assert_close(p_key[0], first[greedy[0]], rtol=1e-4, atol=1e-6)
     # Replace one token by the runner-up: that position's margin turns negative, the ones before it stay.
     j = flip % n_new
