@@ -1,6 +1,7 @@
 """The passkey diagnostics in ``bench/`` (docs/results.md, "The last ~4k answer at 0.5") on a tiny model:
 ``passkey_margins.teacher_forced`` must agree with greedy decoding, and ``passkey_layer_ablation``'s
-``LayerAblated`` must keep exactly the chosen layers whole and leave every other layer as the policy has it.
+``LayerAblated`` must keep exactly the chosen layers whole and leave every other layer as the policy has it;
+``passkey_profile``'s report must count the full cache's answers a variant keeps.
 """
 
 from __future__ import annotations
@@ -88,3 +89,26 @@ def test_layer_ablated_keeps_exactly_the_chosen_layers_whole(name):
             # the chosen layer keeps everything; the others exactly what the policy keeps (their budgets
             # are the policy's own, also under squeeze, which moves budget between layers)
             assert one_kept[l] == (full_kept[l] if l == layer else kept[l])
+
+
+def test_passkey_profile_report_counts_the_full_caches_answers(tmp_path, monkeypatch, capsys):
+    """``passkey_profile --report``: a cell counts the full cache's correct answers the variant keeps, and
+    separately the ones only the variant gets right; a full-cache record in the profile file wins."""
+    from kvmodels.eval.sweep import append_record
+
+    pp = _bench_module("passkey_profile")
+    answers = ["11111", "22222", "33333", "44444"]
+    variants_file, out = tmp_path / "variants.jsonl", tmp_path / "profile.jsonl"
+    monkeypatch.setattr(pp, "FULL_RECORDS", variants_file)
+    append_record(variants_file, {"variant": "full", "context": 1024, "n": 4, "seed": 0,
+                                  "outputs": [" 11111.", " 22222.", " 33333.", " 1."]})
+    base = {"task": "passkey", "context": 1024, "n": 4, "answers": answers, "eviction": pp.SETTING}
+    append_record(out, {**base, "variant": "uniform", "budget": 0.2, "seed": 0,
+                        "outputs": [" 11111.", " 2222.", " 33333.", " 44444."]})      # keeps 2 of 3, +1
+    append_record(out, {**base, "variant": "full", "budget": 1.0, "seed": 7, "eviction": "full",
+                        "outputs": [" 11111.", " 9.", " 9.", " 9."]})
+    append_record(out, {**base, "variant": "uniform", "budget": 0.2, "seed": 7,
+                        "outputs": [" 11111.", " 22222.", " 9.", " 9."]})             # keeps 1 of 1, +1
+    assert pp.report(out) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "`uniform`" in line)
+    assert "| 3 of 4 (75%) +2 |" in row and "seed 0: 2/3 +1; seed 7: 1/1 +1" in row

@@ -26,15 +26,24 @@ def allocations(draw):
     return n_layers, budget_tokens, min_budget, LayerStats(cos_sim=torch.tensor(cos))
 
 
+def profile_weights(n_layers):
+    """Per-layer weights for ``profile``: zeros, ties and one dominant layer included, never all zero."""
+    return st.lists(st.sampled_from([0.0, 0.1, 0.25, 1.0, 1.0, 3.0, 50.0]), min_size=n_layers,
+                    max_size=n_layers).filter(lambda w: sum(w) > 0)
+
+
 def allocate(name, n_layers, budget_tokens, min_budget, stats, **params):
     return get_policy(name)(**params).allocate(budget_tokens, n_layers, stats, min_budget)
 
 
 @pytest.mark.parametrize("name", BUDGET)
-@given(case=allocations())
-def test_total_conserved_and_floor(name, case):
+@given(case=allocations(), data=st.data())
+def test_total_conserved_and_floor(name, case, data):
     n_layers, budget_tokens, min_budget, stats = case
-    out = allocate(name, n_layers, budget_tokens, min_budget, stats)
+    params = {}
+    if name == "profile":  # the one budget policy with a required parameter: a weight per layer
+        params["weights"] = data.draw(profile_weights(n_layers))
+    out = allocate(name, n_layers, budget_tokens, min_budget, stats, **params)
     assert out.dtype == torch.int64 and out.shape == (n_layers, budget_tokens.shape[0])
     assert torch.equal(out.sum(0), n_layers * budget_tokens)
     ok = budget_tokens >= min_budget
@@ -183,3 +192,42 @@ def test_squeeze_budgets_never_exceed_the_prompt():
     out = policy.layer_budgets(bt, 30, LayerStats(cos_sim=cos), capacity=prompt)
     assert int(out.max()) <= 100
     assert int(out.sum()) == 30 * int(bt[0])
+
+
+@given(n_layers=st.integers(1, 12), data=st.data(), min_budget=st.integers(1, 4))
+def test_profile_follows_its_weights(n_layers, data, min_budget):
+    weights = data.draw(profile_weights(n_layers))
+    b = data.draw(st.integers(0, 80))
+    out = allocate("profile", n_layers, torch.tensor([b]), min_budget, None, weights=weights)[:, 0]
+    assert int(out.sum()) == n_layers * b
+    for i in range(n_layers):      # a larger weight never gets less, equal weights get within one token
+        for j in range(n_layers):
+            if weights[i] > weights[j]:
+                assert out[i] >= out[j]
+            elif weights[i] == weights[j]:
+                assert abs(int(out[i]) - int(out[j])) <= 1
+    exact = torch.tensor(weights, dtype=torch.float64) * n_layers * b / sum(weights)
+    if bool((exact >= min_budget).all()):   # no floor binds: within one token of the exact share
+        assert ((out.double() - exact).abs() < 1 + 1e-9).all()
+
+
+@given(n_layers=st.integers(1, 12), b=st.lists(st.integers(0, 60), min_size=1, max_size=3),
+       min_budget=st.integers(1, 4), scale=st.sampled_from([1.0, 0.3, 7.0]))
+def test_profile_with_equal_or_no_weights_is_uniform(n_layers, b, min_budget, scale):
+    budget_tokens = torch.tensor(b)
+    uniform = allocate("uniform", n_layers, budget_tokens, min_budget, None)
+    assert torch.equal(allocate("profile", n_layers, budget_tokens, min_budget, None), uniform)
+    assert torch.equal(allocate("profile", n_layers, budget_tokens, min_budget, None,
+                                weights=(scale,) * n_layers), uniform)
+
+
+def test_profile_shape_and_errors():
+    out = allocate("profile", 4, torch.tensor([100]), 1, None, weights=(1, 3, 0, 4))[:, 0]
+    assert out.tolist() == [50, 150, 1, 199]          # the zero-weight layer is lifted to the floor
+    assert compose("profile(weights=(1, 3))", "snapkv").budget_policy.weights == (1.0, 3.0)
+    with pytest.raises(ValueError, match="weights has 2 entries but the model has 3"):
+        allocate("profile", 3, torch.tensor([10]), 1, None, weights=(1, 2))
+    for bad, match in [((1, -1), r"weights\[1\]"), ((1, float("nan")), r"weights\[1\]"),
+                       ((True, 1), r"weights\[0\]"), ((0, 0), "all 0"), ("12", "sequence")]:
+        with pytest.raises(ValueError, match=match):
+            get_policy("profile")(weights=bad)

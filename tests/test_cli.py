@@ -152,3 +152,18 @@ def test_smollm2_streaming_policy():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "policy streaming (budget 0.5)" in proc.stderr and "KV cache:" in proc.stderr
+
+
+def test_profile_without_weights_measures_the_models_retrieval_profile(capsys, tiny_ckpt):
+    prompt = "hello world the cache is small " * 3
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "2",
+                           "--policy", "profile+snapkv", "--budget", "0.5", prompt)
+    assert rc == 0, err
+    line = next(x for x in err.splitlines() if x.startswith("profile: this model's retrieval profile"))
+    assert len(line.split("layer weights ")[1].split()) == 2          # one weight per layer of the model
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "2",
+                           "--policy", "profile(weights=(1, 3))+snapkv", "--budget", "0.5", prompt)
+    assert rc == 0 and "retrieval profile" not in err                # weights given: nothing measured
+    budgets = next(x for x in err.splitlines() if x.startswith("layer budgets (sequence 0)"))
+    low, high = (int(n) for n in budgets.split(": ")[1].split())
+    assert low + high == 18 and high > 2 * low                       # 9 per layer on average, split 1 : 3

@@ -186,6 +186,23 @@ def _summary(result: Any, policy: Any, path: str = "") -> str:
     return "\n".join(lines)
 
 
+def _with_retrieval_profile(policy: Any, model: Any) -> Any:
+    """``policy`` with its ``profile`` budget policy's weights measured on ``model`` (``--policy profile+...``
+    without weights): the model's retrieval profile, printed with the time it took."""
+    from dataclasses import replace
+
+    from kvmodels.profile import retrieval_profile
+
+    t0 = time.perf_counter()
+    try:
+        weights = retrieval_profile(model)
+    except ValueError as e:
+        raise CliError(f"--policy profile: {e}; give the weights instead, profile(weights=(...))") from None
+    print(f"profile: this model's retrieval profile (kvmodels.profile, {time.perf_counter() - t0:.1f} s), "
+          f"layer weights {' '.join(f'{w:.2f}' for w in weights)}", file=sys.stderr)
+    return replace(policy, budget_policy=replace(policy.budget_policy, weights=weights))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -217,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
     note = conversion_note(loaded)
     if note:
         print(note, file=sys.stderr)
+    if policy.budget_policy.name == "profile" and not getattr(policy.budget_policy, "weights", ()):
+        policy = _with_retrieval_profile(policy, loaded.model)
     tok = loaded.tokenizer
     if tok is None:
         raise CliError(f"{loaded.directory} has no tokenizer.json; kvgen needs a checkpoint with a tokenizer")
