@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if not configs:
             continue
         policies = {}
+        profiles: dict[float, tuple[float, ...]] = {}  # measured once per floor (deterministic)
         for key, (name, budget, eviction) in configs.items():
             floor = VARIANTS[name]
             if floor == "full":
@@ -88,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             elif floor is None:
                 policies[key] = compose(eviction, budget=budget, seed=runner.seed)
             else:
-                weights = retrieval_profile(runner.model, floor=float(floor))
-                policies[key] = compose(("profile", {"weights": weights}), eviction, budget=budget,
-                                        seed=runner.seed)
+                if floor not in profiles:
+                    profiles[float(floor)] = retrieval_profile(runner.model, floor=float(floor))
+                policies[key] = compose(("profile", {"weights": profiles[float(floor)]}), eviction,
+                                        budget=budget, seed=runner.seed)
         samples = runner.samples("passkey", args.context, args.n)
         outputs: dict[str, list[str]] = {key: [] for key in configs}
         seconds = dict.fromkeys(configs, 0.0)
