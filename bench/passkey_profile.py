@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 full = VARIANTS[name] == "full"
                 for budget in budgets if not full else [1.0]:
                     key = (f"passkey|ctx={args.context}|n={args.n}|{name}|{budget:g}|seed={seed}"
-                           f"{tag * (not full)}")
+                           f"{'' if full else tag}")
                     if key not in done:
                         configs[key] = (name, budget, "full" if full else eviction)
         if not configs:
@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             elif floor is None:
                 policies[key] = compose(eviction, budget=budget, seed=runner.seed)
             else:
+                floor = float(floor)
                 if floor not in profiles:
-                    profiles[float(floor)] = retrieval_profile(runner.model, floor=float(floor))
-                policies[key] = compose(("profile", {"weights": profiles[float(floor)]}), eviction,
+                    profiles[floor] = retrieval_profile(runner.model, floor=floor)
+                policies[key] = compose(("profile", {"weights": profiles[floor]}), eviction,
                                         budget=budget, seed=runner.seed)
         samples = runner.samples("passkey", args.context, args.n)
         outputs: dict[str, list[str]] = {key: [] for key in configs}
@@ -127,8 +128,8 @@ def report(out: Path) -> int:
     full = {(r["context"], r["n"], r.get("seed", 0)): r["outputs"] for r in read_records(FULL_RECORDS)
             if r["variant"] == "full"}
     full.update({(r["context"], r["n"], r["seed"]): r["outputs"] for r in records if r["variant"] == "full"})
-    rows: dict[tuple[int, float, str], list[str]] = {}
-    pooled: dict[tuple[int, float, str], list[int]] = {}
+    rows: dict[tuple[int, str, float, str], list[tuple[int, str]]] = {}  # cell -> (seed, its count)
+    pooled: dict[tuple[int, str, float, str], list[int]] = {}
     for r in records:
         if r["variant"] == "full":
             continue
@@ -142,7 +143,7 @@ def report(out: Path) -> int:
         extra = sum(v and not f for f, v in zip(right_full, right))
         cell = (r["context"], r.get("eviction", SETTING), r["budget"], r["variant"])
         plus = f" +{extra}" if extra else ""
-        rows.setdefault(cell, []).append(f"seed {r['seed']}: {kept}/{sum(right_full)}{plus}")
+        rows.setdefault(cell, []).append((r["seed"], f"seed {r['seed']}: {kept}/{sum(right_full)}{plus}"))
         tally = pooled.setdefault(cell, [0, 0, 0])
         tally[0] += kept
         tally[1] += sum(right_full)
@@ -152,7 +153,7 @@ def report(out: Path) -> int:
     print("|---|---|---|---|---|---|")
     for cell in sorted(rows):
         kept, total, extra = pooled[cell]
-        per_seed = sorted(rows[cell], key=lambda text: int(text.split(":")[0].split()[1]))
+        per_seed = [text for _, text in sorted(rows[cell])]
         print(f"| ~{cell[0]} | `{cell[1]}` | {cell[2]:g} | `{cell[3]}` | {kept} of {total} "
               f"({kept / total:.0%}){f' +{extra}' if extra else ''} | {'; '.join(per_seed)} |")
     return 0

@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmodels.generate import generate
     from kvmodels.loading import load_checkpoint
     from kvpolicies import compose
+    from kvpolicies.budget import Profile
 
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     note = conversion_note(loaded)
     if note:
         print(note, file=sys.stderr)
-    if policy.budget_policy.name == "profile" and not getattr(policy.budget_policy, "weights", ()):
+    if isinstance(policy.budget_policy, Profile) and not policy.budget_policy.weights:
         policy = _with_retrieval_profile(policy, loaded.model)
     tok = loaded.tokenizer
     if tok is None:
