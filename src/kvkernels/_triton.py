@@ -68,12 +68,15 @@ class Launch:
         Every argument bound to its parameter name (runtime values and constexprs alike).
     num_warps:
         Warps per program.
+    num_stages:
+        Software-pipelining depth (``None``: Triton's default).
     """
 
     kernel: Any
     grid: tuple[int, ...]
     args: Mapping[str, Any]
     num_warps: int
+    num_stages: int | None = None
 
     @property
     def name(self) -> str:
@@ -103,10 +106,14 @@ class Launch:
         return signature, constexprs, attrs
 
 
-def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4, **kwargs: Any) -> None:
-    """``kernel[grid](*args, num_warps=num_warps, **kwargs)``, or record it inside :func:`record_launches`."""
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4, num_stages: int | None = None,
+           **kwargs: Any) -> None:
+    """``kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **kwargs)``, or record it inside
+    :func:`record_launches`."""
     recorder = _RECORDER.get()
     if recorder is None:
+        if num_stages is not None:
+            kwargs["num_stages"] = num_stages
         kernel[grid](*args, num_warps=num_warps, **kwargs)
         return
     names = kernel.arg_names
@@ -117,7 +124,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4, *
     missing = [n for n in names if n not in bound]
     if missing:
         raise TypeError(f"{kernel.__name__}: missing arguments {missing}")
-    recorder.append(Launch(kernel, tuple(grid), bound, num_warps))
+    recorder.append(Launch(kernel, tuple(grid), bound, num_warps, num_stages))
 
 
 @contextlib.contextmanager

@@ -45,11 +45,18 @@ class Variant:
     constexprs: dict[str, Any]
     attrs: dict[tuple[int, ...], Any]
     num_warps: int
+    num_stages: int | None
     cases: tuple[str, ...]  # the configurations that launch it
 
     @property
+    def options(self) -> dict[str, int]:
+        stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        return {"num_warps": self.num_warps, **stages}
+
+    @property
     def key(self) -> str:
-        return (f"{self.kernel.__name__} sm_{self.arch} w{self.num_warps} {sorted(self.signature.items())} "
+        return (f"{self.kernel.__name__} sm_{self.arch} w{self.num_warps} s{self.num_stages} "
+                f"{sorted(self.signature.items())} "
                 f"{sorted(self.constexprs.items())} {sorted(self.attrs.items())}")
 
 
@@ -87,11 +94,12 @@ def collect(archs: tuple[int, ...] = ARCHS, full: bool = False) -> tuple[list[Va
             backend = backends["nvidia"].compiler(GPUTarget("cuda", arch, 32))
             for launch in launches:
                 sig, consts, attrs = launch.specialization(backend)
-                variant = Variant(launch.kernel, arch, sig, consts, attrs, launch.num_warps, (label,))
+                variant = Variant(launch.kernel, arch, sig, consts, attrs, launch.num_warps,
+                                  launch.num_stages, (label,))
                 old = found.get(variant.key)
                 if old is not None:
                     variant = Variant(old.kernel, arch, sig, consts, attrs, launch.num_warps,
-                                      old.cases + (label,))
+                                      launch.num_stages, old.cases + (label,))
                 found[variant.key] = variant
     return list(found.values()), failures
 
@@ -108,7 +116,7 @@ def _compile_one(i: int) -> tuple[int, str | None, float]:
     start = time.perf_counter()
     try:
         kernel = triton.compile(ASTSource(v.kernel, v.signature, v.constexprs, v.attrs),
-                                target=GPUTarget("cuda", v.arch, 32), options={"num_warps": v.num_warps})
+                                target=GPUTarget("cuda", v.arch, 32), options=v.options)
         if not kernel.asm.get("cubin"):
             return i, "no cubin produced", time.perf_counter() - start
     except Exception as exc:  # noqa: BLE001 -- every failure is reported, not just the first
@@ -150,7 +158,7 @@ def run(archs: tuple[int, ...] = ARCHS, full: bool = False, jobs: int = 0, verbo
         v = variants[i]
         if verbose:
             print(f"{'FAIL' if error else 'ok  '} {seconds:5.1f}s {v.kernel.__name__} sm_{v.arch} "
-                  f"num_warps={v.num_warps} {v.constexprs}")
+                  f"{v.options} {v.constexprs}")
         if error:
             shown = "\n    ".join(v.cases[:3]) + (f"\n    ... and {len(v.cases) - 3} more" if len(v.cases) > 3
                                                    else "")

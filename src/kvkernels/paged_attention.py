@@ -34,7 +34,8 @@ import torch
 
 from kvkernels import _checks
 from kvkernels._modes import SCORE_MODES, update_scores_ref
-from kvkernels._triton import HAS_TRITON, INTERPRET, covering, launch, require_triton, use_triton
+from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
+from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
     import triton
@@ -291,7 +292,8 @@ def paged_decode_attention_triton(
     max_pages = page_table.shape[1]
     max_len = max_pages * page_size  # static: the scratch shape never depends on the lengths' values
 
-    block_n = 16 if INTERPRET else 64  # the interpreter is fastest on small tiles; 64 keeps HBM busy
+    cfg = launch_config("decode", q.device)  # tile, warps and stages: kvkernels.tuning
+    block_n = cfg.block
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits <= 0:
@@ -338,7 +340,8 @@ def paged_decode_attention_triton(
         HAS_TEMP=temperature is not None,
         # fp32 caches get exact fp32 products (no TF32) so they match the fp32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ONE_SPLIT=one_split, SCORE_MODE=mode_id if keep_logits else 0, num_warps=4, **consts,
+        ONE_SPLIT=one_split, SCORE_MODE=mode_id if keep_logits else 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **consts,
     )
     if one_split:
         return out
@@ -348,7 +351,7 @@ def paged_decode_attention_triton(
         opt(score) if keep_logits else dummy, page_table, seq_lens, opt(slot_mask),
         int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id if keep_logits else 0,
-        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, num_warps=4, **consts,
+        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, num_warps=cfg.num_warps, **consts,
     )
     return out
 

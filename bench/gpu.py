@@ -1,0 +1,972 @@
+"""The prepared GPU run: every GPU target of the project measured by one command.
+
+    python bench/gpu.py --out DIR                      # a CUDA machine: about 6.5 minutes on one H100
+    python bench/gpu.py --out DIR --only kernels,hf_static --budget 300   # a second, targeted run
+    python bench/gpu.py --out DIR --smoke              # every stage at tiny shapes on CPU (in the test suite)
+
+Needs only the project's tree and the machine's own packages (torch, triton, transformers, pytest; it puts
+``src`` on the path itself, so nothing is installed). Stages, each in its own process with its own time
+box, so a crash, a CUDA error or a hang in one loses nothing measured before it:
+
+``env``         device, versions, device-to-device copy bandwidth
+``correctness`` the GPU-only tests, then the kernel, cache, compile and bridge tests on CUDA (bf16 included),
+                one JSON line per test as it finishes (per-test timeout where pytest-timeout is installed)
+``kernels``     paged decode attention at B8/4k, B64/4k and B1/32k (Hq 32, Hkv 8, D 128, bf16) against SDPA on
+                the dense gather and against the copy bandwidth, the fused score update's cost, a sweep of
+                launch parameters and split counts (``kvkernels.tuning.SWEEP``), prompt compaction and
+                decode-time eviction against ``torch.topk`` + ``gather``, the prefill scorer against SDPA
+``generation``  the Llama-3.2-1B shape with random bf16 weights, 4k prompts: prefill cost of the scoring
+                policies, then full / h2o / snapkv / streaming at 0.2, batch 1, 16 and 64, compiled
+``hf_static``   transformers ``generate(cache_implementation="static")`` at batch 16 on the same shape
+``capacity``    the largest batch one fixed page pool holds, full cache against 0.2, run for real
+
+Each stage appends its records to ``DIR/<stage>.jsonl`` as it measures them; after every stage
+``DIR/results.json`` (every record, every stage's status) and ``DIR/summary.md`` (tables, the targets of
+issue 33 as met / not met / not measured, and the ``TUNED`` lines to commit in ``kvkernels/tuning.py``) are
+rewritten. Timings are medians of device time (CUDA graph replay where the call can be captured, events
+otherwise); compare numbers only within one run or one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+STAGES = ("env", "correctness", "kernels", "generation", "hf_static", "capacity")
+# Seconds of the default budget each stage may use (scaled to --budget; --only shares the budget among the
+# stages it names in the same proportions).
+SHARES = {"env": 10, "correctness": 65, "kernels": 75, "generation": 160, "hf_static": 45, "capacity": 35}
+DEFAULT_BUDGET = 390  # seconds: under 7 minutes with the processes' start-up
+
+# The kernel, cache, compile and bridge tests that run on CUDA, most telling first (the time box may cut the
+# tail; every test that finished is recorded).
+TEST_FILES = (
+    "tests/test_gpu.py::test_compiled_decode_step_is_captured_as_a_cuda_graph",
+    "tests/test_gpu.py::test_split_k_at_32k_context_bf16",
+    "tests/test_gpu_run.py::test_decode_under_swept_configs_matches_ref",
+    "tests/test_paged_attention.py", "tests/test_score_update.py",
+    "tests/test_topk_compact.py", "tests/test_topk_evict.py", "tests/test_merge.py",
+    "tests/test_compact_attention_property.py",
+    "tests/test_gpu.py::test_bf16_compiled_step_within_twice_eager_error", "tests/test_cache.py",
+    "tests/test_head_cache.py",
+    "tests/test_cache_policies.py", "tests/test_cache_minicache.py", "tests/test_cache_compress_each.py",
+    "tests/test_cache_prefill_attend.py", "tests/test_cache_compile.py", "tests/test_generate.py",
+    "tests/test_hf_bridge.py", "tests/test_hf_merge.py",
+)
+SMOKE_TEST_FILES = ("tests/test_gpu.py", "tests/test_layering.py")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shapes: the real ones on CUDA, tiny ones for --smoke
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shapes:
+    decode: tuple[tuple[int, int], ...]  # (batch, context)
+    heads: tuple[int, int, int]  # (Hq, Hkv, D)
+    page: int
+    splits: tuple[int, ...]  # split counts swept (besides the launcher's own choice, 0)
+    compact: tuple[int, int, float]  # (batch, prompt length, budget fraction)
+    prefill_len: int
+    model: str  # "llama-3.2-1b" or "tiny"
+    prompt_len: int
+    runs: tuple[tuple[int, int], ...]  # (batch, new tokens) of the generation stage
+    policies: tuple[str, ...]
+    prefill_policies: tuple[str, ...]
+    budget: float
+    hf_run: tuple[int, int]  # (batch, new tokens)
+    capacity_new: int
+    capacity_full_batch: int
+    capacity_max_ratio: int
+    reps: int
+
+
+REAL = Shapes(
+    decode=((8, 4096), (64, 4096), (1, 32768)), heads=(32, 8, 128), page=16, splits=(1, 2, 4, 8, 16, 32),
+    compact=(8, 4096, 0.2), prefill_len=4096, model="llama-3.2-1b", prompt_len=4096,
+    runs=((16, 256), (64, 512), (1, 128)), policies=("full", "h2o", "snapkv", "streaming"),
+    prefill_policies=("full", "h2o", "keyformer", "snapkv", "squeeze+keyformer"), budget=0.2,
+    hf_run=(16, 256), capacity_new=128, capacity_full_batch=4, capacity_max_ratio=8, reps=20)
+SMOKE = Shapes(
+    decode=((2, 64), (1, 256)), heads=(4, 2, 32), page=16, splits=(1, 2), compact=(2, 64, 0.25),
+    prefill_len=48, model="tiny", prompt_len=48, runs=((1, 6), (2, 6)),
+    policies=("full", "h2o", "snapkv", "streaming"), prefill_policies=("full", "h2o", "snapkv"), budget=0.2,
+    hf_run=(2, 6), capacity_new=4, capacity_full_batch=1, capacity_max_ratio=4, reps=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# A stage's context: deadline, records, timing
+# ----------------------------------------------------------------------------------------------------
+
+class Stage:
+    """What a stage process has: its output file, its deadline, the device and the shapes."""
+
+    def __init__(self, name: str, out: Path, deadline: float, smoke: bool) -> None:
+        import torch
+
+        self.name, self.out, self.deadline, self.smoke = name, out, deadline, smoke
+        self.cuda = torch.cuda.is_available() and not smoke
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.shapes = SMOKE if smoke else REAL
+        self.path = out / f"{name}.jsonl"
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        record = {"stage": self.name, "kind": kind, **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        return record
+
+    def error(self, where: str) -> None:
+        self.emit("error", where=where, traceback=traceback.format_exc()[-6000:])
+
+    def skipped(self, what: str, why: str) -> None:
+        self.emit("skipped", what=what, why=why)
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def seconds(self, fn: Callable[[], Any], reps: int | None = None) -> tuple[float, str]:
+        """Median device seconds of one ``fn()`` and how they were measured. On CUDA: ``reps`` calls
+        captured in one CUDA graph, replayed (launch overhead excluded); events around each call when the
+        call cannot be captured. On CPU: wall time."""
+        import torch
+
+        reps = reps or self.shapes.reps
+        for _ in range(2):
+            fn()
+        self.sync()
+        if not self.cuda:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times), "wall"
+        try:
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    fn()
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3 / reps)
+            return statistics.median(times), "cuda-graph"
+        except Exception:  # noqa: BLE001 -- not capturable (a host sync inside): time it with events
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return statistics.median(times), "events"
+
+    def mutating_seconds(self, setup: Callable[[], Any], fn: Callable[[Any], Any],
+                         reps: int | None = None) -> float:
+        """Median seconds of ``fn(setup())`` with only ``fn`` timed (``fn`` mutates what ``setup`` made)."""
+        import torch
+
+        reps = reps or self.shapes.reps
+        fn(setup())  # warm-up (compiles Triton kernels)
+        times = []
+        for _ in range(reps):
+            args = setup()
+            self.sync()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(args)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn(args)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def copy_bandwidth(self) -> dict[str, float]:
+        """Device-to-device copy bandwidth (bytes read + written per second) on a 512 MiB buffer."""
+        import torch
+
+        nbytes = (512 << 20) if self.cuda else (16 << 20)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        s, how = self.seconds(lambda: dst.copy_(src), reps=10)
+        return {"bytes": nbytes, "seconds": s, "gb_s": 2 * nbytes / s / 1e9, "timed_by": how}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stage: env
+# ----------------------------------------------------------------------------------------------------
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 -- absent or broken: reported as None
+        return None
+
+
+def stage_env(st: Stage) -> None:
+    import torch
+
+    info: dict[str, Any] = dict(python=platform.python_version(), torch=torch.__version__,
+                                triton=_version("triton"), transformers=_version("transformers"),
+                                cuda=torch.version.cuda, smoke=st.smoke)
+    if st.cuda:
+        props = torch.cuda.get_device_properties(0)
+        major, minor = torch.cuda.get_device_capability()
+        info.update(device=torch.cuda.get_device_name(), capability=f"{major}.{minor}",
+                    sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+    else:
+        info.update(device=f"cpu ({os.cpu_count()} cores)", capability=None)
+    st.emit("env", **info)
+    st.emit("copy", **st.copy_bandwidth())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stage: correctness (pytest on CUDA, one JSON line per test through the plugin below)
+# ----------------------------------------------------------------------------------------------------
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """pytest hook (this module is loaded with ``-p gpu``): one line per test outcome, written at once."""
+    path = os.environ.get("KVBENCH_TEST_LOG")
+    if not path or (report.when != "call" and report.passed):
+        return
+    record = {"stage": "correctness", "kind": "test", "test": report.nodeid, "when": report.when,
+              "outcome": report.outcome, "seconds": round(report.duration, 3)}
+    if report.failed:
+        record["traceback"] = str(report.longrepr)[-4000:]
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def stage_correctness(st: Stage, files: tuple[str, ...] | None = None) -> None:
+    import importlib.util
+
+    files = files or (SMOKE_TEST_FILES if st.smoke else TEST_FILES)
+    env = {**os.environ, "KVBENCH_TEST_LOG": str(st.path), "HYPOTHESIS_PROFILE": "ci",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    if st.cuda:
+        env.update(KVPOLICIES_TEST_DEVICE="cuda", TRITON_INTERPRET="0")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "gpu", "-p", "no:cacheprovider", "-o", "addopts=",
+           "--strict-markers", *files]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd.append("--timeout=60")
+    log = st.out / "correctness-pytest.log"
+    t0 = time.time()
+    cut = False
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=max(5.0, st.left() - 5))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc, cut = None, True
+    tests = [json.loads(line) for line in open(st.path) if '"kind": "test"' in line]
+    counts = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "skipped")}
+    st.emit("tests_done", returncode=rc, cut_at_time_box=cut, seconds=round(time.time() - t0, 1),
+            files=list(files), log_tail=open(log).read()[-1500:], **counts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stage: kernels
+# ----------------------------------------------------------------------------------------------------
+
+def _decode_pool(st: Stage, batch: int, ctx: int):
+    """A full paged cache (pages shuffled) of ``batch`` sequences of ``ctx`` tokens, and its dense gather."""
+    import torch
+
+    hq, hkv, d = st.shapes.heads
+    page = st.shapes.page
+    gen = torch.Generator().manual_seed(0)
+    per_seq = math.ceil(ctx / page)
+    n_pages = batch * per_seq
+    dev, dt = st.device, st.dtype
+    k_pages = torch.randn(n_pages, page, hkv, d, generator=gen).to(dev, dt)
+    v_pages = torch.randn(n_pages, page, hkv, d, generator=gen).to(dev, dt)
+    table = torch.randperm(n_pages, generator=gen).view(batch, per_seq).to(dev, torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, hq, d, generator=gen).to(dev, dt)
+    k_dense = k_pages[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+    v_dense = v_pages[table.long()].reshape(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+    kv_bytes = 2 * batch * ctx * hkv * d * k_pages.element_size()
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages, table=table, lens=lens, k_dense=k_dense,
+                v_dense=v_dense, scale=d ** -0.5, kv_bytes=kv_bytes,
+                score=torch.zeros(n_pages, page, hkv, device=dev))
+
+
+def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> None:
+    """The op at its defaults, with the fused H2O update, and SDPA on the dense gather, at one shape."""
+    import torch.nn.functional as F
+
+    from kvkernels.paged_attention import paged_decode_attention_triton
+
+    args = (t["q"], t["k_pages"], t["v_pages"], t["table"], t["lens"])
+    q4 = t["q"][:, :, None, :]
+    impls = {
+        "paged": lambda: paged_decode_attention_triton(*args, scale=t["scale"]),
+        "paged+h2o-score": lambda: paged_decode_attention_triton(*args, scale=t["scale"], score=t["score"],
+                                                                 score_mode="accumulate"),
+        "sdpa-dense": lambda: F.scaled_dot_product_attention(q4, t["k_dense"], t["v_dense"], scale=t["scale"],
+                                                             enable_gqa=True),
+    }
+    for impl, fn in impls.items():
+        s, how = st.seconds(fn)
+        gb_s = t["kv_bytes"] / s / 1e9
+        st.emit("decode", shape=shape, impl=impl, us=s * 1e6, gb_s=gb_s, pct_of_copy=100 * gb_s / copy_gb_s,
+                timed_by=how, kv_bytes=t["kv_bytes"], config="default" if impl != "sdpa-dense" else None)
+
+
+def _sweep_point(st: Stage, shape: str, t: dict[str, Any], cfg: Any, splits: int, copy_gb_s: float) -> None:
+    from kvkernels.paged_attention import paged_decode_attention_triton
+    from kvkernels.tuning import override
+
+    args = (t["q"], t["k_pages"], t["v_pages"], t["table"], t["lens"])
+    try:
+        with override(decode=cfg):
+            s, how = st.seconds(lambda: paged_decode_attention_triton(*args, scale=t["scale"],
+                                                                      num_splits=splits))
+        gb_s = t["kv_bytes"] / s / 1e9
+        st.emit("decode_sweep", shape=shape, config=cfg.__dict__, num_splits=splits, us=s * 1e6, gb_s=gb_s,
+                pct_of_copy=100 * gb_s / copy_gb_s, timed_by=how)
+    except Exception:  # noqa: BLE001 -- e.g. out of shared memory for this tile
+        st.emit("decode_sweep", shape=shape, config=cfg.__dict__, num_splits=splits,
+                error=traceback.format_exc(limit=2)[-800:])
+
+
+def _decode_records(st: Stage, copy_gb_s: float) -> None:
+    from kvkernels.tuning import sweep_configs
+
+    pools = {}
+    for batch, ctx in st.shapes.decode:
+        shape = f"B{batch}-L{ctx}"
+        try:
+            pools[shape] = _decode_pool(st, batch, ctx)
+            _decode_shape(st, shape, pools[shape], copy_gb_s)
+        except Exception:  # noqa: BLE001
+            st.error(f"decode {shape}")
+    # The sweep: every launch config x split count, shapes interleaved so a cut leaves each shape some.
+    configs = sweep_configs("decode")
+    for i, cfg in enumerate(configs):
+        for shape, t in pools.items():
+            if st.left() < 20:
+                st.skipped("decode sweep", f"time box: measured {i} of {len(configs)} configs")
+                return
+            max_len = t["table"].shape[1] * st.shapes.page
+            for splits in st.shapes.splits:
+                if splits == 1 or max_len / splits >= cfg.block:
+                    _sweep_point(st, shape, t, cfg, splits, copy_gb_s)
+
+
+def _compaction_records(st: Stage) -> None:
+    """Prompt compaction (``topk_compact``) and one decode step's eviction (``topk_evict``, one token per
+    head) on the paged pool, against ``torch.topk`` + ``gather`` on dense tensors of the same tokens."""
+    batch, length, frac = st.shapes.compact
+    budget = max(16, int(length * frac))
+    for op, fill in (("topk_compact", length), ("topk_evict", budget + 1)):
+        try:
+            _compaction(st, op, batch, length, fill, budget)
+        except Exception:  # noqa: BLE001
+            st.error(op)
+
+
+def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: int) -> None:
+    import torch
+
+    from kvkernels.topk_compact import topk_compact, topk_evict
+
+    _, hkv, d = st.shapes.heads
+    page, dev = st.shapes.page, st.device
+    i32 = lambda x: torch.full((batch,), x, device=dev, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    per_seq = math.ceil(length / page)
+    n_pages = batch * per_seq
+    k = torch.randn(n_pages, page, hkv, d, generator=gen).to(dev, st.dtype)
+    v = torch.randn(n_pages, page, hkv, d, generator=gen).to(dev, st.dtype)
+    score = torch.rand(n_pages, page, hkv, generator=gen).to(dev)
+    pos = torch.arange(per_seq * page, dtype=torch.int32).view(per_seq, page, 1).repeat(batch, 1, hkv).to(dev)
+    table = torch.randperm(n_pages, generator=gen).view(batch, per_seq).to(dev, torch.int32)
+    fn = topk_compact if op == "topk_compact" else topk_evict
+    counts = (i32(fill), i32(budget), i32(4), i32(min(16, budget // 4)))
+
+    def setup():
+        free = torch.zeros(n_pages + 1, device=dev, dtype=torch.int32)
+        return (k.clone(), v.clone(), pos.clone(), score.clone(), table.clone(), *counts, free,
+                torch.zeros(1, device=dev, dtype=torch.int64))
+
+    s_op = st.mutating_seconds(setup, lambda a: fn(*a))
+    # Dense: the same tokens in logical order, [B, Hkv, fill, D]; keep `budget` per head.
+    rows = table.long()
+    dk = k[rows].reshape(batch, -1, hkv, d)[:, :fill].transpose(1, 2).contiguous()
+    dv = v[rows].reshape(batch, -1, hkv, d)[:, :fill].transpose(1, 2).contiguous()
+    ds = score[rows].reshape(batch, -1, hkv)[:, :fill].transpose(1, 2).contiguous()
+
+    def dense():
+        idx = torch.topk(ds, budget, dim=-1).indices.sort(dim=-1).values[..., None].expand(-1, -1, -1, d)
+        return dk.gather(2, idx), dv.gather(2, idx)
+
+    s_dense, how = st.seconds(dense)
+    st.emit("compaction", op=op, batch=batch, tokens=fill, keep=budget, op_us=s_op * 1e6,
+            topk_gather_us=s_dense * 1e6, op_over_topk_gather=s_op / s_dense, timed_by=how)
+
+
+def _prefill_records(st: Stage) -> None:
+    """The prefill scorer against the plain causal attention of the prompt (one layer, one sequence)."""
+    import torch
+
+    from kvkernels.score_update import (
+        COLUMN_SUM_MODES,
+        prefill_attention,
+        prefill_attention_scores,
+        prefill_scores,
+    )
+
+    L = st.shapes.prefill_len
+    hq, hkv, d = st.shapes.heads
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(L, hq, d, generator=gen).to(st.device, st.dtype)
+    k, v = (torch.randn(L, hkv, d, generator=gen).to(st.device, st.dtype) for _ in range(2))
+    scale = d ** -0.5
+    try:
+        plain, how = st.seconds(lambda: prefill_attention(q, k, v, scale=scale), reps=5)
+        st.emit("prefill", impl="attention", mode="none", L=L, ms=plain * 1e3, over_attention=1.0,
+                timed_by=how)
+    except Exception:  # noqa: BLE001
+        st.error("prefill attention")
+        return
+    for mode in ("accumulate", "gumbel"):
+        def separate(mode=mode):
+            _, lse = prefill_attention(q, k, v, scale=scale)
+            return prefill_scores(q, k, scale=scale, mode=mode, seed=1, lse=lse)
+
+        impls = [("attention+scorer", separate)]
+        if mode in COLUMN_SUM_MODES:  # the modes the attention can score in the same pass
+            impls.append(("fused", lambda mode=mode: prefill_attention_scores(q, k, v, scale=scale,
+                                                                              mode=mode)))
+        for impl, fn in impls:
+            try:
+                s, how = st.seconds(fn, reps=5)
+                st.emit("prefill", impl=impl, mode=mode, L=L, ms=s * 1e3, over_attention=s / plain,
+                        timed_by=how)
+            except Exception:  # noqa: BLE001
+                st.error(f"prefill {impl} {mode}")
+
+
+def stage_kernels(st: Stage) -> None:
+    copy = st.copy_bandwidth()
+    st.emit("copy", **copy)
+    # Cheap, single measurements first; the sweep (the long part) last.
+    for part in (_compaction_records, _prefill_records):
+        try:
+            part(st)
+        except Exception:  # noqa: BLE001
+            st.error(part.__name__)
+    _decode_records(st, copy["gb_s"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stages: generation, hf_static, capacity
+# ----------------------------------------------------------------------------------------------------
+
+def _model(st: Stage, max_seq_len: int):
+    import torch
+
+    from kvmodels.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    if st.shapes.model == "tiny":
+        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
+                          max_seq_len=max_seq_len)
+    else:
+        cfg = LlamaConfig.from_name(st.shapes.model, max_seq_len=max_seq_len)
+    with torch.device(st.device):
+        model = Llama(cfg)
+    return model.to(st.dtype).eval(), cfg
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+def _policy(name: str, budget: float):
+    from kvpolicies import compose
+
+    return compose(name) if name == "full" else compose(name, budget=budget)
+
+
+def stage_generation(st: Stage) -> None:
+    import torch
+    from torch._dynamo.utils import counters
+
+    from kvmodels.generate import generate
+
+    sh = st.shapes
+    for name in ("cache_size_limit", "recompile_limit"):  # a recompile per policy must not fall back to eager
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    max_new = max(n for _, n in sh.runs)
+    model, cfg = _model(st, sh.prompt_len + max_new + 8)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    copy = st.copy_bandwidth()
+    st.emit("model", config=cfg.__dict__, weight_bytes=weight_bytes, copy_gb_s=copy["gb_s"])
+
+    # Prefill cost of the scoring policies (batch 1, eager, one new token): best of two.
+    prompt = _prompts(1, sh.prompt_len, cfg.vocab_size, seed=7)
+    for name in sh.prefill_policies:
+        try:
+            times = [generate(model, prompt, 1, _policy(name, sh.budget)).prefill_s for _ in range(2)]
+            st.emit("prefill_policy", policy=name, budget=1.0 if name == "full" else sh.budget,
+                    prompt_len=sh.prompt_len,
+                    prefill_s=min(times))
+        except Exception:  # noqa: BLE001
+            st.error(f"prefill {name}")
+
+    compile_step = True
+    for batch, new in sh.runs:
+        prompts = _prompts(batch, sh.prompt_len, cfg.vocab_size)
+        for name in sh.policies:
+            if st.left() < 10:
+                st.skipped(f"generation B{batch} {name}", "time box")
+                continue
+            try:
+                counters.clear()
+                if st.cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                stamps: list[float] = []  # when row 0 gets each token
+                clock = lambda b, tok, stamps=stamps: b == 0 and stamps.append(time.perf_counter())
+                res = generate(model, prompts, new, _policy(name, sh.budget), compile=compile_step,
+                               stream=clock)
+                # stamps[0]: the prefill's token; stamps[i]: after decode step i. Steady state leaves out the
+                # first three steps (compile, then CUDA graph warm-up and recording).
+                n = len(stamps) - 1
+                warm = min(3, n - 1)
+                r = res.report
+                skips = counters["inductor"].get("cudagraph_skips", 0)
+                st.emit(
+                    "gen", batch=batch, policy=name, budget=1.0 if name == "full" else sh.budget,
+                    new_tokens=new, prompt_len=sh.prompt_len, compiled=compile_step, prefill_s=res.prefill_s,
+                    first_step_s=stamps[1] - stamps[0] if n >= 1 else None,
+                    decode_tok_s=batch * (n - warm) / (stamps[-1] - stamps[warm]) if n > warm else None,
+                    decode_tok_s_skip_first=batch * (n - 1) / (stamps[-1] - stamps[1]) if n > 1 else None,
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if st.cuda else None,
+                    kv_bytes=r.total_bytes, kv_full_bytes=r.full_cache_bytes,
+                    kv_kept=r.total_bytes / r.full_cache_bytes, weight_bytes=weight_bytes,
+                    floor_step_s=(weight_bytes + r.total_bytes) / (copy["gb_s"] * 1e9),
+                    cudagraph_skips=skips,
+                    cuda_graph=bool(st.cuda and compile_step and skips == 0),
+                    graphs_compiled=counters["stats"].get("unique_graphs", 0))
+            except Exception:  # noqa: BLE001
+                st.error(f"generation B{batch} {name}")
+                if "out of memory" in traceback.format_exc():
+                    torch.cuda.empty_cache()
+
+
+class _StepClock:
+    """A transformers logits processor that stamps each step (the first call ends the prefill)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def stage_hf_static(st: Stage) -> None:
+    import torch
+    import transformers
+
+    from kvmodels.llama import LlamaConfig
+    from kvmodels.loading import llama_config_to_hf
+
+    sh = st.shapes
+    batch, new = sh.hf_run
+    if sh.model == "tiny":
+        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
+                          max_seq_len=sh.prompt_len + new + 8)
+    else:
+        cfg = LlamaConfig.from_name(sh.model, max_seq_len=sh.prompt_len + new + 8)
+    torch.manual_seed(0)
+    with torch.device(st.device):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_to_hf(cfg)))
+    hf = hf.to(st.dtype).eval()
+    ids = torch.tensor(_prompts(batch, sh.prompt_len, cfg.vocab_size), device=st.device)
+    clock = _StepClock()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False, cache_implementation="static",
+                    logits_processor=transformers.LogitsProcessorList([clock]))
+    n = len(clock.times) - 1
+    warm = min(3, n - 1)
+    st.emit("hf_static", batch=batch, new_tokens=new, prompt_len=sh.prompt_len, prefill_s=clock.times[0] - t0,
+            first_step_s=clock.times[1] - clock.times[0] if n >= 1 else None,
+            decode_tok_s=batch * (n - warm) / (clock.times[-1] - clock.times[warm]) if n > warm else None,
+            transformers=transformers.__version__)
+
+
+def stage_capacity(st: Stage) -> None:
+    """The largest batch one fixed page pool holds: the pool fits ``capacity_full_batch`` uncompressed
+    sequences of prompt + new tokens; each policy's largest batch is searched (doubling, then bisection up
+    to ``capacity_max_ratio`` times the full cache's pool) by running ``generate`` for real (eager)."""
+    from kvmodels.generate import generate
+
+    sh = st.shapes
+    new, full_b, cap = sh.capacity_new, sh.capacity_full_batch, sh.capacity_full_batch * sh.capacity_max_ratio
+    model, cfg = _model(st, sh.prompt_len + new + 8)
+    page = sh.page
+    num_pages = full_b * model.cache_layout().n_layers * math.ceil((sh.prompt_len + new) / page)
+    results: dict[str, int] = {}
+
+    def fits(policy, batch: int) -> bool:
+        try:
+            generate(model, _prompts(batch, sh.prompt_len, cfg.vocab_size, seed=batch), new, policy,
+                     num_pages=num_pages, page_size=page)
+        except RuntimeError as e:
+            if "out of pages" not in str(e):
+                raise
+            return False
+        return True
+
+    for name in ("full", "h2o", "streaming", "snapkv"):
+        policy = _policy(name, sh.budget)
+        lo, hi, tried = 0, full_b, []
+        try:
+            while hi <= cap and st.left() > 15:
+                ok = fits(policy, hi)
+                tried.append((hi, ok))
+                if not ok:
+                    break
+                lo, hi = hi, min(hi * 2, cap + 1)
+            while hi - lo > 1 and hi <= cap and st.left() > 15:
+                mid = (lo + hi) // 2
+                ok = fits(policy, mid)
+                tried.append((mid, ok))
+                lo, hi = (mid, hi) if ok else (lo, mid)
+            results[name] = lo
+            exact = hi - lo <= 1 or lo == cap
+            st.emit("capacity", policy=name, budget=1.0 if name == "full" else sh.budget, max_batch=lo,
+                    search_cap=cap, exact=exact, tried=tried, num_pages=num_pages, page_size=page,
+                    prompt_len=sh.prompt_len, new_tokens=new,
+                    vs_full=lo / results["full"] if results.get("full") else None)
+        except Exception:  # noqa: BLE001
+            st.error(f"capacity {name}")
+        if st.left() < 15:
+            st.skipped("capacity", f"time box after {name}")
+            return
+
+
+STAGE_FNS: dict[str, Callable[[Stage], None]] = {
+    "env": stage_env, "correctness": stage_correctness, "kernels": stage_kernels,
+    "generation": stage_generation, "hf_static": stage_hf_static, "capacity": stage_capacity,
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Results: results.json and summary.md (targets of issue 33)
+# ----------------------------------------------------------------------------------------------------
+
+def load(out: Path, stages: tuple[str, ...] = STAGES) -> list[dict[str, Any]]:
+    records = []
+    for name in stages:
+        path = out / f"{name}.jsonl"
+        if path.exists():
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> list[str]:
+    if not rows:
+        return ["(none)"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return out
+
+
+def best_decode(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Fastest sweep entry per decode shape."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r["kind"] == "decode_sweep" and "us" in r:
+            if r["shape"] not in best or r["us"] < best[r["shape"]]["us"]:
+                best[r["shape"]] = r
+    return best
+
+
+def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for each target of issue 33; 'not measured' where a run lacks it."""
+    rows: list[tuple[str, str, str]] = []
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        kinds.setdefault(r["kind"], []).append(r)
+    decode = {(r["shape"], r["impl"]): r for r in kinds.get("decode", [])}
+    best = best_decode(records)
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else ("met" if ok else "NOT met")
+
+    for shape in ("B8-L4096", "B64-L4096", "B1-L32768"):
+        b, sdpa = best.get(shape) or decode.get((shape, "paged")), decode.get((shape, "sdpa-dense"))
+        if b is None:
+            rows.append((f"decode {shape}: >= 80% of copy bandwidth, <= SDPA dense", "—", verdict(None)))
+            continue
+        ok = b["pct_of_copy"] >= 80 and (sdpa is None or b["us"] <= sdpa["us"])
+        rows.append((f"decode {shape}: >= 80% of copy bandwidth, <= SDPA dense",
+                     f"{b['pct_of_copy']:.0f}% ({b['us']:.0f} us); SDPA {_fmt(sdpa and sdpa['us'])} us",
+                     verdict(ok if sdpa else None)))
+    for shape in ("B8-L4096", "B64-L4096"):
+        a, s = decode.get((shape, "paged")), decode.get((shape, "paged+h2o-score"))
+        ok = None if not (a and s) else s["us"] <= 1.05 * a["us"]
+        rows.append((f"fused score update at {shape} costs <= 5%",
+                     "—" if ok is None else f"{100 * (s['us'] / a['us'] - 1):+.1f}%", verdict(ok)))
+    gen = {(r["batch"], r["policy"]): r for r in kinds.get("gen", []) if r.get("decode_tok_s")}
+    batches = sorted({b for b, _ in gen})
+    for b in batches:
+        full = gen.get((b, "full"))
+        for (bb, p), r in sorted(gen.items()):
+            if bb != b or p == "full":
+                continue
+            if full is None:
+                rows.append((f"{p} at 0.2 faster than full, batch {b}", "—", verdict(None)))
+                continue
+            x = r["decode_tok_s"] / full["decode_tok_s"]
+            need = 2.0 if b >= 64 else 1.0
+            rows.append((f"{p} at 0.2 >= {need:g}x full decode, batch {b}", f"{x:.2f}x", verdict(x >= need)))
+    one = gen.get((1, "full"))
+    if one:
+        pct = 100 * one["floor_step_s"] * one["decode_tok_s"]
+        rows.append(("batch 1 (full) >= 50% of the (weights + KV) / copy-bandwidth floor", f"{pct:.0f}%",
+                     verdict(pct >= 50)))
+    else:
+        rows.append(("batch 1 >= 50% of the bandwidth floor", "—", verdict(None)))
+    hf = kinds.get("hf_static", [])
+    if hf and hf[0].get("decode_tok_s"):
+        b = hf[0]["batch"]
+        ours = [r for (bb, p), r in gen.items() if bb == b]
+        if ours:
+            best_ours = max(ours, key=lambda r: r["decode_tok_s"])
+            x = best_ours["decode_tok_s"] / hf[0]["decode_tok_s"]
+            rows.append((f"batch {b} >= 2x transformers static-cache generate",
+                         f"{x:.2f}x ({best_ours['policy']})", verdict(x >= 2)))
+        full_b = gen.get((b, "full"))
+        if full_b:
+            rows.append((f"batch {b}, full cache, vs transformers static-cache generate",
+                         f"{full_b['decode_tok_s'] / hf[0]['decode_tok_s']:.2f}x", "(reference)"))
+    else:
+        rows.append(("batch 16 >= 2x transformers static-cache generate", "—", verdict(None)))
+    cap = {r["policy"]: r for r in kinds.get("capacity", [])}
+    for p, r in cap.items():
+        if p != "full":
+            x = r.get("vs_full")
+            rows.append((f"largest batch at 0.2 ({p}) >= 4x full cache's",
+                         "—" if x is None else f"{r['max_batch']} vs {cap['full']['max_batch']} = {x:.1f}x"
+                         + ("" if r.get("exact") else " (search cut)"),
+                         verdict(None if x is None else x >= 4)))
+    pre = {r["policy"]: r for r in kinds.get("prefill_policy", [])}
+    for p, r in pre.items():
+        if p != "full" and "full" in pre:
+            x = r["prefill_s"] / pre["full"]["prefill_s"]
+            rows.append((f"scoring prefill {p} <= 1.3x plain prefill", f"{x:.2f}x", verdict(x <= 1.3)))
+    return rows
+
+
+def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) -> str:
+    records = load(out)
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        kinds.setdefault(r["kind"], []).append(r)
+    env = (kinds.get("env") or [{}])[0]
+    copy = (kinds.get("copy") or [{}])[0]
+    lines = [f"# GPU run: {env.get('device', '?')}", "",
+             f"torch {env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')}, "
+             f"CUDA {env.get('cuda')}, Python {env.get('python')}; capability {env.get('capability')}; "
+             f"commit {commit or 'unknown'}; copy bandwidth {_fmt(copy.get('gb_s'))} GB/s.", "",
+             "## Stages", ""]
+    lines += _table([{"stage": k, **v} for k, v in status.items()], ["stage", "status", "seconds", "box_s"])
+    lines += ["", "## Targets (issue 33)", "", "| target | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(records)]
+    tests = kinds.get("test", [])
+    done = (kinds.get("tests_done") or [{}])[0]
+    lines += ["", "## Correctness", "",
+              f"{done.get('passed', 0)} passed, {done.get('failed', 0)} failed, "
+              f"{done.get('skipped', 0)} skipped"
+              + (" (cut at the time box)" if done.get("cut_at_time_box") else "") + "."]
+    for t in tests:
+        if t["outcome"] == "failed":
+            first = (t.get("traceback") or "").strip().splitlines()
+            lines.append(f"- FAILED `{t['test']}` ({t['when']}): {first[-1][:200] if first else ''}")
+    lines += ["", "## Decode attention", ""]
+    lines += _table(kinds.get("decode", []), ["shape", "impl", "us", "gb_s", "pct_of_copy", "timed_by"])
+    best = best_decode(records)
+    if best:
+        lines += ["", "Best of the sweep per shape:", ""]
+        lines += _table([{**r, **{f"cfg.{k}": v for k, v in r["config"].items()}} for r in best.values()],
+                        ["shape", "cfg.block", "cfg.num_warps", "cfg.num_stages", "num_splits", "us",
+                         "pct_of_copy"])
+        cc = env.get("capability")
+        if cc:
+            cc_int = int(cc.replace(".", ""))
+            b = best.get("B8-L4096") or next(iter(best.values()))
+            c = b["config"]
+            lines += ["", "To commit in `kvkernels/tuning.py` (best at " + b["shape"] + "):", "", "```python",
+                      f'TUNED[("decode", {cc_int})] = LaunchConfig(block={c["block"]}, '
+                      f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})', "```"]
+    lines += ["", "## Compaction and eviction", ""]
+    lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",
+                                                  "op_over_topk_gather"])
+    lines += ["", "## Prefill scorer (one layer)", ""]
+    lines += _table(kinds.get("prefill", []), ["impl", "mode", "L", "ms", "over_attention"])
+    lines += ["", "## Generation", ""]
+    lines += _table(kinds.get("prefill_policy", []), ["policy", "budget", "prompt_len", "prefill_s"])
+    lines += [""]
+    lines += _table(kinds.get("gen", []), ["batch", "policy", "new_tokens", "prefill_s", "first_step_s",
+                                           "decode_tok_s", "decode_tok_s_skip_first", "kv_kept", "peak_gib",
+                                           "cuda_graph", "graphs_compiled"])
+    lines += ["", "transformers static cache:", ""]
+    lines += _table(kinds.get("hf_static", []), ["batch", "new_tokens", "prefill_s", "first_step_s",
+                                                 "decode_tok_s"])
+    lines += ["", "## Capacity", ""]
+    lines += _table(kinds.get("capacity", []), ["policy", "budget", "max_batch", "search_cap", "exact",
+                                                "vs_full", "num_pages"])
+    errors = kinds.get("error", []) + kinds.get("skipped", [])
+    if errors:
+        lines += ["", "## Errors and cuts", ""]
+        for e in errors:
+            text = e.get("traceback") or e.get("why") or ""
+            last = text.strip().splitlines()[-1] if text.strip() else ""
+            lines.append(f"- {e['stage']}: {e.get('where') or e.get('what')}: {last[:300]}")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, status: dict[str, dict[str, Any]], commit: str | None) -> None:
+    (out / "results.json").write_text(json.dumps({"commit": commit, "status": status, "records": load(out)},
+                                                 indent=1, default=str))
+    (out / "summary.md").write_text(summarize(out, status, commit))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001 -- the device's copy of the tree may have no .git
+        return None
+
+
+def run_stage(name: str, out: Path, deadline: float, smoke: bool) -> int:
+    """Child process: run one stage; its own exceptions become an error record (exit 1)."""
+    st = Stage(name, out, deadline, smoke)
+    try:
+        STAGE_FNS[name](st)
+    except Exception:  # noqa: BLE001
+        st.error(name)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path, help="directory for results.json, summary.md, logs")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton through its interpreter)")
+    p.add_argument("--only", default=None, help=f"comma-separated stages of {','.join(STAGES)}")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for all stages together (default {DEFAULT_BUDGET}; 600 with --smoke)")
+    p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # child process: one stage
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage:
+        return run_stage(args.stage, args.out, args.deadline, args.smoke)
+
+    stages = tuple(s.strip() for s in args.only.split(",")) if args.only else STAGES
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        p.error(f"--only: unknown stages {unknown}; choose from {', '.join(STAGES)}")
+    budget = args.budget or (600.0 if args.smoke else DEFAULT_BUDGET)
+    total = sum(SHARES[s] for s in stages)
+    commit = args.commit or _commit()
+    env = dict(os.environ)
+    if args.smoke:
+        env["TRITON_INTERPRET"] = "1"  # kernels on CPU tensors through the interpreter
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    status: dict[str, dict[str, Any]] = {}
+    for name in stages:
+        (args.out / f"{name}.jsonl").unlink(missing_ok=True)
+    for name in stages:
+        box = budget * SHARES[name] / total
+        start = time.time()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", name, "--out", str(args.out),
+               "--deadline", str(start + box - 3)] + (["--smoke"] if args.smoke else [])
+        print(f"[gpu] {name}: up to {box:.0f} s", flush=True)
+        with open(args.out / f"{name}.log", "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                rc = proc.wait(timeout=box + 10)
+                state = "ok" if rc == 0 else f"failed (exit {rc})"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                state = "timed out"
+        status[name] = {"status": state, "seconds": round(time.time() - start, 1), "box_s": round(box)}
+        print(f"[gpu] {name}: {state} in {status[name]['seconds']} s", flush=True)
+        write_results(args.out, status, commit)
+    print((args.out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Launch parameters of the Triton kernels: defaults, the values measured best per GPU architecture, and an
+override for sweeps.
+
+Each launcher asks :func:`launch_config` for its kernel's :class:`LaunchConfig` (the tile along the sequence,
+``num_warps``, ``num_stages``). The order: an :func:`override` in force (``bench/gpu.py`` sweeps with it),
+then :data:`TUNED` for the tensor's compute capability, then :data:`DEFAULTS`. Under the Triton interpreter
+(``TRITON_INTERPRET=1``, the CPU tests) the tile is 16, so small test inputs still cross tile edges.
+
+``bench/gpu.py`` measures every candidate of :data:`SWEEP` on the GPU it runs on and prints the
+:data:`TUNED` lines of the best per shape; a developer commits them here with the run's results file under
+``bench/results/``. Split-K (``num_splits`` of the decode kernel) is chosen per call from the shape; the
+sweep measures it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvkernels._triton import INTERPRET
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one Triton kernel is launched.
+
+    Attributes
+    ----------
+    block:
+        Tile length along the sequence (slots per step of the decode kernel; query and key rows of the
+        prefill scorer). A power of two >= 16.
+    num_warps, num_stages:
+        Passed to the launch (``num_stages`` is Triton's software-pipelining depth).
+    """
+
+    block: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block < 16 or self.block & (self.block - 1):
+            raise ValueError(f"block={self.block} must be a power of two >= 16 (tl.dot needs 16)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages={self.num_stages} must be in [1, 8]")
+
+
+#: The kernels that take a :class:`LaunchConfig`.
+KERNELS = ("decode", "prefill_scores")
+
+DEFAULTS: dict[str, LaunchConfig] = {
+    "decode": LaunchConfig(block=64, num_warps=4, num_stages=3),
+    "prefill_scores": LaunchConfig(block=64, num_warps=4, num_stages=3),
+}
+
+#: Measured best per ``(kernel, compute capability as major * 10 + minor)``; see ``bench/results/``.
+#: Empty until a GPU run's sweep is committed.
+TUNED: dict[tuple[str, int], LaunchConfig] = {}
+
+#: What ``bench/gpu.py`` sweeps per kernel (the product of these values).
+SWEEP: dict[str, dict[str, tuple[int, ...]]] = {
+    "decode": {"block": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
+    "prefill_scores": {"block": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)},
+}
+
+_INTERPRETER = LaunchConfig(block=16, num_warps=4, num_stages=3)
+_OVERRIDE: contextvars.ContextVar[dict[str, LaunchConfig] | None] = contextvars.ContextVar(
+    "kvkernels_launch_override", default=None)
+
+
+def _capability(device: torch.device) -> int | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def launch_config(kernel: str, device: torch.device) -> LaunchConfig:
+    """The launch parameters ``kernel`` (one of :data:`KERNELS`) uses for tensors on ``device``."""
+    if kernel not in DEFAULTS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+    over = _OVERRIDE.get()
+    if over and kernel in over:
+        return over[kernel]
+    if INTERPRET:
+        return _INTERPRETER
+    cc = _capability(device)
+    return TUNED.get((kernel, cc), DEFAULTS[kernel]) if cc is not None else DEFAULTS[kernel]
+
+
+@contextlib.contextmanager
+def override(**configs: LaunchConfig) -> Iterator[None]:
+    """Within the block, the named kernels launch with these configs (``override(decode=LaunchConfig(...))``).
+
+    Meant for eager sweeps: a compiled step captured in a CUDA graph keeps the kernels it was captured with.
+    """
+    unknown = set(configs) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"override got unknown kernels {sorted(unknown)}; known: {KERNELS}")
+    token = _OVERRIDE.set({**(_OVERRIDE.get() or {}), **configs})
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def sweep_configs(kernel: str) -> list[LaunchConfig]:
+    """Every candidate of :data:`SWEEP` for ``kernel``, the default first."""
+    import itertools
+
+    axes = SWEEP[kernel]
+    configs = [LaunchConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+    default = DEFAULTS[kernel]
+    return [default] + [c for c in configs if c != default]

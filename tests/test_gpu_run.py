@@ -1,0 +1,156 @@
+"""The prepared GPU run (``bench/gpu.py``): every stage at tiny shapes on CPU so the command cannot rot before
+a device is lent, the verdicts it writes against the targets, and the launch-parameter table it tunes
+(``kvkernels.tuning``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from devices import DEVICE
+from kvkernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from kvkernels.tuning import DEFAULTS, LaunchConfig, launch_config, override, sweep_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_module():
+    """``bench/gpu.py`` as a module (bench/ is not a package)."""
+    if "kvbench_gpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("kvbench_gpu", ROOT / "bench" / "gpu.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules["kvbench_gpu"]
+
+
+@pytest.mark.slow
+def test_smoke_run_every_stage_ok(tmp_path):
+    """``--smoke`` runs every stage (each in its own process) and each writes its records."""
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {k: v["status"] for k, v in results["status"].items()} == {s: "ok" for s in _gpu_module().STAGES}
+    records = results["records"]
+    errors = [r for r in records if r["kind"] == "error"]
+    assert not errors, errors[0]["traceback"]
+    kinds = {r["kind"] for r in records}
+    assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
+            "prefill_policy", "gen", "hf_static", "capacity"} <= kinds
+    gen = [r for r in records if r["kind"] == "gen"]
+    assert {(r["batch"], r["policy"]) for r in gen} == {(b, p) for b, _ in [(1, 0), (2, 0)]
+                                                        for p in ("full", "h2o", "snapkv", "streaming")}
+    assert all(r["decode_tok_s"] > 0 for r in gen)
+    assert all(r["kv_kept"] < 0.5 for r in gen if r["policy"] != "full")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Targets (issue 33)" in summary and "| verdict |" in summary
+
+
+def test_stage_time_box_keeps_what_was_measured(tmp_path):
+    """A stage that overruns its box is killed and reported as timed out; the other stages still run and
+    the records a stage wrote before it died are kept."""
+    gpu = _gpu_module()
+    out = tmp_path
+    (out / "generation.jsonl").write_text(json.dumps({"stage": "generation", "kind": "gen", "batch": 1,
+                                                      "policy": "full", "decode_tok_s": 10.0,
+                                                      "floor_step_s": 0.05}) + "\n")
+    status = {"generation": {"status": "timed out", "seconds": 9.0, "box_s": 9}}
+    gpu.write_results(out, status, "abc123")
+    results = json.loads((out / "results.json").read_text())
+    assert results["records"][0]["decode_tok_s"] == 10.0
+    summary = (out / "summary.md").read_text()
+    assert "timed out" in summary and "commit abc123" in summary
+    # 0.05 s floor at 10 tok/s = 50% of the floor: met
+    assert "| batch 1 (full) >= 50% of the (weights + KV) / copy-bandwidth floor | 50% | met |" in summary
+
+
+def _rec(kind, **kw):
+    return {"stage": "x", "kind": kind, **kw}
+
+
+def test_targets_verdicts():
+    """Each target's verdict follows its measurement: met, NOT met, or not measured when the run lacks it."""
+    gpu = _gpu_module()
+    records = [
+        _rec("decode", shape="B8-L4096", impl="paged", us=100.0, pct_of_copy=60.0),
+        _rec("decode", shape="B8-L4096", impl="paged+h2o-score", us=104.0, pct_of_copy=58.0),
+        _rec("decode", shape="B8-L4096", impl="sdpa-dense", us=90.0, pct_of_copy=70.0),
+        _rec("decode_sweep", shape="B8-L4096", config={"block": 64}, num_splits=4, us=80.0, pct_of_copy=85.0),
+        _rec("decode_sweep", shape="B8-L4096", config={"block": 32}, num_splits=4, us=95.0, pct_of_copy=70.0),
+        _rec("decode", shape="B64-L4096", impl="paged", us=100.0, pct_of_copy=60.0),
+        _rec("decode", shape="B64-L4096", impl="paged+h2o-score", us=110.0, pct_of_copy=55.0),
+        _rec("gen", batch=64, policy="full", decode_tok_s=1000.0),
+        _rec("gen", batch=64, policy="h2o", decode_tok_s=2100.0),
+        _rec("gen", batch=64, policy="snapkv", decode_tok_s=1900.0),
+        _rec("hf_static", batch=64, decode_tok_s=1000.0),
+        _rec("capacity", policy="full", max_batch=4, exact=True, vs_full=1.0),
+        _rec("capacity", policy="h2o", max_batch=16, exact=True, vs_full=4.0),
+        _rec("prefill_policy", policy="full", prefill_s=1.0),
+        _rec("prefill_policy", policy="h2o", prefill_s=1.31),
+    ]
+    got = {t: (m, v) for t, m, v in gpu.targets(records)}
+    assert got["decode B8-L4096: >= 80% of copy bandwidth, <= SDPA dense"] == ("85% (80 us); SDPA 90 us", "met")
+    assert got["decode B64-L4096: >= 80% of copy bandwidth, <= SDPA dense"][1] == "not measured"  # no SDPA
+    assert got["decode B1-L32768: >= 80% of copy bandwidth, <= SDPA dense"][1] == "not measured"
+    assert got["fused score update at B8-L4096 costs <= 5%"] == ("+4.0%", "met")
+    assert got["fused score update at B64-L4096 costs <= 5%"] == ("+10.0%", "NOT met")
+    assert got["h2o at 0.2 >= 2x full decode, batch 64"] == ("2.10x", "met")
+    assert got["snapkv at 0.2 >= 2x full decode, batch 64"] == ("1.90x", "NOT met")
+    assert got["batch 64 >= 2x transformers static-cache generate"] == ("2.10x (h2o)", "met")
+    assert got["batch 1 >= 50% of the bandwidth floor"][1] == "not measured"
+    assert got["largest batch at 0.2 (h2o) >= 4x full cache's"] == ("16 vs 4 = 4.0x", "met")
+    assert got["scoring prefill h2o <= 1.3x plain prefill"] == ("1.31x", "NOT met")
+    assert gpu.best_decode(records)["B8-L4096"]["config"] == {"block": 64}
+
+
+def test_launch_config_precedence_and_checks():
+    cpu = torch.device("cpu")
+    base = launch_config("decode", cpu)
+    custom = LaunchConfig(block=32, num_warps=8, num_stages=2)
+    with override(decode=custom):
+        assert launch_config("decode", cpu) == custom
+        assert launch_config("prefill_scores", cpu) == launch_config("prefill_scores", cpu)
+        with override(decode=LaunchConfig(block=128)):
+            assert launch_config("decode", cpu).block == 128
+        assert launch_config("decode", cpu) == custom
+    assert launch_config("decode", cpu) == base
+    with pytest.raises(ValueError, match="kernel='nope'"):
+        launch_config("nope", cpu)
+    with pytest.raises(ValueError, match="unknown kernels"):
+        with override(nope=custom):
+            pass
+    for bad, match in ((dict(block=24), "block=24"), (dict(num_warps=3), "num_warps=3"),
+                       (dict(num_stages=0), "num_stages=0")):
+        with pytest.raises(ValueError, match=match):
+            LaunchConfig(**bad)
+    configs = sweep_configs("decode")
+    assert configs[0] == DEFAULTS["decode"] and len(set(configs)) == len(configs)
+
+
+@pytest.mark.parametrize("cfg", [LaunchConfig(block=32, num_warps=2, num_stages=2),
+                                 LaunchConfig(block=16, num_warps=8, num_stages=4)], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_under_swept_configs_matches_ref(cfg, num_splits):
+    """What the sweep measures is still the op: other tiles, warps, stages and split counts give the
+    reference's output (ragged lengths 0, 1 and across pages)."""
+    if DEVICE.type != "cuda":
+        pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(3)
+    P, S, Hkv, G, D = 12, 16, 2, 2, 32
+    k = torch.randn(P, S, Hkv, D, generator=gen)
+    v = torch.randn(P, S, Hkv, D, generator=gen)
+    table = torch.randperm(P, generator=gen).to(torch.int32).view(3, 4)
+    lens = torch.tensor([0, 1, 50], dtype=torch.int32)
+    q = torch.randn(3, Hkv * G, D, generator=gen)
+    want = paged_decode_attention_ref(q, k, v, table, lens, scale=D ** -0.5)
+    args = [x.to(DEVICE) for x in (q, k, v, table, lens)]
+    with override(decode=cfg):
+        got = paged_decode_attention_triton(*args, scale=D ** -0.5, num_splits=num_splits)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-5)
