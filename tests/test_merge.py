@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from devices import DEVICE, on_device
@@ -118,8 +118,15 @@ def test_reference_matches_float64_oracle(case):
     assert_valid_retention(retained, want_theta, ratio, tol=2e-3)
 
 
+# A random draw of pairs() (pi - theta = 0.024, t = 0.6): the SLERP direction, not renormalised then, had norm
+# 1 - 1.4e-4, so the restored vector missed the stored length by as much (kvkernels.merge's docstring).
+NEAR_ANTIPODAL = (torch.tensor([[[-0.012664919719099998, 0.009722408838570118, 0.004311293363571167]]]),
+                  torch.tensor([[[1.905740737915039, -1.5014015436172485, -0.7087899446487427]]]), 0.6, 0.0)
+
+
 @pytest.mark.interpret
 @given(case=pairs())
+@example(case=NEAR_ANTIPODAL)
 def test_triton_launcher_matches_reference(case):
     x_a, x_b, t, ratio = case
     ref = magnitude_direction_merge_ref(x_a, x_b, t=t, retain_ratio=ratio)
@@ -133,6 +140,7 @@ def test_triton_launcher_matches_reference(case):
 
 
 @given(case=pairs())
+@example(case=NEAR_ANTIPODAL)
 def test_restore_error_bound_and_retained_exact(case):
     x_a, x_b, t, ratio = case
     x_a, x_b = x_a.float(), x_b.float()  # the bound is about the maths; fp16 rounding is the tests above
