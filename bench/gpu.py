@@ -372,9 +372,8 @@ def _sweep_point(st: Stage, shape: str, t: dict[str, Any], cfg: Any, splits: int
                 error=traceback.format_exc(limit=2)[-800:])
 
 
-def _decode_records(st: Stage, copy_gb_s: float) -> None:
-    from kvkernels.tuning import sweep_configs
-
+def _decode_records(st: Stage, copy_gb_s: float) -> dict[str, dict[str, Any]]:
+    """The decode op at its defaults per shape; returns the pools for the sweep."""
     pools = {}
     for batch, ctx in st.shapes.decode:
         shape = f"B{batch}-L{ctx}"
@@ -383,17 +382,16 @@ def _decode_records(st: Stage, copy_gb_s: float) -> None:
             _decode_shape(st, shape, pools[shape], copy_gb_s)
         except Exception:  # noqa: BLE001
             st.error(f"decode {shape}")
-    # The sweep: every launch config x split count, shapes interleaved so a cut leaves each shape some.
-    configs = sweep_configs("decode")
-    for i, cfg in enumerate(configs):
-        for shape, t in pools.items():
-            if st.left() < 20:
-                st.skipped("decode sweep", f"time box: measured {i} of {len(configs)} configs")
-                return
-            max_len = t["table"].shape[1] * st.shapes.page
-            for splits in st.shapes.splits:
-                if splits == 1 or max_len / splits >= cfg.block:
-                    _sweep_point(st, shape, t, cfg, splits, copy_gb_s)
+    return pools
+
+
+def _decode_sweep(st: Stage, cfg: Any, pools: dict[str, dict[str, Any]], copy_gb_s: float) -> None:
+    """One launch config at every shape and split count."""
+    for shape, t in pools.items():
+        max_len = t["table"].shape[1] * st.shapes.page
+        for splits in st.shapes.splits:
+            if splits == 1 or max_len / splits >= cfg.block:
+                _sweep_point(st, shape, t, cfg, splits, copy_gb_s)
 
 
 def _compaction_records(st: Stage) -> None:
@@ -448,10 +446,19 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
             topk_gather_us=s_dense * 1e6, op_over_topk_gather=s_op / s_dense, timed_by=how)
 
 
-def _prefill_records(st: Stage) -> None:
-    """The prefill scorer against the plain causal attention of the prompt (one layer, one sequence)."""
+def _prefill_inputs(st: Stage):
     import torch
 
+    L = st.shapes.prefill_len
+    hq, hkv, d = st.shapes.heads
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(L, hq, d, generator=gen).to(st.device, st.dtype)
+    k, v = (torch.randn(L, hkv, d, generator=gen).to(st.device, st.dtype) for _ in range(2))
+    return q, k, v, d ** -0.5
+
+
+def _prefill_records(st: Stage) -> None:
+    """The prefill scorer against the plain causal attention of the prompt (one layer, one sequence)."""
     from kvkernels.score_update import (
         COLUMN_SUM_MODES,
         prefill_attention,
@@ -459,12 +466,8 @@ def _prefill_records(st: Stage) -> None:
         prefill_scores,
     )
 
-    L = st.shapes.prefill_len
-    hq, hkv, d = st.shapes.heads
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(L, hq, d, generator=gen).to(st.device, st.dtype)
-    k, v = (torch.randn(L, hkv, d, generator=gen).to(st.device, st.dtype) for _ in range(2))
-    scale = d ** -0.5
+    q, k, v, scale = _prefill_inputs(st)
+    L = q.shape[0]
     try:
         plain, how = st.seconds(lambda: prefill_attention(q, k, v, scale=scale), reps=5)
         st.emit("prefill", impl="attention", mode="none", L=L, ms=plain * 1e3, over_attention=1.0,
@@ -490,16 +493,44 @@ def _prefill_records(st: Stage) -> None:
                 st.error(f"prefill {impl} {mode}")
 
 
+def _prefill_sweep(st: Stage, cfg: Any, inputs: tuple) -> None:
+    """One launch config of the prefill scorer (H2O's accumulate mode, no log-sum-exp given)."""
+    from kvkernels.score_update import prefill_scores
+    from kvkernels.tuning import override
+
+    q, k, _, scale = inputs
+    try:
+        with override(prefill_scores=cfg):
+            s, how = st.seconds(lambda: prefill_scores(q, k, scale=scale, mode="accumulate"), reps=5)
+        st.emit("prefill_sweep", config=cfg.__dict__, L=q.shape[0], ms=s * 1e3, timed_by=how)
+    except Exception:  # noqa: BLE001 -- e.g. out of shared memory for this tile
+        st.emit("prefill_sweep", config=cfg.__dict__, L=q.shape[0],
+                error=traceback.format_exc(limit=2)[-800:])
+
+
 def stage_kernels(st: Stage) -> None:
+    from kvkernels.tuning import sweep_configs
+
     copy = st.copy_bandwidth()
     st.emit("copy", **copy)
-    # Cheap, single measurements first; the sweep (the long part) last.
+    # Single measurements first, then the two sweeps interleaved (a cut leaves both some of each shape).
+    pools = _decode_records(st, copy["gb_s"])
     for part in (_compaction_records, _prefill_records):
         try:
             part(st)
         except Exception:  # noqa: BLE001
             st.error(part.__name__)
-    _decode_records(st, copy["gb_s"])
+    decode, prefill = sweep_configs("decode"), sweep_configs("prefill_scores")
+    inputs = _prefill_inputs(st)
+    for i in range(max(len(decode), len(prefill))):
+        if st.left() < 15:
+            st.skipped("sweeps", f"time box: {min(i, len(decode))} of {len(decode)} decode and "
+                       f"{min(i, len(prefill))} of {len(prefill)} prefill configs measured")
+            return
+        if i < len(decode):
+            _decode_sweep(st, decode[i], pools, copy["gb_s"])
+        if i < len(prefill):
+            _prefill_sweep(st, prefill[i], inputs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -853,19 +884,31 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
         lines += _table([{**r, **{f"cfg.{k}": v for k, v in r["config"].items()}} for r in best.values()],
                         ["shape", "cfg.block", "cfg.num_warps", "cfg.num_stages", "num_splits", "us",
                          "pct_of_copy"])
-        cc = env.get("capability")
-        if cc:
-            cc_int = int(cc.replace(".", ""))
+    lines += ["", "## Prefill scorer (one layer)", ""]
+    lines += _table(kinds.get("prefill", []), ["impl", "mode", "L", "ms", "over_attention"])
+    sweep = [r for r in kinds.get("prefill_sweep", []) if "ms" in r]
+    best_prefill = min(sweep, key=lambda r: r["ms"]) if sweep else None
+    if best_prefill:
+        lines += ["", f"Sweep of the scorer alone (accumulate, no lse): {len(sweep)} configs, best "
+                  f"{best_prefill['config']} at {best_prefill['ms']:.3g} ms; default "
+                  f"{_fmt(next((r['ms'] for r in sweep if r['config'] == sweep[0]['config']), None))} ms."]
+    cc = env.get("capability")
+    if cc and (best or best_prefill):
+        cc_int = int(cc.replace(".", ""))
+        lines += ["", "To commit in `kvkernels/tuning.py`:", "", "```python"]
+        if best:
             b = best.get("B8-L4096") or next(iter(best.values()))
             c = b["config"]
-            lines += ["", "To commit in `kvkernels/tuning.py` (best at " + b["shape"] + "):", "", "```python",
-                      f'TUNED[("decode", {cc_int})] = LaunchConfig(block={c["block"]}, '
-                      f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})', "```"]
+            lines.append(f'TUNED[("decode", {cc_int})] = LaunchConfig(block={c["block"]}, '
+                         f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})  # best at {b["shape"]}')
+        if best_prefill:
+            c = best_prefill["config"]
+            lines.append(f'TUNED[("prefill_scores", {cc_int})] = LaunchConfig(block={c["block"]}, '
+                         f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})')
+        lines.append("```")
     lines += ["", "## Compaction and eviction", ""]
     lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",
                                                   "op_over_topk_gather"])
-    lines += ["", "## Prefill scorer (one layer)", ""]
-    lines += _table(kinds.get("prefill", []), ["impl", "mode", "L", "ms", "over_attention"])
     lines += ["", "## Generation", ""]
     lines += _table(kinds.get("prefill_policy", []), ["policy", "budget", "prompt_len", "prefill_s"])
     lines += [""]

@@ -43,7 +43,7 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert not errors, errors[0]["traceback"]
     kinds = {r["kind"] for r in records}
     assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
-            "prefill_policy", "gen", "hf_static", "capacity"} <= kinds
+            "prefill_sweep", "prefill_policy", "gen", "hf_static", "capacity"} <= kinds
     gen = [r for r in records if r["kind"] == "gen"]
     assert {(r["batch"], r["policy"]) for r in gen} == {(b, p) for b, _ in [(1, 0), (2, 0)]
                                                         for p in ("full", "h2o", "snapkv", "streaming")}
@@ -69,6 +69,29 @@ def test_stage_time_box_keeps_what_was_measured(tmp_path):
     assert "timed out" in summary and "commit abc123" in summary
     # 0.05 s floor at 10 tok/s = 50% of the floor: met
     assert "| batch 1 (full) >= 50% of the (weights + KV) / copy-bandwidth floor | 50% | met |" in summary
+
+
+def test_summary_names_the_tuned_lines_to_commit(tmp_path):
+    """The best decode config at B8/4k and the best prefill-scorer config become TUNED lines for the
+    device's compute capability."""
+    gpu = _gpu_module()
+    lines = [
+        {"stage": "env", "kind": "env", "device": "NVIDIA H100", "capability": "9.0"},
+        {"stage": "kernels", "kind": "decode_sweep", "shape": "B8-L4096", "num_splits": 8, "us": 50.0,
+         "pct_of_copy": 90.0, "config": {"block": 32, "num_warps": 8, "num_stages": 4}},
+        {"stage": "kernels", "kind": "decode_sweep", "shape": "B8-L4096", "num_splits": 2, "us": 70.0,
+         "pct_of_copy": 60.0, "config": {"block": 64, "num_warps": 4, "num_stages": 3}},
+        {"stage": "kernels", "kind": "prefill_sweep", "ms": 2.0, "config": {"block": 64, "num_warps": 4,
+                                                                            "num_stages": 3}},
+        {"stage": "kernels", "kind": "prefill_sweep", "ms": 1.5, "config": {"block": 128, "num_warps": 8,
+                                                                            "num_stages": 2}},
+    ]
+    (tmp_path / "kernels.jsonl").write_text("\n".join(json.dumps(r) for r in lines[1:]) + "\n")
+    (tmp_path / "env.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    summary = gpu.summarize(tmp_path, {}, None)
+    assert ('TUNED[("decode", 90)] = LaunchConfig(block=32, num_warps=8, num_stages=4)  # best at B8-L4096'
+            in summary)
+    assert 'TUNED[("prefill_scores", 90)] = LaunchConfig(block=128, num_warps=8, num_stages=2)' in summary
 
 
 def _rec(kind, **kw):

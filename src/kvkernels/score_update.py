@@ -35,7 +35,8 @@ import torch
 from kvkernels._checks import FLOAT_DTYPES, check_choice, check_shape, check_tensor
 from kvkernels._modes import SCORE_MODES
 from kvkernels._noise import _as_int32, gumbel_noise_hash, seed_key
-from kvkernels._triton import HAS_TRITON, INTERPRET, covering, launch, require_triton, tl, triton, use_triton
+from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, tl, triton, use_triton
+from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
     from kvkernels._noise import gumbel_noise_tl
@@ -161,7 +162,8 @@ def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mod
     m = torch.empty((Hq, n_rows), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     slopes = alibi_slopes.to(torch.float32).contiguous() if alibi_slopes is not None else m  # m: unused
-    block = 16 if INTERPRET else 64  # small blocks under the interpreter so tests cross block edges
+    cfg = launch_config("prefill_scores", q.device)  # tile, warps and stages: kvkernels.tuning
+    block = cfg.block  # 16 under the interpreter, so small tests cross block edges
     common = dict(
         L=L, first=first, n_rows=n_rows, scale=float(scale), temperature=float(temperature),
         noise_key=_as_int32(seed_key(seed)),
@@ -177,11 +179,12 @@ def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mod
         m.copy_(lse[:, first:])
         l.fill_(1.0)
     else:
-        launch(_row_stats_kernel, (triton.cdiv(n_rows, block), Hq), q, k, slopes, m, l, **common)
+        launch(_row_stats_kernel, (triton.cdiv(n_rows, block), Hq), q, k, slopes, m, l,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
     launch(
         _column_scores_kernel, (triton.cdiv(L, block), Hkv),
         q, k, slopes, m, l, out, log2_decay=math.log2(decay), DECAY=mode == "decay",
-        COUNT_LOW=mode == "count_low", **common)
+        COUNT_LOW=mode == "count_low", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
     return out
 
 
