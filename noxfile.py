@@ -70,12 +70,13 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff + mypy."""
-    session.run("ruff", "check", "src", "tests", "bench", "examples", "noxfile.py")
-    session.run("mypy", "src")
+    session.run("ruff", "check", "src", "tests", "bench", "evals", "experiments", "examples", "noxfile.py")
+    session.run("mypy", "src", "evals")
 
 
 @nox.session(default=False)
 def quality(session: nox.Session) -> None:
-    """Quality under compression on SmolLM2: a quick sweep, or the full one with ``-- --full``."""
+    """Quality under compression on SmolLM2 (the harness in evals/, records in evals/results/): a quick
+    sweep, or the full one with ``-- --full``. Runs from the repository root."""
     _install(session, "eval")
-    session.run("python", "-m", "kvmodels.eval", *[a for a in session.posargs if a != "--no-install"])
+    session.run("python", "-m", "evals", *[a for a in session.posargs if a != "--no-install"])

@@ -1,6 +1,6 @@
 """Prefill cost of scoring policies against the plain prefill, interleaved in one process so that a shared
 machine's load hits both alike: SmolLM2-135M (the bundled GGUF) at fp32 on CPU, batch 1, the first
-``--tokens`` tokens of the bundled Moby-Dick text, ``generate(max_new_tokens=1)`` (prefill + prompt
+``--tokens`` tokens of the Moby-Dick text (``evals/data``), ``generate(max_new_tokens=1)`` (prefill + prompt
 compression, no decode). Prints each run and the median ratio per policy; ``--out`` appends JSON lines.
 Run: ``OMP_NUM_THREADS=1 python bench/prefill_overhead.py --policies h2o,snapkv,squeeze+keyformer``.
 """
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.resources
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+TEXT = Path(__file__).resolve().parents[1] / "evals" / "data" / "moby_dick_ch1-30.txt.gz"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     loaded = load_checkpoint()
-    path = importlib.resources.files("kvmodels") / "data/moby_dick_ch1-30.txt.gz"
-    with gzip.open(str(path), "rt", encoding="utf-8") as f:
+    with gzip.open(TEXT, "rt", encoding="utf-8") as f:
         ids = loaded.tokenizer.encode(f.read())[: args.tokens]
     names = ["full", *args.policies.split(",")]
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -13,9 +13,9 @@ report steady-state decode speed (the first step, which compiles, is reported ap
 from __future__ import annotations
 
 import gzip
-import importlib.resources
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +37,8 @@ else:
 # same for every policy, and compiling SmolLM2's decode step costs ~15 s per policy from a cold cache, so
 # the smoke run compiles one evicting policy; every policy's compiled step is tested in tests/.
 SMOKE = os.environ.get("KVBENCH_SMOKE") == "1"
+#: The evaluation harness's Moby-Dick text (real prose for the CPU prompts).
+TEXT = Path(__file__).resolve().parents[1] / "evals" / "data" / "moby_dick_ch1-30.txt.gz"
 
 
 def device_name() -> str:
@@ -64,8 +66,7 @@ def models():
 def prompts(batch: int, vocab: int, tokenizer) -> list[list[int]]:
     """Real text on CPU (the first PROMPT_LEN tokens of Moby-Dick), random ids for the random GPU model."""
     if tokenizer is not None:
-        path = importlib.resources.files("kvmodels") / "data/moby_dick_ch1-30.txt.gz"
-        with gzip.open(str(path), "rt", encoding="utf-8") as f:
+        with gzip.open(TEXT, "rt", encoding="utf-8") as f:
             ids = tokenizer.encode(f.read())[:PROMPT_LEN]
         assert len(ids) == PROMPT_LEN
         return [ids] * batch

@@ -1,7 +1,7 @@
-"""``python -m kvmodels.eval``: run the quality sweep (see :func:`kvmodels.eval.sweep.main`)."""
+"""``python -m evals``: run the quality sweep (see :func:`evals.sweep.main`)."""
 
 import sys
 
-from kvmodels.eval.sweep import main
+from evals.sweep import main
 
 sys.exit(main())

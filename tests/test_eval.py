@@ -1,4 +1,4 @@
-"""Tests of the quality harness (kvmodels.eval): prompts, scoring, resumable results, the prefill replay,
+"""Tests of the quality harness (evals): prompts, scoring, resumable results, the prefill replay,
 perplexity under eviction, tables/figures, and (slow) the SmolLM2 smoke sweep."""
 
 from __future__ import annotations
@@ -7,6 +7,9 @@ import itertools
 import json
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from devices import DEVICE
-from kvmodels.eval import plots, sweep, tasks
-from kvmodels.eval.sweep import Config, Plan
+from evals import plots, sweep, tasks
+from evals.sweep import Config, Plan
 from kvmodels.generate import generate
 from kvmodels.llama import Llama, LlamaConfig
 from kvpolicies import available, compose
@@ -456,6 +459,19 @@ def test_head_budget_table_pairs_each_policy_with_its_even_heads():
         "| 0.5 | 3 | 0 / 2 / 1 | 23 -> 17 | squeeze+h2o 9 | squeeze+h2o+adakv 9 |"]
     assert plots.head_budget_table(_records(), 1024) == ""  # no +adakv rows: no table
     assert "Head budgets: `+adakv` against even heads — passkey, ~1024" in plots.tables(recs)
+
+
+# --- the entry points, from the repository root -----------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("module", ["evals", "evals.plots"])
+def test_entry_points_run_from_the_repository_root(module):
+    """``python -m evals`` and ``python -m evals.plots`` as a user runs them (outside pytest's pythonpath)."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"usage: python -m {module}" in done.stdout
 
 
 # --- the real model: CI smoke sweep -----------------------------------------------------------------------

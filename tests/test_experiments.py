@@ -1,12 +1,15 @@
-"""The passkey diagnostics in ``bench/`` (docs/results.md, "The last ~4k answer at 0.5") on a tiny model:
-``passkey_margins.teacher_forced`` must agree with greedy decoding, and ``passkey_layer_ablation``'s
+"""The passkey diagnostics in ``experiments/`` (docs/results.md, "The last ~4k answer at 0.5") on a tiny
+model: ``passkey_margins.teacher_forced`` must agree with greedy decoding, and ``passkey_layer_ablation``'s
 ``LayerAblated`` must keep exactly the chosen layers whole and leave every other layer as the policy has it;
-``passkey_profile``'s report must count the full cache's answers a variant keeps.
+``passkey_profile``'s report must count the full cache's answers a variant keeps. Every study's entry point
+(``python -m experiments.<name>``) parses its arguments.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import pkgutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,26 +18,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import experiments
 from devices import DEVICE
+from evals.sweep import append_record
+from experiments import passkey_layer_ablation as ablation
+from experiments import passkey_margins as margins
+from experiments import passkey_profile as pp
 from kvmodels.generate import generate
 from kvpolicies import compose
 from test_generate import V, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-margins = _bench_module("passkey_margins")
-ablation = _bench_module("passkey_layer_ablation")
 
 
 MODEL = tiny_llama(n_layers=3)
@@ -94,9 +88,6 @@ def test_layer_ablated_keeps_exactly_the_chosen_layers_whole(name):
 def test_passkey_profile_report_counts_the_full_caches_answers(tmp_path, monkeypatch, capsys):
     """``passkey_profile --report``: a cell counts the full cache's correct answers the variant keeps, and
     separately the ones only the variant gets right; a full-cache record in the profile file wins."""
-    from kvmodels.eval.sweep import append_record
-
-    pp = _bench_module("passkey_profile")
     answers = ["11111", "22222", "33333", "44444"]
     variants_file, out = tmp_path / "variants.jsonl", tmp_path / "profile.jsonl"
     monkeypatch.setattr(pp, "FULL_RECORDS", variants_file)
@@ -112,3 +103,31 @@ def test_passkey_profile_report_counts_the_full_caches_answers(tmp_path, monkeyp
     assert pp.report(out) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if "`uniform`" in line)
     assert "| 3 of 4 (75%) +2 |" in row and "seed 0: 2/3 +1; seed 7: 1/1 +1" in row
+
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDIES = sorted(m.name for m in pkgutil.iter_modules(experiments.__path__))
+
+
+def test_the_studies_are_all_here():
+    assert STUDIES == ["adakv_imbalance", "adakv_retrieval", "key_digits_kept", "passkey_layer_ablation",
+                       "passkey_margins", "passkey_profile", "passkey_variants"]
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_study_entry_point_parses_its_arguments(name, capsys):
+    """``main(["--help"])`` imports what the study needs (the harness, the library) and prints its usage."""
+    module = importlib.import_module(f"experiments.{name}")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_studies_run_as_modules_from_the_repository_root():
+    """As the docstrings say to run them: ``python -m experiments.<name>`` from the repository root (a study
+    that imports another one, outside pytest's ``pythonpath``)."""
+    done = subprocess.run([sys.executable, "-m", "experiments.adakv_retrieval", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage:" in done.stdout and "--budgets" in done.stdout

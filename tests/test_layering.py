@@ -1,7 +1,10 @@
 """The packages import downward only: ``kvkernels`` at the bottom, ``kvpolicies`` above it, ``kvmodels`` (and
 the transformers bridge, which reaches the caches only through ``kvkernels``) on top. No package imports a
-private module or name of another, and no model imports a particular policy. Read from the source (AST), so
-a lazy import inside a function counts as much as one at the top of a file."""
+private module or name of another, and no model imports a particular policy. Above the library, outside
+``src/`` and the wheel, sit the research folders: the evaluation harness ``evals`` and the studies in
+``experiments`` (which use the harness). They import the library; the library never imports them, and
+``evals`` never imports ``experiments``. Read from the source (AST), so a lazy import inside a function
+counts as much as one at the top of a file."""
 
 from __future__ import annotations
 
@@ -10,19 +13,22 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 LEVEL = {"kvkernels": 0, "kvpolicies": 1, "kvmodels": 2}
+#: Top-level folders of the repository beside ``src/`` (run from its root, not installed), above the library.
+RESEARCH = {"evals": 3, "experiments": 4}
 MODELS = ("kvmodels.llama", "kvmodels.gptj", "kvmodels.mpt", "kvmodels.lckv")
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = path.relative_to(SRC).with_suffix("").parts
-        if parts[0] not in LEVEL:
-            continue
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
+    for root, tops in ((SRC, LEVEL), (ROOT, RESEARCH)):
+        for top in tops:
+            for path in sorted((root / top).rglob("*.py")):
+                parts = path.relative_to(root).with_suffix("").parts
+                name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+                out[name] = path
     return out
 
 
@@ -45,15 +51,20 @@ def imports(path: Path, module: str) -> list[tuple[str, int]]:
 
 def violations() -> list[str]:
     bad = []
+    level = LEVEL | RESEARCH
     for module, path in _modules().items():
         top = module.split(".")[0]
         for name, line in imports(path, module):
             other = name.split(".")[0]
-            if other not in LEVEL or other == top:
+            if other not in level or other == top:
                 continue
             where = f"{module} (line {line}) imports {name}"
-            if LEVEL[other] > LEVEL[top]:
+            if top in LEVEL and other in RESEARCH:
+                bad.append(f"{where}: the library imports research code ({other}/, outside src/)")
+            elif level[other] > level[top]:
                 bad.append(f"{where}: upward ({top} sits below {other})")
+            if top in RESEARCH:
+                continue  # research code may use what the library keeps private (e.g. reference rules)
             if any(part.startswith("_") for part in name.split(".")[1:]):
                 bad.append(f"{where}: a private name of another package")
             if module in MODELS and name.startswith(("kvpolicies.budget", "kvpolicies.eviction",
@@ -66,12 +77,23 @@ def test_packages_import_downward_only():
     assert violations() == []
 
 
+def test_the_check_reads_the_library_and_the_research_folders():
+    found = _modules()
+    assert {"kvkernels.merge", "kvpolicies.compose", "kvmodels.cli", "evals", "evals.sweep",
+            "experiments", "experiments.passkey_margins"} <= set(found)
+    assert all(name.split(".")[0] in LEVEL | RESEARCH for name in found)
+
+
 @pytest.mark.parametrize("source, module, expected", [
     ("from kvmodels.cache import PagedKVCache\n", "kvpolicies.hf", "upward"),
     ("from kvkernels._modes import update_scores_ref\n", "kvpolicies.hf", "private"),
     ("from kvkernels.merge import _retained_mask\n", "kvmodels.cache", "private"),
     ("from kvpolicies.budget.squeeze import residual_cos_sim\n", "kvmodels.llama", "particular policy"),
     ("def f():\n    import kvpolicies\n", "kvkernels.merge", "upward"),
+    ("from evals.sweep import Runner\n", "kvmodels.cli", "research"),
+    ("def f():\n    from experiments import passkey_margins\n", "kvpolicies.compose", "research"),
+    ("import evals.tasks\n", "kvkernels", "research"),
+    ("from experiments.adakv_imbalance import kept\n", "evals.sweep", "upward"),
 ])
 def test_the_check_catches(tmp_path, monkeypatch, source, module, expected):
     """Each rule fires on the import it forbids (each of these existed before the layering was fixed)."""

@@ -5,12 +5,12 @@ through the paged cache), KV convergence trace, the layer -> cache-layer map, in
 from __future__ import annotations
 
 import gzip
-from importlib.resources import files
 
 import pytest
 import torch
 
 from devices import DEVICE
+from evals.tasks import TEXT_PATH
 from kvmodels.generate import generate
 from kvmodels.lckv import LCKV, LCKVConfig, train_step
 from kvmodels.llama import Llama, LlamaConfig
@@ -98,8 +98,8 @@ def test_policies_on_lckv_cache_layers(spec):
 
 
 def moby_dick_bytes(n: int) -> torch.Tensor:
-    """The first ``n`` bytes of Moby-Dick ch. 1 (public domain; bundled in ``kvmodels/data``)."""
-    raw = gzip.decompress((files("kvmodels") / "data" / "moby_dick_ch1-30.txt.gz").read_bytes())
+    """The first ``n`` bytes of Moby-Dick ch. 1 (public domain; ``evals/data``)."""
+    raw = gzip.decompress(TEXT_PATH.read_bytes())
     return torch.tensor(list(raw[:n]), dtype=torch.int64)
 
 
