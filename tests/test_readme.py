@@ -1,5 +1,5 @@
-"""The README runs as written: every Python snippet and every ``kvgen`` command, compared with the expected
-output shown beside it.
+"""The README (and docs/usage.md, which holds the examples moved out of it) runs as written: every Python
+snippet and every ``kvgen`` command, compared with the expected output shown beside it.
 
 A fenced ``text`` block right after a ``python`` or ``bash`` block is that block's expected output,
 abridged: each of its lines must be found in what the block printed, where ``...`` in an expected line
@@ -21,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = (README, ROOT / "docs" / "usage.md")  # every page whose snippets are run
 FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>\w*)\s*$")
 
 
@@ -87,7 +88,14 @@ def test_block_parser_pairs_outputs():
 
 
 README_BLOCKS = blocks(README.read_text())
-PYTHON = [b for b in README_BLOCKS if b.lang == "python"]
+# (page, block) for every page of DOCS; ids name the page and line.
+DOC_BLOCKS = [(page, b) for page in DOCS for b in blocks(page.read_text())]
+PYTHON = [(page, b) for page, b in DOC_BLOCKS if b.lang == "python"]
+
+
+def block_id(item: tuple[Path, Block]) -> str:
+    page, block = item
+    return f"{page.relative_to(ROOT)}:{block.line}"
 
 
 def run_python(code: str) -> str:
@@ -110,13 +118,14 @@ def skip_without_model() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", PYTHON, ids=[f"line{b.line}" for b in PYTHON])
-def test_python_snippet_runs_and_prints_what_the_readme_shows(block):
+@pytest.mark.parametrize("item", PYTHON, ids=block_id)
+def test_python_snippet_runs_and_prints_what_the_readme_shows(item):
+    block = item[1]
     if needs_model(block.code):
         skip_without_model()
     out = run_python(block.code)
     if block.expected is not None:
-        assert_shows(out, block.expected, f"README.md:{block.line}")
+        assert_shows(out, block.expected, block_id(item))
 
 
 def kvgen_commands(code: str) -> list[list[str]]:
@@ -132,19 +141,22 @@ def kvgen_commands(code: str) -> list[list[str]]:
     return out
 
 
-SHELL = [b for b in README_BLOCKS if b.lang == "bash" and kvgen_commands(b.code)]
+SHELL = [(page, b) for page, b in DOC_BLOCKS if b.lang == "bash" and kvgen_commands(b.code)]
 
 
 def test_readme_has_the_commands_it_promises():
-    assert len(PYTHON) >= 4 and len(SHELL) >= 2
-    assert all(b.expected is not None for b in SHELL)
-    main = kvgen_commands(SHELL[0].code)
+    readme_python = [b for b in README_BLOCKS if b.lang == "python"]
+    readme_shell = [b for b in README_BLOCKS if b.lang == "bash" and kvgen_commands(b.code)]
+    assert len(readme_python) >= 3 and len(readme_shell) >= 2
+    assert all(b.expected is not None for _, b in SHELL)
+    main = kvgen_commands(readme_shell[0].code)
     assert main and "--prompt-file" in main[0]  # the main job asks about a prompt long enough to compress
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", SHELL, ids=[f"line{b.line}" for b in SHELL])
-def test_kvgen_commands_run_and_print_what_the_readme_shows(block):
+@pytest.mark.parametrize("item", SHELL, ids=block_id)
+def test_kvgen_commands_run_and_print_what_the_readme_shows(item):
+    block = item[1]
     skip_without_model()
     outputs = []
     for args in kvgen_commands(block.code):
@@ -152,4 +164,4 @@ def test_kvgen_commands_run_and_print_what_the_readme_shows(block):
                               text=True, timeout=600)
         assert done.returncode == 0, f"kvgen {shlex.join(args)} failed:\n{done.stderr[-3000:]}"
         outputs.append(done.stdout + "\n" + done.stderr)
-    assert_shows("\n".join(outputs), block.expected, f"README.md:{block.line}")
+    assert_shows("\n".join(outputs), block.expected, block_id(item))
