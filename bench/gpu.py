@@ -337,14 +337,14 @@ def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) ->
     """The op at its defaults, with the fused H2O update, and SDPA on the dense gather, at one shape."""
     import torch.nn.functional as F
 
-    from kvkernels.paged_attention import paged_decode_attention_triton
+    from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_triton
 
     args = (t["q"], t["k_pages"], t["v_pages"], t["table"], t["lens"])
     q4 = t["q"][:, :, None, :]
+    h2o = ScoreUpdate(t["score"], "accumulate")
     impls = {
         "paged": lambda: paged_decode_attention_triton(*args, scale=t["scale"]),
-        "paged+h2o-score": lambda: paged_decode_attention_triton(*args, scale=t["scale"], score=t["score"],
-                                                                 score_mode="accumulate"),
+        "paged+h2o-score": lambda: paged_decode_attention_triton(*args, scale=t["scale"], scores=h2o),
         "sdpa-dense": lambda: F.scaled_dot_product_attention(q4, t["k_dense"], t["v_dense"], scale=t["scale"],
                                                              enable_gqa=True),
     }

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvkernels.paged_attention import paged_decode_attention
+from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -90,7 +90,7 @@ def _impls(t):
         # The registered op, not the checked wrapper: the wrapper's value checks sync the device, and a
         # compiled decode step (what this kernel serves) skips them. Check once here, eagerly.
         args = (t["q"], t["k_pages"], t["v_pages"], t["page_table"], t["seq_lens"])
-        paged_decode_attention(*args, scale=t["scale"], score=t["score"].clone(), score_mode=score_mode)
+        paged_decode_attention(*args, scale=t["scale"], scores=ScoreUpdate(t["score"].clone(), score_mode))
         return lambda: torch.ops.kvkernels.paged_decode_attention(
             *args, scale=t["scale"], score=t["score"], score_mode=score_mode)
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkernels.paged_attention import paged_decode_attention_ref
+from kvkernels.paged_attention import Alibi, Restore, ScoreUpdate, paged_decode_attention_ref
 from kvkernels.topk_compact import topk_compact
 from test_topk_compact import oracle_kept, run, scenarios
 
@@ -37,12 +37,15 @@ def test_attention_over_compacted_cache_equals_masked_original(case, group, seed
 
     after = run(topk_compact, before, budgets, n_sink, n_recent)  # on the suite's device, back on the CPU
 
-    common = dict(scale=dim ** -0.5, alibi_slopes=alibi, q_pos=q_pos, score_mode="accumulate")
+    scale = dim ** -0.5
     score_full, score_compact = before.score.clone(), after.score.clone()
     out_full = paged_decode_attention_ref(q, before.k, before.v, before.tables[0], before.lens[0],
-                                          slot_pos=before.pos, score=score_full, slot_mask=mask, **common)
+                                          scale=scale, alibi=Alibi(alibi, before.pos, q_pos),
+                                          scores=ScoreUpdate(score_full, "accumulate"),
+                                          restore=Restore(slot_mask=mask))
     out_compact = paged_decode_attention_ref(q, after.k, after.v, after.tables[0], after.lens[0],
-                                             slot_pos=after.pos, score=score_compact, **common)
+                                             scale=scale, alibi=Alibi(alibi, after.pos, q_pos),
+                                             scores=ScoreUpdate(score_compact, "accumulate"))
     torch.testing.assert_close(out_compact, out_full, atol=TOL[q.dtype], rtol=TOL[q.dtype])
 
     # The fused score update lands on the same tokens: compare per (sequence, head) in logical order.

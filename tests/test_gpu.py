@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from devices import DEVICE, assert_within
-from kvkernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention, paged_decode_attention_ref
 from kvmodels.generate import generate
 from kvmodels.llama import Llama, LlamaConfig
 from kvpolicies import compose
@@ -101,8 +101,8 @@ def test_split_k_at_32k_context_bf16(num_splits):
     truth = paged_decode_attention_ref(*exact, scale=scale)
     plain = paged_decode_attention_ref(*args, scale=scale)  # torch at bf16 inputs, fp32 math
     score = torch.zeros(P, S, Hkv, device=DEVICE)
-    out = paged_decode_attention(*(a.to(DEVICE) for a in args), scale=scale, score=score,
-                                 score_mode="accumulate", num_splits=num_splits)
+    out = paged_decode_attention(*(a.to(DEVICE) for a in args), scale=scale,
+                                 scores=ScoreUpdate(score, "accumulate"), num_splits=num_splits)
     assert_within(out, truth, plain, torch.bfloat16)
     mass = [score.cpu()[table[b, :pages_per_seq[b]].long()].flatten(0, 1)[:lens[b]].sum(0) for b in range(2)]
     for m in mass:  # [Hkv]

@@ -119,7 +119,8 @@ def test_targets_verdicts():
         _rec("prefill_policy", policy="h2o", prefill_s=1.31),
     ]
     got = {t: (m, v) for t, m, v in gpu.targets(records)}
-    assert got["decode B8-L4096: >= 80% of copy bandwidth, <= SDPA dense"] == ("85% (80 us); SDPA 90 us", "met")
+    assert (got["decode B8-L4096: >= 80% of copy bandwidth, <= SDPA dense"]
+            == ("85% (80 us); SDPA 90 us", "met"))
     assert got["decode B64-L4096: >= 80% of copy bandwidth, <= SDPA dense"][1] == "not measured"  # no SDPA
     assert got["decode B1-L32768: >= 80% of copy bandwidth, <= SDPA dense"][1] == "not measured"
     assert got["fused score update at B8-L4096 costs <= 5%"] == ("+4.0%", "met")

@@ -6,8 +6,8 @@ per KV head), GPT-J (partial rotary) and MPT (ALiBi) models, and on the real Smo
 * a left-padded batch generates, and keeps, exactly what each sequence does alone;
 * for the same inputs, policy and seed, the tokens kept per (layer, sequence, KV head) equal those the
   in-house models (kvmodels) keep, and so do the generated tokens (Keyformer included: same noise);
-* the bridge's selection is ``kvkernels.topk_compact_ref``'s (forced slots, top scores, ties to the earlier
-  token), on ragged left-padded rows;
+* the bridge's selection is ``kvkernels.topk_compact.topk_compact_ref``'s (forced slots, top scores, ties to
+  the earlier token), on ragged left-padded rows;
 * the cache is physically compacted (``[B, Hkv, kept, D]``, never expanded to query heads);
 * unsupported models / attention implementations / policies fail with errors that say what to change.
 MiniCache merging (merge policies) is tested in tests/test_hf_merge.py.
@@ -239,7 +239,7 @@ def test_kept_tokens_equal_in_house(kind, spec, monkeypatch):
     assert_bridge_keeps_what_kvmodels_keeps(kind, compose(spec.pop("p"), **spec), monkeypatch)
 
 
-# --- selection == kvkernels.topk_compact_ref ------------------------------------------------
+# --- selection == kvkernels.topk_compact.topk_compact_ref -----------------------------------
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_selection_equals_topk_compact_ref(data):

@@ -19,6 +19,9 @@ from hypothesis import strategies as st
 from devices import DEVICE, KERNEL_DTYPES, assert_within
 from kvkernels._modes import SCORE_MODES
 from kvkernels.paged_attention import (
+    Alibi,
+    Restore,
+    ScoreUpdate,
     _paged_decode_attention_op,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -102,19 +105,18 @@ def make_case(seed: int, lens: list[int], *, page_size: int, n_kv_heads: int, gr
 
 def op_kwargs(case: Case, *, mode: str, alibi: bool, k_scale: bool, v_scale: bool, mask: bool,
               num_splits: int = 0, score: torch.Tensor | None = None) -> dict:
+    """Keyword arguments of the public op, which its three implementations share."""
     pool = case.pool
+    gumbel = mode == "gumbel"
+    restore = k_scale or v_scale or mask
     return dict(
         scale=case.q.shape[-1] ** -0.5,
-        alibi_slopes=case.slopes if alibi else None,
-        slot_pos=pool["slot_pos"] if alibi else None,
-        q_pos=case.q_pos if alibi else None,
-        score=score, score_mode=mode, decay=DECAY,
-        gumbel_noise=case.noise if mode == "gumbel" else None,
-        temperature=case.temperature if mode == "gumbel" else None,
-        k_scale=pool["k_scale"] if k_scale else None,
-        v_scale=pool["v_scale"] if v_scale else None,
-        slot_mask=pool["slot_mask"] if mask else None,
-        mask_bit=MASK_BIT, num_splits=num_splits,
+        alibi=Alibi(case.slopes, pool["slot_pos"], case.q_pos) if alibi else None,
+        scores=None if score is None else ScoreUpdate(score, mode, DECAY, case.noise if gumbel else None,
+                                                      case.temperature if gumbel else None),
+        restore=Restore(pool["k_scale"] if k_scale else None, pool["v_scale"] if v_scale else None,
+                        pool["slot_mask"] if mask else None, MASK_BIT) if restore else None,
+        num_splits=num_splits,
     )
 
 
@@ -383,7 +385,7 @@ def test_accumulate_adds_unit_mass_per_kv_head(impl, params, mask, num_splits):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# (4) Bad input: a clear error naming the argument; nothing written.
+# (4) Bad input: a clear error naming the argument or the bundle field; nothing written.
 
 
 def _set_page(row, col, value):
@@ -392,6 +394,15 @@ def _set_page(row, col, value):
         table[row, col] = value if value is not None else a["k_pages"].shape[0]
         return {"page_table": table}
     return change
+
+
+def _scores(change):
+    """Replace fields of the valid ``scores`` bundle: ``change(scores) -> {field: value}``."""
+    return lambda a: {"scores": a["scores"]._replace(**change(a["scores"]))}
+
+
+def _slots(a) -> tuple[int, ...]:
+    return tuple(a["scores"].score.shape)  # [P, S, Hkv]
 
 
 # (id, changes computed from the valid arguments, error type, text the message must contain)
@@ -414,22 +425,36 @@ BAD_INPUTS = [
     ("lens_too_long", lambda a: {"seq_lens": torch.tensor([3, 99], dtype=torch.int32)}, ValueError,
      r"seq_lens\[1\]=99"),
     ("lens_not_tensor", lambda a: {"seq_lens": [3, 5]}, TypeError, "seq_lens must be a torch.Tensor"),
-    ("score_dtype", lambda a: {"score": a["score"].double()}, TypeError, "score has dtype"),
-    ("score_missing", lambda a: {"score": None}, ValueError, "pass score"),
-    ("mode", lambda a: {"score_mode": "h2o"}, ValueError, "score_mode='h2o'"),
-    ("gumbel_no_noise", lambda a: {"score_mode": "gumbel"}, ValueError, "gumbel_noise"),
-    ("noise_short", lambda a: {"score_mode": "gumbel", "gumbel_noise": torch.zeros(2, 4, 3)}, ValueError,
-     "gumbel_noise has 3 slots"),
-    ("temperature", lambda a: {"temperature": torch.ones(2)}, ValueError, "temperature must have"),
-    ("alibi_no_pos", lambda a: {"alibi_slopes": torch.ones(4)}, ValueError, "slot_pos"),
-    ("alibi_shape", lambda a: {"alibi_slopes": torch.ones(3), "q_pos": torch.zeros(2, dtype=torch.int32),
-                               "slot_pos": torch.zeros(a["score"].shape, dtype=torch.int32)},
-     ValueError, "alibi_slopes must have"),
-    ("mask_dtype", lambda a: {"slot_mask": torch.ones(a["score"].shape, dtype=torch.bool)}, TypeError,
-     "slot_mask has dtype"),
-    ("k_scale_shape", lambda a: {"k_scale": torch.ones(1, 1, 1)}, ValueError, "k_scale must have"),
-    ("mask_bit", lambda a: {"mask_bit": 256}, ValueError, "mask_bit"),
+    ("score_dtype", _scores(lambda s: {"score": s.score.double()}), TypeError, r"scores\.score has dtype"),
+    ("score_missing", _scores(lambda s: {"score": None}), ValueError, r"pass scores\.score"),
+    ("mode", _scores(lambda s: {"mode": "h2o"}), ValueError, r"scores\.mode='h2o'"),
+    ("gumbel_no_noise", _scores(lambda s: {"mode": "gumbel"}), ValueError, r"needs scores\.gumbel_noise"),
+    ("noise_short", _scores(lambda s: {"mode": "gumbel", "gumbel_noise": torch.zeros(2, 4, 3)}), ValueError,
+     r"scores\.gumbel_noise has 3 slots"),
+    ("temperature", _scores(lambda s: {"temperature": torch.ones(2)}), ValueError,
+     r"scores\.temperature must have"),
+    ("alibi_no_pos", lambda a: {"alibi": Alibi(torch.ones(4), None, None)}, ValueError, r"alibi\.slot_pos"),
+    ("alibi_shape", lambda a: {"alibi": Alibi(torch.ones(3), torch.zeros(_slots(a), dtype=torch.int32),
+                                              torch.zeros(2, dtype=torch.int32))},
+     ValueError, r"alibi\.slopes must have"),
+    ("mask_dtype", lambda a: {"restore": Restore(slot_mask=torch.ones(_slots(a), dtype=torch.bool))},
+     TypeError, r"restore\.slot_mask has dtype"),
+    ("k_scale_shape", lambda a: {"restore": Restore(k_scale=torch.ones(1, 1, 1))}, ValueError,
+     r"restore\.k_scale must have"),
+    ("mask_bit", lambda a: {"restore": Restore(mask_bit=256)}, ValueError, r"restore\.mask_bit"),
     ("num_splits", lambda a: {"num_splits": -1}, ValueError, "num_splits"),
+    # The bundles' own checks.
+    ("alibi_slot_pos_shape", lambda a: {"alibi": Alibi(torch.ones(4), torch.zeros(1, 1, 1, dtype=torch.int32),
+                                                       torch.zeros(2, dtype=torch.int32))},
+     ValueError, r"alibi\.slot_pos must have"),
+    ("alibi_q_pos_dtype", lambda a: {"alibi": Alibi(torch.ones(4), torch.zeros(_slots(a), dtype=torch.int32),
+                                                    torch.zeros(2, dtype=torch.int64))},
+     TypeError, r"alibi\.q_pos has dtype"),
+    ("alibi_not_bundle", lambda a: {"alibi": torch.ones(4)}, TypeError, r"alibi must be a kvkernels\.Alibi"),
+    ("scores_not_bundle", lambda a: {"scores": a["scores"].score}, TypeError,
+     r"scores must be a kvkernels\.ScoreUpdate"),
+    ("restore_not_bundle", lambda a: {"restore": (None, None, None, 1)}, TypeError,
+     r"restore must be a kvkernels\.Restore"),
 ]
 
 
@@ -439,8 +464,8 @@ def test_bad_input_is_rejected_before_writing(name, change, exc, match):
                      device=torch.device("cpu"))
     score = case.pool["score"].clone()
     args = dict(q=case.q, k_pages=case.pool["k_pages"], v_pages=case.pool["v_pages"],
-                page_table=case.page_table, seq_lens=case.seq_lens, scale=0.1, score=score,
-                score_mode="accumulate")
+                page_table=case.page_table, seq_lens=case.seq_lens, scale=0.1,
+                scores=ScoreUpdate(score, "accumulate"))
     args.update(change(args))
     with pytest.raises(exc, match=match):
         paged_decode_attention(**args)
@@ -467,25 +492,36 @@ def test_public_op_on_cpu_runs_torch_path_and_mutates_score():
     assert torch.equal(s_op, s_ref) and not torch.equal(s_op, case.pool["score"])
 
 
+def _flat(kw: dict) -> dict:
+    """The registered op's flat keyword arguments for the public op's ``kw`` (ALiBi and scores given): an op
+    schema takes no NamedTuple, so the public op passes the bundles field by field."""
+    alibi, scores, restore = kw["alibi"], kw["scores"], kw["restore"] or Restore()
+    return dict(scale=kw["scale"], alibi_slopes=alibi.slopes, slot_pos=alibi.slot_pos, q_pos=alibi.q_pos,
+                score=scores.score, score_mode=scores.mode, decay=scores.decay,
+                gumbel_noise=scores.gumbel_noise, temperature=scores.temperature, k_scale=restore.k_scale,
+                v_scale=restore.v_scale, slot_mask=restore.slot_mask, mask_bit=restore.mask_bit,
+                num_splits=kw["num_splits"])
+
+
 def test_opcheck():
     case = make_case(6, [2, 9], page_size=4, n_kv_heads=1, group=2, head_dim=32, dtype=torch.float32,
                      device=torch.device("cpu"))
     args, kw = _op_args(case, case.pool["score"].clone())
-    torch.library.opcheck(_paged_decode_attention_op, args, kw, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(_paged_decode_attention_op, args, _flat(kw),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scored", [True, False], ids=["gumbel", "no-score"])
 def test_compile_fullgraph_matches_eager(scored):
-    """Also without a score tensor (score=None: the full cache), which inductor once failed to lower."""
+    """Also without a score tensor (scores=None: the full cache), which inductor once failed to lower. The
+    ScoreUpdate bundle is built inside the compiled function, as the models' decode step builds it."""
     case = make_case(7, [0, 6, 13], page_size=4, n_kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
                      device=torch.device("cpu"))
 
     def step(q, k_pages, v_pages, page_table, seq_lens, score, noise, tau):
-        mode = "gumbel" if scored else "none"
-        out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=0.2,
-                                     score=score if scored else None, score_mode=mode, gumbel_noise=noise,
-                                     temperature=tau)
+        scores = ScoreUpdate(score, "gumbel", gumbel_noise=noise, temperature=tau) if scored else None
+        out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=0.2, scores=scores)
         return out * 2.0
 
     def args(score):

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from devices import DEVICE
-from kvkernels import SCORE_MODES, update_scores_ref
+from kvkernels._modes import SCORE_MODES, update_scores_ref
 from kvkernels._noise import gumbel_noise_hash, gumbel_noise_hash_triton, hash_u32
 from kvkernels._triton import HAS_TRITON, triton
 from kvkernels.score_update import (

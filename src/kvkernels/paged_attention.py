@@ -1,9 +1,13 @@
 """Ragged paged decode attention with a fused per-slot score update (docs/contract.md §2.1–§2.2).
 
 One query token per sequence attends over that sequence's valid slots in the paged pool. Layout of this
-file: the Triton kernels, their launcher ``paged_decode_attention_triton``, the torch reference
-``paged_decode_attention_ref`` (same signature, the test oracle), the vectorised torch path
-``paged_decode_attention_torch`` the op runs on CPU, and the public op ``paged_decode_attention``.
+file: the argument bundles (``Alibi``, ``ScoreUpdate``, ``Restore``), the Triton kernels, their launcher
+``paged_decode_attention_triton``, the torch reference ``paged_decode_attention_ref`` (the test oracle),
+the vectorised torch path ``paged_decode_attention_torch`` the op runs on CPU, the registered custom op
+(flat schema) and the public op ``paged_decode_attention``. Only the public op and the bundles are
+exported (``__all__``, and the package's); the three implementations take the public op's arguments
+(bundles included, inputs assumed checked), so tests, benchmarks and ``compile_check`` call every variant
+the way a user calls the op.
 
 Kernel design
 -------------
@@ -29,6 +33,7 @@ would re-read K (50%). With ``score_mode="none"`` no scratch is allocated or tou
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,6 +53,60 @@ else:  # pragma: no cover - the CPU path never needs triton
 # no real logit gets near it.
 _NEG_BIG = -1e30
 _MODE_IDS = {name: i for i, name in enumerate(SCORE_MODES)}  # none=0 accumulate=1 gumbel=2 decay=3 ...
+
+__all__ = ["Alibi", "Restore", "ScoreUpdate", "paged_decode_attention"]
+
+
+# Argument bundles. NamedTuples, not dataclasses: immutable, and torch.compile(fullgraph=True) traces their
+# construction and field reads (the models' compiled decode step builds them) without a graph break.
+class Alibi(NamedTuple):
+    """ALiBi: adds ``slopes[h] * (slot_pos - q_pos)`` (<= 0) to the logits of query head ``h``.
+
+    ``slopes`` [Hq] float32; ``slot_pos`` [P, S, Hkv] int32, the **original** position of each pool slot
+    (so attention over a compacted cache equals attention over the full cache restricted to the kept
+    tokens); ``q_pos`` [B] int32, the position of each sequence's query.
+    """
+
+    slopes: torch.Tensor
+    slot_pos: torch.Tensor
+    q_pos: torch.Tensor
+
+
+class ScoreUpdate(NamedTuple):
+    """The fused per-slot score update (docs/contract.md §2.2) of visible valid slots.
+
+    ``score`` [P, S, Hkv] float32, updated **in place**; ``mode`` one of ``SCORE_MODES`` (``"none"``
+    passes the tensor without touching it); ``decay`` is lambda for ``"decay"``; ``gumbel_noise``
+    [B, Hq, Lmax] float32, indexed by logical slot (``Lmax >= M * S``), is required for ``"gumbel"``, whose
+    ``temperature`` is a [1] float32 tensor (a tensor, so a changing tau never recompiles a compiled step;
+    None means 1.0).
+    """
+
+    score: torch.Tensor
+    mode: str = "accumulate"
+    decay: float = 1.0
+    gumbel_noise: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+
+
+class Restore(NamedTuple):
+    """MiniCache restore of a merged layer pair's shared pages.
+
+    ``k_scale``, ``v_scale`` [P, S, Hkv] float32: per-slot magnitudes, keys are ``k_pages * k_scale``,
+    values likewise. ``slot_mask`` [P, S, Hkv] uint8: a slot is visible only if
+    ``slot_mask & mask_bit != 0`` (``mask_bit`` in [1, 255]); invisible slots get no probability, no score
+    update and do not count in ``n_valid``.
+    """
+
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    slot_mask: torch.Tensor | None = None
+    mask_bit: int = 1
+
+
+# What an absent bundle unpacks to: no restore; no score tensor, mode "none".
+_NO_RESTORE = Restore()
+_NO_SCORES: tuple[None, str, float, None, None] = (None, "none", 1.0, None, None)
 
 
 if HAS_TRITON:
@@ -277,12 +336,8 @@ def _pick_num_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, de
 
 def paged_decode_attention_triton(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, *, scale: float, alibi_slopes: torch.Tensor | None = None,
-    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
-    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
-    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+    seq_lens: torch.Tensor, *, scale: float, alibi: Alibi | None = None, scores: ScoreUpdate | None = None,
+    restore: Restore | None = None, num_splits: int = 0,
 ) -> torch.Tensor:
     """Triton launcher for :func:`paged_decode_attention` (same arguments; inputs assumed checked)."""
     require_triton()
@@ -301,6 +356,8 @@ def paged_decode_attention_triton(
     # Split boundaries are multiples of BLOCK_N so only the last block of a split is partial.
     chunk = max(block_n, math.ceil(max(1, max_len) / num_splits / block_n) * block_n)
 
+    k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
+    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
     mode_id = _MODE_IDS[score_mode]
     keep_logits = mode_id != 0 and score is not None
     gumbel = mode_id == _MODE_IDS["gumbel"]
@@ -331,11 +388,11 @@ def paged_decode_attention_triton(
     launch(
         _decode_partial_kernel, grid,
         q, k_pages, v_pages, page_table, seq_lens,
-        opt(alibi_slopes), opt(slot_pos), opt(q_pos), opt(k_scale), opt(v_scale), opt(slot_mask), noise,
-        opt(temperature),
+        *((dummy, dummy, dummy) if alibi is None else alibi), opt(k_scale), opt(v_scale), opt(slot_mask),
+        noise, opt(temperature),
         m, l, acc, gm, gl, nvis, logits, out, opt(score) if keep_logits else dummy,
         float(scale), int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
-        HAS_ALIBI=alibi_slopes is not None, HAS_KSCALE=k_scale is not None, HAS_VSCALE=v_scale is not None,
+        HAS_ALIBI=alibi is not None, HAS_KSCALE=k_scale is not None, HAS_VSCALE=v_scale is not None,
         HAS_MASK=slot_mask is not None, KEEP_LOGITS=keep_logits, GUMBEL=gumbel,
         HAS_TEMP=temperature is not None,
         # fp32 caches get exact fp32 products (no TF32) so they match the fp32 reference.
@@ -364,17 +421,15 @@ def _masked_softmax(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention_ref(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, *, scale: float, alibi_slopes: torch.Tensor | None = None,
-    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
-    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
-    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+    seq_lens: torch.Tensor, *, scale: float, alibi: Alibi | None = None, scores: ScoreUpdate | None = None,
+    restore: Restore | None = None, num_splits: int = 0,
 ) -> torch.Tensor:
     """Pure-torch reference for :func:`paged_decode_attention`: one sequence at a time, in fp32.
 
     ``num_splits`` is accepted for signature parity and ignored (the result does not depend on it).
     """
+    k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
+    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
     batch, n_q_heads, _ = q.shape
     page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = n_q_heads // n_kv_heads
@@ -401,10 +456,9 @@ def paged_decode_attention_ref(
         v_q = v.repeat_interleave(group, dim=1)  # [n, Hq, D]
         visible_q = visible.repeat_interleave(group, dim=1).T  # [Hq, n]
         x = scale * torch.einsum("hd,nhd->hn", q[b].float(), k_q)  # [Hq, n]
-        if alibi_slopes is not None:
-            assert slot_pos is not None and q_pos is not None  # the public wrapper checked the pairing
-            key_pos = slot_pos[pages, offs].repeat_interleave(group, dim=1).T  # [Hq, n]
-            x = x + alibi_slopes[:, None].float() * (key_pos - q_pos[b]).float()
+        if alibi is not None:
+            key_pos = alibi.slot_pos[pages, offs].repeat_interleave(group, dim=1).T  # [Hq, n]
+            x = x + alibi.slopes[:, None].float() * (key_pos - alibi.q_pos[b]).float()
         p = _masked_softmax(x, visible_q)  # [Hq, n]
         out[b] = torch.einsum("hn,nhd->hd", p, v_q).to(q.dtype)
 
@@ -424,12 +478,8 @@ def paged_decode_attention_ref(
 
 def paged_decode_attention_torch(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, *, scale: float, alibi_slopes: torch.Tensor | None = None,
-    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
-    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
-    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+    seq_lens: torch.Tensor, *, scale: float, alibi: Alibi | None = None, scores: ScoreUpdate | None = None,
+    restore: Restore | None = None, num_splits: int = 0,
 ) -> torch.Tensor:
     """Vectorised torch path of :func:`paged_decode_attention` (what the op runs on CPU); same arguments.
 
@@ -440,6 +490,8 @@ def paged_decode_attention_torch(
     query heads). Reading the longest length is one host read; on CPU it costs nothing, and the op is
     opaque to ``torch.compile``, so it never becomes a graph break. ``num_splits`` is ignored.
     """
+    k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
+    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
     batch, n_q_heads, head_dim = q.shape
     page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = n_q_heads // n_kv_heads
@@ -474,10 +526,9 @@ def paged_decode_attention_torch(
     x = scale * torch.einsum("bhgd,bnhd->bhgn", qg.float(), k.float())  # [B, Hkv, G, N] fp32 logits
     if k_scale is not None:  # scale * q.(k * s) == s * (scale * q.k)
         x = x * per_head(gather(k_scale))
-    if alibi_slopes is not None:
-        assert slot_pos is not None and q_pos is not None  # the public wrapper checked the pairing
-        rel = (per_head(gather(slot_pos)) - q_pos[:, None, None, None]).float()  # [B, Hkv, 1, N]
-        x = x + alibi_slopes.view(n_kv_heads, group, 1).float() * rel
+    if alibi is not None:
+        rel = (per_head(gather(alibi.slot_pos)) - alibi.q_pos[:, None, None, None]).float()  # [B, Hkv, 1, N]
+        x = x + alibi.slopes.view(n_kv_heads, group, 1).float() * rel
     p = _masked_softmax(x, visible)  # [B, Hkv, G, N]
     pv = p
     if v_scale is not None:  # restore v = v_pages * v_scale through the probabilities (N, not N*D, mults)
@@ -516,13 +567,20 @@ def _paged_decode_attention_op(
 ) -> torch.Tensor:
     """The registered op (no input checks): Triton on CUDA tensors, the vectorised torch path elsewhere.
 
-    Same arguments as the public function, except that the tensors cannot be keyword-only in an op schema.
+    An op schema takes tensors, scalars and strings, not NamedTuples, so the public op passes its bundles
+    flattened, field by field in this order: ``alibi`` (slopes as ``alibi_slopes``, slot_pos, q_pos),
+    ``scores`` (score, mode as ``score_mode``, decay, gumbel_noise, temperature), ``restore`` (k_scale,
+    v_scale, slot_mask, mask_bit); no ``alibi_slopes`` means no ALiBi, no ``score`` no score update. The
+    tensors cannot be keyword-only in an op schema. The op bundles them again for the implementation.
     """
+    alibi = None
+    if alibi_slopes is not None:
+        assert slot_pos is not None and q_pos is not None  # the public op checked the bundle
+        alibi = Alibi(alibi_slopes, slot_pos, q_pos)
+    scores = None if score is None else ScoreUpdate(score, score_mode, decay, gumbel_noise, temperature)
     impl = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_torch
-    return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi_slopes=alibi_slopes,
-                slot_pos=slot_pos, q_pos=q_pos, score=score, score_mode=score_mode, decay=decay,
-                gumbel_noise=gumbel_noise, temperature=temperature, k_scale=k_scale, v_scale=v_scale,
-                slot_mask=slot_mask, mask_bit=mask_bit, num_splits=num_splits)
+    return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi=alibi, scores=scores,
+                restore=Restore(k_scale, v_scale, slot_mask, mask_bit), num_splits=num_splits)
 
 
 @_paged_decode_attention_op.register_fake
@@ -530,10 +588,17 @@ def _(q, *args, **kwargs):
     return torch.empty_like(q)  # [B, Hq, D]; score's in-place update needs no fake output
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi_slopes, slot_pos, q_pos, score,
-                  score_mode, gumbel_noise, temperature, k_scale, v_scale, slot_mask, mask_bit,
+def _check_bundle(name: str, value: object, kind: Any) -> None:
+    """``value`` is None or a ``kind`` bundle (not, say, a tensor, or a plain tuple of the fields)."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a kvkernels.{kind.__name__}({', '.join(kind._fields)}) or None, got "
+                        f"{type(value).__name__}")
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi, scores, restore,
                   num_splits) -> None:
-    """Metadata checks (no device sync): ranks, shapes, dtypes, devices, contiguity, argument pairing."""
+    """Metadata checks (no device sync): ranks, shapes, dtypes, devices, contiguity, the bundles' fields.
+    A bundle field's error names it as ``bundle.field`` (``scores.mode``, ``alibi.slot_pos``)."""
     ck = _checks.check_tensor
     ck("q", q, ndim=3, dtypes=_checks.FLOAT_DTYPES, contiguous=True)
     dev = q.device
@@ -553,52 +618,61 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi_slo
     _checks.check_shape("seq_lens", seq_lens, (batch,), "[B]")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale}")
-    _checks.check_choice("score_mode", score_mode, SCORE_MODES)
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 picks a heuristic), got {num_splits}")
-    if not 1 <= mask_bit <= 255:
-        raise ValueError(f"mask_bit must be in [1, 255] (a bit of the uint8 slot_mask), got {mask_bit}")
+    _check_bundle("alibi", alibi, Alibi)
+    _check_bundle("scores", scores, ScoreUpdate)
+    _check_bundle("restore", restore, Restore)
 
-    slot_shape = (num_pages, page_size, n_kv_heads)
-    per_slot = {"slot_pos": (slot_pos, torch.int32), "score": (score, torch.float32),
-                "k_scale": (k_scale, torch.float32), "v_scale": (v_scale, torch.float32),
-                "slot_mask": (slot_mask, torch.uint8)}
-    for name, (t, dtype) in per_slot.items():
-        if t is not None:
-            ck(name, t, ndim=3, dtypes=(dtype,), device=dev, contiguous=True)
-            _checks.check_shape(name, t, slot_shape, "[P, S, Hkv] of the pool")
-    if alibi_slopes is not None:
-        ck("alibi_slopes", alibi_slopes, ndim=1, dtypes=(torch.float32,), device=dev, contiguous=True)
-        _checks.check_shape("alibi_slopes", alibi_slopes, (n_q_heads,), "[Hq]")
-        if slot_pos is None or q_pos is None:
-            raise ValueError("alibi_slopes needs slot_pos ([P, S, Hkv] int32) and q_pos ([B] int32)")
-    if q_pos is not None:
-        ck("q_pos", q_pos, ndim=1, dtypes=(torch.int32,), device=dev, contiguous=True)
-        _checks.check_shape("q_pos", q_pos, (batch,), "[B]")
-    if score_mode != "none" and score is None:
-        raise ValueError(f"score_mode={score_mode!r} updates scores in place: pass score "
-                         "([P, S, Hkv] float32)")
-    if score_mode == "gumbel":
-        if gumbel_noise is None:
-            raise ValueError("score_mode='gumbel' needs gumbel_noise ([B, Hq, Lmax] float32)")
-        ck("gumbel_noise", gumbel_noise, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
-        _checks.check_shape("gumbel_noise", gumbel_noise, (batch, n_q_heads, None), "[B, Hq, Lmax]")
-        if gumbel_noise.shape[2] < page_table.shape[1] * page_size:
-            raise ValueError(f"gumbel_noise has {gumbel_noise.shape[2]} slots per head but the page table "
-                             f"covers {page_table.shape[1] * page_size}; allocate [B, Hq, M * S]")
-    if temperature is not None:
-        ck("temperature", temperature, ndim=1, dtypes=(torch.float32,), device=dev, contiguous=True)
-        _checks.check_shape("temperature", temperature, (1,), "a 1-element tensor")
+    def per_slot(name: str, t: object, dtype: torch.dtype) -> None:
+        t = ck(name, t, ndim=3, dtypes=(dtype,), device=dev, contiguous=True)
+        _checks.check_shape(name, t, (num_pages, page_size, n_kv_heads), "[P, S, Hkv] of the pool")
+
+    if scores is not None:
+        mode = scores.mode
+        _checks.check_choice("scores.mode", mode, SCORE_MODES)
+        if scores.score is not None:
+            per_slot("scores.score", scores.score, torch.float32)
+        elif mode != "none":
+            raise ValueError(f"scores.mode={mode!r} updates scores in place: pass scores.score "
+                             "([P, S, Hkv] float32)")
+        if mode == "gumbel":
+            noise = scores.gumbel_noise
+            if noise is None:
+                raise ValueError("scores.mode='gumbel' needs scores.gumbel_noise ([B, Hq, Lmax] float32)")
+            ck("scores.gumbel_noise", noise, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
+            _checks.check_shape("scores.gumbel_noise", noise, (batch, n_q_heads, None), "[B, Hq, Lmax]")
+            if noise.shape[2] < page_table.shape[1] * page_size:
+                raise ValueError(f"scores.gumbel_noise has {noise.shape[2]} slots per head but the page "
+                                 f"table covers {page_table.shape[1] * page_size}; allocate [B, Hq, M * S]")
+        if scores.temperature is not None:
+            ck("scores.temperature", scores.temperature, ndim=1, dtypes=(torch.float32,), device=dev,
+               contiguous=True)
+            _checks.check_shape("scores.temperature", scores.temperature, (1,), "a 1-element tensor")
+    if restore is not None:
+        if not 1 <= restore.mask_bit <= 255:
+            raise ValueError(f"restore.mask_bit must be in [1, 255] (a bit of the uint8 restore.slot_mask), "
+                             f"got {restore.mask_bit}")
+        for name, t, dtype in (("k_scale", restore.k_scale, torch.float32),
+                               ("v_scale", restore.v_scale, torch.float32),
+                               ("slot_mask", restore.slot_mask, torch.uint8)):
+            if t is not None:
+                per_slot(f"restore.{name}", t, dtype)
+    if alibi is not None:
+        ck("alibi.slopes", alibi.slopes, ndim=1, dtypes=(torch.float32,), device=dev, contiguous=True)
+        _checks.check_shape("alibi.slopes", alibi.slopes, (n_q_heads,), "[Hq]")
+        if alibi.slot_pos is None or alibi.q_pos is None:
+            raise ValueError("alibi needs alibi.slot_pos ([P, S, Hkv] int32, the slots' original positions) "
+                             "and alibi.q_pos ([B] int32)")
+        per_slot("alibi.slot_pos", alibi.slot_pos, torch.int32)
+        ck("alibi.q_pos", alibi.q_pos, ndim=1, dtypes=(torch.int32,), device=dev, contiguous=True)
+        _checks.check_shape("alibi.q_pos", alibi.q_pos, (batch,), "[B]")
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, *, scale: float, alibi_slopes: torch.Tensor | None = None,
-    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
-    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
-    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+    seq_lens: torch.Tensor, *, scale: float, alibi: Alibi | None = None, scores: ScoreUpdate | None = None,
+    restore: Restore | None = None, num_splits: int = 0,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a ragged paged KV cache.
 
@@ -614,33 +688,32 @@ def paged_decode_attention(
         Valid slots per sequence (0 gives a zero output row).
     scale : float
         Logit multiplier, usually ``D ** -0.5``.
-    alibi_slopes : [Hq] float32, optional
-        Adds ``slope[h] * (slot_pos - q_pos)`` to the logits; needs ``slot_pos`` [P, S, Hkv] int32 (original
-        positions) and ``q_pos`` [B] int32.
-    score : [P, S, Hkv] float32, optional
-        Per-slot scores, updated in place according to ``score_mode`` (docs/contract.md §2.2) for visible
-        valid slots only.
-    score_mode : str
-        One of ``SCORE_MODES``; ``decay`` is lambda for ``"decay"``.
-    gumbel_noise : [B, Hq, Lmax] float32, optional
-        Noise for ``"gumbel"``, indexed by logical slot (``Lmax >= M * S``); ``temperature`` is a [1]
-        float32 tensor (None means 1.0).
-    k_scale, v_scale : [P, S, Hkv] float32, optional
-        Per-slot magnitudes (MiniCache restore): keys are ``k_pages * k_scale``, values likewise.
-    slot_mask : [P, S, Hkv] uint8, optional
-        A slot is visible only if ``slot_mask & mask_bit != 0``; invisible slots get no probability, no
-        score update and do not count in ``n_valid``.
+    alibi : Alibi, optional
+        ``Alibi(slopes [Hq] f32, slot_pos [P, S, Hkv] i32, q_pos [B] i32)``: adds
+        ``slopes[h] * (slot_pos - q_pos)`` to the logits.
+    scores : ScoreUpdate, optional
+        ``ScoreUpdate(score [P, S, Hkv] f32, mode="accumulate", decay=1.0, gumbel_noise=None,
+        temperature=None)``: ``score`` is updated in place according to ``mode`` (one of ``SCORE_MODES``,
+        docs/contract.md §2.2) for visible valid slots only; ``mode="none"`` leaves it untouched.
+    restore : Restore, optional
+        ``Restore(k_scale=None, v_scale=None, slot_mask=None, mask_bit=1)``: MiniCache restore, keys are
+        ``k_pages * k_scale`` and values ``v_pages * v_scale``; a slot is visible only if
+        ``slot_mask & mask_bit != 0``.
     num_splits : int
         Split-K factor for the Triton kernel; 0 picks one from the shape and the device.
 
     Returns
     -------
     out : [B, Hq, D], dtype of ``q``
+
+    Bad input raises ``ValueError`` / ``TypeError`` naming the argument or bundle field and the fix, before
+    anything is written.
     """
-    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi_slopes=alibi_slopes,
-                  slot_pos=slot_pos, q_pos=q_pos, score=score, score_mode=score_mode,
-                  gumbel_noise=gumbel_noise, temperature=temperature, k_scale=k_scale, v_scale=v_scale,
-                  slot_mask=slot_mask, mask_bit=mask_bit, num_splits=num_splits)
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi=alibi, scores=scores,
+                  restore=restore, num_splits=num_splits)
+    slopes, slot_pos, q_pos = (None, None, None) if alibi is None else alibi
+    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
+    k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
     if not torch.compiler.is_compiling():  # value checks read device memory (a sync): eager only
         _checks.check_seq_lens(seq_lens)
         _checks.check_page_table(page_table, seq_lens, k_pages.shape[0], k_pages.shape[1])
@@ -651,7 +724,7 @@ def paged_decode_attention(
     # Every argument positionally: torch < 2.13 bumps the version of a mutated argument (``score``) by its
     # position in ``args`` and raised IndexError when it came as a keyword (seen with torch 2.11 on CUDA).
     return _paged_decode_attention_op(
-        q, k_pages, v_pages, page_table, seq_lens, float(scale), alibi_slopes, slot_pos, q_pos, score,
+        q, k_pages, v_pages, page_table, seq_lens, float(scale), slopes, slot_pos, q_pos, score,
         score_mode, float(decay), gumbel_noise, temperature, k_scale, v_scale, slot_mask, int(mask_bit),
         int(num_splits))
 
@@ -692,15 +765,13 @@ def _meta_launch(score_mode: str, alibi: bool, restore: int | None, num_splits: 
     def t(*shape: int, dt: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(shape, dtype=dt, device=meta)
 
-    scored = score_mode != "none"
+    gumbel = score_mode == "gumbel"
     paged_decode_attention_triton(
         t(B, Hq, head_dim, dt=dtype), t(P, S, Hkv, head_dim, dt=dtype), t(P, S, Hkv, head_dim, dt=dtype),
         t(B, M, dt=torch.int32), t(B, dt=torch.int32), scale=head_dim ** -0.5,
-        alibi_slopes=t(Hq) if alibi else None, slot_pos=t(P, S, Hkv, dt=torch.int32) if alibi else None,
-        q_pos=t(B, dt=torch.int32) if alibi else None,
-        score=t(P, S, Hkv) if scored else None, score_mode=score_mode, decay=0.9,
-        gumbel_noise=t(B, Hq, M * S) if score_mode == "gumbel" else None,
-        temperature=t(1) if score_mode == "gumbel" else None,
-        k_scale=t(P, S, Hkv) if restore else None, v_scale=t(P, S, Hkv) if restore else None,
-        slot_mask=t(P, S, Hkv, dt=torch.uint8) if restore else None, mask_bit=restore or 1,
+        alibi=Alibi(t(Hq), t(P, S, Hkv, dt=torch.int32), t(B, dt=torch.int32)) if alibi else None,
+        scores=ScoreUpdate(t(P, S, Hkv), score_mode, 0.9, t(B, Hq, M * S) if gumbel else None,
+                           t(1) if gumbel else None) if score_mode != "none" else None,
+        restore=Restore(t(P, S, Hkv), t(P, S, Hkv), t(P, S, Hkv, dt=torch.uint8), mask_bit=restore)
+        if restore else None,
         num_splits=num_splits)

@@ -32,7 +32,7 @@ from kvkernels import check_shape, check_tensor, draw_gumbel_, noise_seed, prefi
 # From the submodules: importing ``kvkernels.topk_compact`` binds the package attribute of that name to the
 # submodule, which hides the package's lazily exported function of the same name.
 from kvkernels.merge import merge_restore
-from kvkernels.paged_attention import paged_decode_attention
+from kvkernels.paged_attention import Alibi, Restore, ScoreUpdate, paged_decode_attention
 from kvkernels.score_update import (
     COLUMN_SUM_MODES,
     prefill_attention,
@@ -914,22 +914,28 @@ class PagedKVCache:
         self._check_decode_input("q", q, self.n_q_heads)
         self._check_positions("q_positions", q_positions)
         n, s, member = self.batch_size, self._storage[l], self._member[l]
-        alibi = alibi_slopes is not None
-        merged = self._merged[l]
-        # A read-only call passes the same tensors with mode "none" (nothing written): with score=None
-        # beside scoring calls in one compiled graph, inductor failed to lower the op (torch 2.13).
+        alibi = None
+        if alibi_slopes is not None:  # from the slots' original positions
+            alibi = Alibi(alibi_slopes, self.slot_pos, q_positions.to(torch.int32))
+        noise = self.gumbel_noise[l, :n] if self.gumbel_noise is not None else None
+        restore = None
+        if self._merged[l]:  # the pair's region through this layer's magnitudes and slot_mask bit
+            restore = Restore(self.k_mag[member] if self.k_mag is not None else None,
+                              self.v_mag[member] if self.v_mag is not None else None,
+                              self.slot_mask, mask_bit=1 << member)
         return paged_decode_attention(
             q, self.k_pages, self.v_pages, self.page_table[s, :n], self.seq_lens[s, :n], scale=scale,
-            alibi_slopes=alibi_slopes,
-            slot_pos=self.slot_pos if alibi else None,
-            q_pos=q_positions.to(torch.int32) if alibi else None,
-            score=self.slot_score if self.score_mode != "none" else None,
-            score_mode=self.score_mode if update_scores else "none", decay=self.decay,
-            gumbel_noise=self.gumbel_noise[l, :n] if self.gumbel_noise is not None else None,
-            temperature=self.temperature if self.gumbel else None,
-            k_scale=self.k_mag[member] if merged and self.k_mag is not None else None,
-            v_scale=self.v_mag[member] if merged and self.v_mag is not None else None,
-            slot_mask=self.slot_mask if merged else None, mask_bit=1 << member)
+            alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)
+
+    def _score_update(self, update_scores: bool, gumbel_noise: torch.Tensor | None) -> ScoreUpdate | None:
+        """The decode op's score bundle: the policy's score tensor whenever it scores, with its mode, or
+        with mode "none" for a read-only call (``update_scores=False``: nothing written). A read-only call
+        passes the same tensors because with no score beside scoring calls in one compiled graph, inductor
+        failed to lower the op (torch 2.13). ``gumbel_noise``: this call's rows of the step's noise."""
+        if self.score_mode == "none":
+            return None
+        return ScoreUpdate(self.slot_score, self.score_mode if update_scores else "none", self.decay,
+                           gumbel_noise, self.temperature if self.gumbel else None)
 
     def after_step(self, step: int) -> None:
         """Eager end of a decode step: every ``evict_every`` steps compact the layers over budget."""

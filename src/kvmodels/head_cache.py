@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvkernels import check_shape, check_tensor
-from kvkernels.paged_attention import paged_decode_attention
+from kvkernels.paged_attention import Alibi, paged_decode_attention
 
 from .cache import _INT_DTYPES, CacheReport, PagedKVCache, _ceil_div
 
@@ -202,16 +202,14 @@ class HeadPagedKVCache(PagedKVCache):
         outs = []
         for h in range(H):
             rows = slice(h, n * H, H)
+            noise = self.gumbel_noise[l, :n * H][rows].contiguous() if self.gumbel_noise is not None else None
             outs.append(paged_decode_attention(
                 rows_q[rows].contiguous(), self.k_pages, self.v_pages,
                 self.page_table[s, :n * H][rows].contiguous(), self.seq_lens[s, :n * H][rows].contiguous(),
-                scale=scale, alibi_slopes=alibi_slopes[h * G:(h + 1) * G].contiguous(),
-                slot_pos=self.slot_pos, q_pos=rows_pos[rows].to(torch.int32).contiguous(),
-                score=self.slot_score if self.score_mode != "none" else None,
-                score_mode=self.score_mode if update_scores else "none", decay=self.decay,
-                gumbel_noise=(self.gumbel_noise[l, :n * H][rows].contiguous()
-                              if self.gumbel_noise is not None else None),
-                temperature=self.temperature if self.gumbel else None))  # [n, G, D]
+                scale=scale,
+                alibi=Alibi(alibi_slopes[h * G:(h + 1) * G].contiguous(), self.slot_pos,
+                            rows_pos[rows].to(torch.int32).contiguous()),
+                scores=self._score_update(update_scores, noise)))  # [n, G, D]
         return torch.stack(outs, dim=1).reshape(q.shape)  # [n, H, G, D] -> [n, Hq, D]
 
     # ------------------------------------------------------------------ inspection

@@ -830,17 +830,15 @@ class PolicyCache(Cache):
 
         keys = pool(store.keys)
         score = pool(store.scores)  # updated in place by the op, then taken back
-        args: dict[str, Any] = dict(
-            scale=scale, score=score, score_mode=ev.score_mode, decay=float(kw.get("decay", 1.0)),
-            slot_mask=pool(store.visible(layer.member).to(torch.uint8)), mask_bit=1,
-            k_scale=pool(store.k_mag[layer.member]) if layer.merged else None,
-        )
-        if slopes is not None:  # ALiBi from original positions
-            args.update(alibi_slopes=slopes.float().contiguous(),
-                        slot_pos=pool(store.positions.to(torch.int32)))
+        restore = kvkernels.Restore(k_scale=pool(store.k_mag[layer.member]) if layer.merged else None,
+                                    slot_mask=pool(store.visible(layer.member).to(torch.uint8)), mask_bit=1)
+        scores = kvkernels.ScoreUpdate(score, ev.score_mode, decay=float(kw.get("decay", 1.0)))
         if ev.score_mode == "gumbel":
             tau = kw.get("temperature", 1.0)
-            args["temperature"] = torch.as_tensor(tau, dtype=torch.float32, device=dev).reshape(1).clone()
+            scores = scores._replace(
+                temperature=torch.as_tensor(tau, dtype=torch.float32, device=dev).reshape(1).clone())
+        if slopes is not None:  # ALiBi from original positions
+            alibi_slopes, slot_pos = slopes.float().contiguous(), pool(store.positions.to(torch.int32))
         table = torch.arange(B, dtype=torch.int32, device=dev)[:, None]  # sequence b is page b
         for i in range(q_len):
             n_seen = N - q_len + i + 1  # causal within the new chunk: the slots up to this query's own
@@ -850,14 +848,16 @@ class PolicyCache(Cache):
                 seen = store.valid[:, :n_seen]
                 logical = (seen.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, n_seen]
                 logical = F.pad(logical, (0, N - n_seen))
-                args["gumbel_noise"] = torch.gather(
+                scores = scores._replace(gumbel_noise=torch.gather(
                     self._noise[layer.layer_idx], 2, logical[:, None, :].expand(B, hq, N)
-                ).contiguous()  # [B, Hq, N]
+                ).contiguous())  # [B, Hq, N]
+            alibi = None
             if slopes is not None:
-                args["q_pos"] = self._step.positions[:, i].to(torch.int32).contiguous()
+                alibi = kvkernels.Alibi(alibi_slopes, slot_pos,
+                                        self._step.positions[:, i].to(torch.int32).contiguous())
             lens = torch.full((B,), n_seen, dtype=torch.int32, device=dev)
             kvkernels.paged_decode_attention(q[:, :, i].to(keys.dtype).contiguous(), keys, keys, table, lens,
-                                             **args)
+                                             scale=scale, alibi=alibi, scores=scores, restore=restore)
         store.scores = score.transpose(1, 2).contiguous()
 
     def _max_new_tokens(self) -> int:
