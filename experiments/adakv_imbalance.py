@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             sc = prefill_scores(q, k, scale=scale, mode="accumulate", window=window, lse=lse)
             self.layers.append(snap.postprocess_prefill_scores(sc))
 
-        def record_cos_sim(self, l, b, value):
+        def observe(self, l, b, h_in, attn_out):
             pass
 
     per_prompt = []  # [(L, [layer scores [Hkv, L]], key positions)]

@@ -53,7 +53,7 @@ def key_attention(model, tokens: list[int], rows: list[int], key: list[int]) -> 
             self.mass.append(p[:, :, key].sum(dim=1).view(k.shape[1], G, len(key)).mean(dim=1))
             return prefill_attention(q, k, v, scale=scale)[0]
 
-        def record_cos_sim(self, l, b, value):
+        def observe(self, l, b, h_in, attn_out):
             pass
 
     rec = Recorder()
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             self.layers.append(snap.postprocess_prefill_scores(sc))
             return prefill_attention(q, k, v, scale=scale)[0]
 
-        def record_cos_sim(self, l, b, value):
+        def observe(self, l, b, h_in, attn_out):
             pass
 
     def answers(policy) -> list[list[int]]:

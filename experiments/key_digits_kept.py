@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             self.qk.append((q, k, scale))
             return prefill_attention(q, k, v, scale=scale)[0]
 
-        def record_cos_sim(self, l, b, value):
+        def observe(self, l, b, h_in, attn_out):
             pass
 
     with torch.no_grad():

@@ -29,7 +29,7 @@ class _Dense:
 
         return prefill_attention(q, k, v, scale=scale)[0]
 
-    def record_cos_sim(self, l, b, value):
+    def observe(self, l, b, h_in, attn_out):
         pass
 
 

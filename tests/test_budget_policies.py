@@ -231,3 +231,49 @@ def test_profile_shape_and_errors():
                        ((True, 1), r"weights\[0\]"), ((0, 0), "all 0"), ("12", "sequence")]:
         with pytest.raises(ValueError, match=match):
             get_policy("profile")(weights=bad)
+
+
+class _Probe:
+    """A model probe that counts what it is asked (kvpolicies.base.ModelProbe)."""
+
+    name = "test probe"
+
+    def __init__(self, weights):
+        self.weights, self.calls = tuple(weights), 0
+
+    def retrieval_profile(self):
+        self.calls += 1
+        return self.weights
+
+
+def test_calibration_hook_measures_profile_weights_once_and_nothing_else():
+    """``profile`` without weights calibrates through the probe (weights and a line saying so); with weights,
+    and every other budget policy, calibrating changes nothing and asks the probe nothing."""
+    from kvpolicies.base import ModelProbe
+
+    probe = _Probe([0.5, 1.5, 1.0])
+    assert isinstance(probe, ModelProbe)
+    policy = compose("profile", "snapkv", budget=0.2)
+    assert policy.needs_calibration
+    fitted, notes = policy.calibrate(probe)
+    assert fitted.budget_policy.weights == (0.5, 1.5, 1.0) and not fitted.needs_calibration
+    assert fitted.eviction == policy.eviction and fitted.budget == policy.budget
+    assert len(notes) == 1 and notes[0].startswith("profile: this model's retrieval profile (test probe, ")
+    assert notes[0].endswith("layer weights 0.50 1.50 1.00")
+    for other in (fitted, compose("squeeze", "h2o"), compose("pyramid", "h2o"), compose("h2o")):
+        assert not other.needs_calibration
+        assert other.calibrate(probe) == (other, [])
+    assert probe.calls == 1
+
+
+def test_only_squeeze_reads_a_layer_statistic():
+    """The models' observation point costs nothing for budget policies that read nothing; squeeze reads the
+    residual cosine similarity of every token."""
+    from kvpolicies.base import residual_cos_sim
+
+    gen = torch.Generator().manual_seed(0)
+    h_in, attn_out = torch.randn(7, 16, generator=gen), torch.randn(7, 16, generator=gen)
+    for name in ("uniform", "pyramid", "profile"):
+        assert get_policy(name)().layer_statistic(h_in, attn_out) is None
+    stat = get_policy("squeeze")().layer_statistic(h_in, attn_out)
+    assert torch.equal(stat, residual_cos_sim(h_in, attn_out)) and stat.shape == (7,)

@@ -359,3 +359,20 @@ def test_noise_helpers_are_what_the_cache_draws():
     want = draw_gumbel_(torch.empty(2, 2, 2, width, device=cache.device), gen)
     assert torch.equal(cache.gumbel_noise[:, :, :, :width], want)
     assert torch.isfinite(want).all() and want.std() > 0.5  # Gumbel(0, 1): std pi / sqrt(6)
+
+
+def test_observe_stores_only_what_the_budget_policy_reads():
+    """``observe`` (the models' one observation point) stores squeeze's residual cosine similarity, averaged
+    over the prompt, and nothing for a policy that reads nothing."""
+    from kvpolicies.base import residual_cos_sim
+
+    gen = torch.Generator().manual_seed(3)
+    h_in, attn_out = torch.randn(9, 8, generator=gen), torch.randn(9, 8, generator=gen)
+    for name, reads in (("squeeze+h2o", True), ("pyramid+h2o", False), ("h2o", False)):
+        cache = PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=8, n_q_heads=1, max_batch=2, max_tokens=16,
+                             policy=compose(name, budget=0.5))
+        cache.start([9, 9], 2)
+        cache.observe(1, 0, h_in, attn_out)
+        want = residual_cos_sim(h_in, attn_out).mean() if reads else torch.tensor(0.0)
+        assert torch.equal(cache.cos_sim[1, 0].cpu(), want) and torch.equal(cache.cos_sim[0].cpu(),
+                                                                              torch.zeros(2))

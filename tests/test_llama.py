@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from devices import DEVICE  # noqa: E402
 from kvmodels.llama import Llama, LlamaConfig, rope_inv_freq  # noqa: E402
 from kvmodels.loading import from_transformers, llama_config_to_hf  # noqa: E402
+from kvpolicies.base import residual_cos_sim  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,8 +53,8 @@ class DenseCache:
         future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
         return torch.einsum("hij,jhd->ihd", torch.softmax(logits.masked_fill(future, float("-inf")), -1), v)
 
-    def record_cos_sim(self, l, b, value):
-        self.cos_sim[l, b] = float(value)
+    def observe(self, l, b, h_in, attn_out):  # what squeeze reads from the observation point
+        self.cos_sim[l, b] = float(residual_cos_sim(h_in, attn_out).mean())
 
     def finish_prefill(self):
         pass

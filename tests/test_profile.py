@@ -35,7 +35,7 @@ class NaiveProbs:
         self.probs.append(p)
         return prefill_attention(q, k, v, scale=scale)[0]
 
-    def record_cos_sim(self, l, b, value):
+    def observe(self, l, b, h_in, attn_out):
         pass
 
 

@@ -567,8 +567,17 @@ class PagedKVCache:
                              f"{tuple(k.shape[:-1])}")
         return scores.to(torch.float32)
 
+    def observe(self, l: int, b: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
+        """The models' one observation point in the prefill: cache layer ``l``'s input hidden states
+        ``h_in [L, dim]`` and attention output ``attn_out [L, dim]`` for sequence ``b``. The budget policy
+        reads what it needs (``layer_statistic``; nothing for most policies), averaged over the prompt."""
+        stat = self.policy.budget_policy.layer_statistic(h_in, attn_out)
+        if stat is not None:
+            self.record_cos_sim(l, b, stat.mean())
+
     def record_cos_sim(self, l: int, b: int, value: float | torch.Tensor) -> None:
-        """Record SqueezeAttention's prefill statistic of cache layer ``l`` for sequence ``b``."""
+        """Store the budget policy's prefill statistic of cache layer ``l`` for sequence ``b`` (what
+        :meth:`observe` computes; ``LayerStats.cos_sim``)."""
         self._check_layer(l)
         if not isinstance(b, int) or not 0 <= b < self.batch_size:
             raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")

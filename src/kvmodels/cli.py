@@ -186,21 +186,23 @@ def _summary(result: Any, policy: Any, path: str = "") -> str:
     return "\n".join(lines)
 
 
-def _with_retrieval_profile(policy: Any, model: Any) -> Any:
-    """``policy`` with its ``profile`` budget policy's weights measured on ``model`` (``--policy profile+...``
-    without weights): the model's retrieval profile, printed with the time it took."""
-    from dataclasses import replace
+def _calibrated(policy: Any, model: Any) -> Any:
+    """``policy`` fitted to ``model`` through its calibration hook (``ComposedPolicy.calibrate``: e.g.
+    ``--policy profile+...`` without weights measures the model's retrieval profile), each measurement
+    printed with the time it took."""
+    from kvmodels.profile import ModelProbe
 
-    from kvmodels.profile import retrieval_profile
-
-    t0 = time.perf_counter()
+    if not policy.needs_calibration:
+        return policy
     try:
-        weights = retrieval_profile(model)
+        policy, notes = policy.calibrate(ModelProbe(model))
     except ValueError as e:
-        raise CliError(f"--policy profile: {e}; give the weights instead, profile(weights=(...))") from None
-    print(f"profile: this model's retrieval profile (kvmodels.profile, {time.perf_counter() - t0:.1f} s), "
-          f"layer weights {' '.join(f'{w:.2f}' for w in weights)}", file=sys.stderr)
-    return replace(policy, budget_policy=replace(policy.budget_policy, weights=weights))
+        name = policy.budget_policy.name
+        raise CliError(f"--policy {name}: {e}; give its measured parameters instead, e.g. "
+                       f"{name}(weights=(...))") from None
+    for note in notes:
+        print(note, file=sys.stderr)
+    return policy
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,7 +211,6 @@ def run(args: argparse.Namespace) -> int:
     from kvmodels.generate import generate
     from kvmodels.loading import load_checkpoint
     from kvpolicies import compose
-    from kvpolicies.budget import Profile
 
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
@@ -235,8 +236,7 @@ def run(args: argparse.Namespace) -> int:
     note = conversion_note(loaded)
     if note:
         print(note, file=sys.stderr)
-    if isinstance(policy.budget_policy, Profile) and not policy.budget_policy.weights:
-        policy = _with_retrieval_profile(policy, loaded.model)
+    policy = _calibrated(policy, loaded.model)
     tok = loaded.tokenizer
     if tok is None:
         raise CliError(f"{loaded.directory} has no tokenizer.json; kvgen needs a checkpoint with a tokenizer")

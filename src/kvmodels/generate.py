@@ -40,7 +40,8 @@ class CausalLM(Protocol):
     * ``prefill(tokens[L], cache, b, *, last_only=False, on_layer=None) -> logits [L, V]`` (``[1, V]``
       with ``last_only``): one sequence, dense causal attention; calls ``cache.prefill_attend`` (which
       returns the layer's attention) or ``cache.prefill_layer`` (ALiBi and LCKV models, which attend
-      themselves) and ``cache.record_cos_sim`` once per cache layer; ``cache=None`` is a plain forward pass;
+      themselves) and ``cache.observe(l, b, h_in, attn_out)`` once per cache layer (the one observation
+      point: the cache's policy reads what it needs); ``cache=None`` is a plain forward pass;
       ``on_layer(l)`` reports progress.
     * ``decode_step(tokens[B], positions[B], cache) -> logits [B, V]``: ``cache.append`` then
       ``cache.attend`` per cache layer; nothing else touches the cache, so the step compiles.

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from kvkernels import prefill_attention
 from kvmodels.generate import CacheLayout
-from kvpolicies.base import residual_cos_sim
 
 
 @dataclass(frozen=True)
@@ -171,9 +170,8 @@ class GPTJ(nn.Module):
             else:  # stores and scores the prompt K/V too, from the same attention probabilities
                 attn = cache.prefill_attend(l, b, q, k, v, positions, scale=self.scale)
             attn = blk.out_proj(attn.reshape(L, -1))                          # [L, h]
-            if cache is not None:
-                # SqueezeAttention: how little the attention branch turns the residual stream.
-                cache.record_cos_sim(l, b, residual_cos_sim(x, attn).mean())
+            if cache is not None:  # the observation point: the budget policy reads what it needs
+                cache.observe(l, b, x, attn)
             x = x + attn + blk.mlp(hn)                                       # parallel residual
             if on_layer is not None:
                 on_layer(l)

@@ -38,7 +38,6 @@ from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
 from kvmodels.llama import Block, Llama, LlamaConfig, RMSNorm, apply_rope, rope_tables
-from kvpolicies.base import residual_cos_sim
 
 
 @dataclass
@@ -249,9 +248,8 @@ class LCKV(nn.Module):
                     cache.prefill_layer(self.kv_cache_layers[l], b, q[0], k[0], v[0], positions,
                                         scale=self.scale)
             attn_out = layer.wo(attn.reshape(B * L, -1))                         # [B*L, dim]
-            if cache is not None and l in self.kv_cache_layers:
-                cos_sim = residual_cos_sim(x, attn_out).mean()
-                cache.record_cos_sim(self.kv_cache_layers[l], b, cos_sim)
+            if cache is not None and l in self.kv_cache_layers:  # the observation point
+                cache.observe(self.kv_cache_layers[l], b, x, attn_out)
             x = x + attn_out
             x = x + layer.mlp(x)
             if on_layer is not None:

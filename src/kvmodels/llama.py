@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from kvkernels import prefill_attention
 from kvmodels.generate import CacheLayout
-from kvpolicies.base import residual_cos_sim
 
 
 @dataclass
@@ -231,7 +230,8 @@ class Llama(nn.Module):
             ``[L]`` int64 prompt token ids, ``1 <= L <= max_seq_len``.
         cache : PagedKVCache or None
             Receives ``prefill_attend(l, b, q, k, v, positions)`` (returns the layer's attention) and
-            ``record_cos_sim(l, b, c)`` per layer; ``None`` runs the plain forward pass (nothing cached).
+            ``observe(l, b, h_in, attn_out)`` per layer; ``None`` runs the plain forward pass (nothing
+            cached).
         b : int
             Batch slot of this sequence in the cache.
         last_only : bool
@@ -255,10 +255,8 @@ class Llama(nn.Module):
             else:  # stores and scores the prompt K/V too, from the same attention probabilities
                 attn = cache.prefill_attend(l, b, q, k, v, positions, scale=layer.scale)
             attn_out = layer.wo(attn.reshape(L, -1))  # [L, dim]
-            if cache is not None:
-                # SqueezeAttention: how little this layer's attention moves the residual stream.
-                cos_sim = residual_cos_sim(x, attn_out).mean()
-                cache.record_cos_sim(l, b, cos_sim)
+            if cache is not None:  # the observation point: the budget policy reads what it needs
+                cache.observe(l, b, x, attn_out)
             x = x + attn_out
             x = x + layer.mlp(x)
             if on_layer is not None:

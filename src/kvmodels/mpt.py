@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvmodels.generate import CacheLayout
-from kvpolicies.base import residual_cos_sim
 
 
 @dataclass(frozen=True)
@@ -193,8 +192,8 @@ class MPT(nn.Module):
                                     alibi_slopes=self.alibi_slopes)
             attn = alibi_causal_attention(q, k, v, self.alibi_slopes, scale=self.scale)
             attn = blk.out_proj(attn.reshape(L, -1))                          # [L, h]
-            if cache is not None:
-                cache.record_cos_sim(l, b, residual_cos_sim(x, attn).mean())
+            if cache is not None:  # the observation point: the budget policy reads what it needs
+                cache.observe(l, b, x, attn)
             x = x + attn
             x = x + blk.mlp(x)
             if on_layer is not None:

@@ -50,7 +50,7 @@ class _Recorder:
                          "cache.prefill_attend (Llama, GPT-J); this one computes its own (ALiBi or shared KV "
                          "layers) and calls prefill_layer")
 
-    def record_cos_sim(self, l: int, b: int, value: Any) -> None:
+    def observe(self, l: int, b: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
         pass
 
 
@@ -105,3 +105,21 @@ def retrieval_profile(model: Any, *, floor: float = 0.25, **kwargs: Any) -> tupl
     echo, induction = retrieval_scores(model, **kwargs)
     strongest = torch.maximum(echo, induction).amax(dim=1)              # [n_cache_layers]
     return tuple(round(float(floor + s), 4) for s in strongest)
+
+
+class ModelProbe:
+    """What budget policies may measure on a kvmodels model (``kvpolicies.base.ModelProbe``), for
+    ``ComposedPolicy.calibrate``: ``compose("profile+snapkv").calibrate(ModelProbe(model))`` measures the
+    ``profile`` weights once for this model. Each measurement is computed on first use and kept."""
+
+    name = "kvmodels.profile"
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._profile: tuple[float, ...] | None = None
+
+    def retrieval_profile(self) -> tuple[float, ...]:
+        """:func:`retrieval_profile` with its defaults."""
+        if self._profile is None:
+            self._profile = retrieval_profile(self.model)
+        return self._profile

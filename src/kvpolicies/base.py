@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -149,8 +149,9 @@ class Policy:
 class LayerStats:
     """Prefill statistics a budget policy may read.
 
-    cos_sim: ``[Lc, B]`` float32 — SqueezeAttention's per-layer importance, the mean over prompt tokens
-        of ``cos(h_in, h_in + Attn(LN(h_in)))`` (higher = the layer changes the residual less).
+    cos_sim: ``[Lc, B]`` float32 — the budget policy's per-layer statistic: the mean over prompt tokens of
+        its :meth:`BudgetPolicy.layer_statistic` (SqueezeAttention's ``cos(h_in, h_in + Attn(LN(h_in)))``,
+        higher = the layer changes the residual less; the only statistic a built-in policy reads).
     """
 
     cos_sim: torch.Tensor | None = None
@@ -160,11 +161,24 @@ def residual_cos_sim(h_in: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor
     """SqueezeAttention's per-token statistic: cosine similarity (float32) between the hidden state before
     an attention block ``h_in [..., dim]`` and after its residual add ``h_in + attn_out``; ``[...]``.
 
-    Models record its mean over the prompt per cache layer (``PagedKVCache.record_cos_sim``); the
-    transformers bridge averages it over the non-padding tokens. Defined with :class:`LayerStats` (which
-    carries it to budget policies) so that models need no particular budget policy.
+    ``squeeze``'s :meth:`BudgetPolicy.layer_statistic`; caches average it over the prompt's tokens (the
+    transformers bridge over the non-padding ones).
     """
     return torch.nn.functional.cosine_similarity(h_in.float(), (h_in + attn_out).float(), dim=-1)
+
+
+@runtime_checkable
+class ModelProbe(Protocol):
+    """What a budget policy may measure on a model to calibrate itself (:meth:`BudgetPolicy.calibrate`).
+
+    ``kvmodels.profile.ModelProbe`` implements it for kvmodels' models; the policies never import a model.
+    """
+
+    name: str
+
+    def retrieval_profile(self) -> tuple[float, ...]:
+        """Per-cache-layer weights from the model's echo and induction heads (RazorAttention)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -295,6 +309,24 @@ class BudgetPolicy(Policy):
 
     role: ClassVar[Role] = "budget"
     needs_stats: ClassVar[bool] = False
+
+    def layer_statistic(self, h_in: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor | None:
+        """What this policy reads from a prefilled layer, per token: ``[...]`` float32 from the layer's input
+        hidden states ``h_in [..., dim]`` and its attention output ``attn_out [..., dim]``, or ``None`` when
+        it reads nothing (the default: the cache then computes nothing). Caches average it over the prompt
+        into ``LayerStats.cos_sim``. Models offer the two tensors at one observation point
+        (``cache.observe``) and know no policy."""
+        return None
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether :meth:`calibrate` has something to measure (e.g. ``profile`` without weights)."""
+        return False
+
+    def calibrate(self, probe: ModelProbe) -> tuple[BudgetPolicy, str | None]:
+        """This policy fitted to a model through ``probe``, and a line saying what was measured (``None``
+        when nothing was). Called once per model, before generating; the default changes nothing."""
+        return self, None
 
     def allocate(self, budget_tokens: torch.Tensor, n_layers: int, stats: LayerStats | None,
                  min_budget: int = 1) -> torch.Tensor:

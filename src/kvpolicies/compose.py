@@ -25,7 +25,16 @@ from typing import Any
 
 import torch
 
-from .base import ROLES, BudgetPolicy, EvictionPolicy, HeadBudgetPolicy, LayerStats, MergePolicy, Policy
+from .base import (
+    ROLES,
+    BudgetPolicy,
+    EvictionPolicy,
+    HeadBudgetPolicy,
+    LayerStats,
+    MergePolicy,
+    ModelProbe,
+    Policy,
+)
 from .budget._rounding import cap_budgets
 from .registry import _REGISTRY, available, get_policy
 
@@ -117,6 +126,20 @@ class ComposedPolicy:
         if self.merge.name != DEFAULTS["merge"]:
             raise ValueError(f"head-budget policy {name!r} cannot be composed with merge policy "
                              f"{self.merge.name!r}: a merged region holds one token count for every head")
+
+    # -- calibration --------------------------------------------------------------------------------------
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether a role policy measures something on the model first (``profile`` without weights)."""
+        return self.budget_policy.needs_calibration
+
+    def calibrate(self, probe: ModelProbe) -> tuple[ComposedPolicy, list[str]]:
+        """This policy fitted to one model through ``probe`` (``kvmodels.profile.ModelProbe``): each role
+        policy's :meth:`~kvpolicies.base.BudgetPolicy.calibrate`, and one ``"<name>: <what was measured>"``
+        line per policy that measured something. Unchanged (and no lines) when nothing needs it."""
+        budget_policy, note = self.budget_policy.calibrate(probe)
+        notes = [f"{budget_policy.name}: {note}"] if note else []
+        return dataclasses.replace(self, budget_policy=budget_policy), notes
 
     # -- naming and serialisation -------------------------------------------------------------------------
     def policies(self) -> dict[str, Policy]:

@@ -6,7 +6,8 @@
 tokens going to the larger weights first, every layer ``>= min_budget``. Without weights (the default)
 every layer weighs the same: the budgets are ``uniform``'s.
 
-Where the weights come from is the caller's choice. ``kvmodels.profile.retrieval_profile`` measures one on
+Where the weights come from is the caller's choice. Without weights, :meth:`Profile.calibrate` measures them
+through a model probe (``kvgen`` does, once per model); ``kvmodels.profile.retrieval_profile`` measures one on
 random tokens, the way RazorAttention (Tang et al., 2024) finds retrieval heads: the layers whose heads copy
 from earlier occurrences of the current token (echo) or from the token after them (induction) get more
 budget. The weights carry no prompt information, so one profile serves every prompt of that model.
@@ -15,11 +16,12 @@ budget. The weights carry no prompt information, so one profile serves every pro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..base import BudgetPolicy, LayerStats
+from ..base import BudgetPolicy, LayerStats, ModelProbe
 from ..registry import register_policy
 from ._rounding import check_budget_tokens, round_budgets
 
@@ -42,6 +44,21 @@ class Profile(BudgetPolicy):
         if w and not sum(w) > 0:
             raise ValueError("profile: weights are all 0; give at least one layer a positive weight")
         object.__setattr__(self, "weights", tuple(float(x) for x in w))  # hashable, whatever was passed
+
+    @property
+    def needs_calibration(self) -> bool:
+        return not self.weights
+
+    def calibrate(self, probe: ModelProbe) -> tuple[Profile, str | None]:
+        """Without weights: the model's retrieval profile, measured through ``probe``; with weights: as is."""
+        if self.weights:
+            return self, None
+        t0 = time.perf_counter()
+        weights = probe.retrieval_profile()
+        seconds = time.perf_counter() - t0
+        note = (f"this model's retrieval profile ({probe.name}, {seconds:.1f} s), layer weights "
+                + " ".join(f"{w:.2f}" for w in weights))
+        return replace(self, weights=weights), note
 
     def allocate(self, budget_tokens: torch.Tensor, n_layers: int, stats: LayerStats | None,
                  min_budget: int = 1) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import BudgetPolicy, LayerStats, check_number, check_range
+from ..base import BudgetPolicy, LayerStats, check_number, check_range, residual_cos_sim
 from ..registry import register_policy
 from ._rounding import check_budget_tokens, round_budgets
 
@@ -103,6 +103,10 @@ class Squeeze(BudgetPolicy):
         check_number("squeeze", "p", self.p)
         check_range("squeeze", "p", self.p, 0.0, 1.0, lo_open=True, hi_open=True)
 
+    def layer_statistic(self, h_in: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """``cos(h_in, h_in + attn_out)`` per token: how little the layer's attention moves the residual."""
+        return residual_cos_sim(h_in, attn_out)
+
     def targets(self, cos_sim: torch.Tensor) -> torch.Tensor:
         """Budget multipliers ``[n_layers]`` float64 (mean 1) for one sequence's ``cos_sim [n_layers]``."""
         n_layers = cos_sim.shape[0]
@@ -121,7 +125,7 @@ class Squeeze(BudgetPolicy):
         cos_sim = None if stats is None else stats.cos_sim
         if cos_sim is None:
             raise ValueError("squeeze needs stats.cos_sim [n_layers, B] from prefill (the model records it "
-                             "with cache.record_cos_sim)")
+                             "through cache.observe, with this policy's layer_statistic)")
         if tuple(cos_sim.shape) != (n_layers, budget_tokens.shape[0]):
             raise ValueError(f"stats.cos_sim must have shape [{n_layers}, {budget_tokens.shape[0]}] "
                              f"(n_layers, B), got {list(cos_sim.shape)}")
