@@ -122,7 +122,7 @@ def check_invariants(cache: PagedKVCache, *, evict_bound: bool = True) -> None:
     assert rep.bytes_per_layer == tuple(h * rep.page_bytes for h in held)
     assert rep.total_bytes == sum(rep.bytes_per_layer) <= rep.peak_bytes
     assert rep.tokens_per_layer == tuple(tuple(int(x) for x in row[:n]) for row in lens)
-    if cache._budgets is not None:
+    if cache.plan is not None:
         budgets = np.array(rep.layer_budgets)
         totals = budgets.sum(axis=0)
         # Conserved, up to what a layer can ever hold (prompt + new tokens; ComposedPolicy.layer_budgets).

@@ -155,7 +155,7 @@ def test_restore_error_is_bounded_and_retained_tokens_are_exact():
 
 def _shared(cache, l, b):
     """``[n, Hkv]`` bool: slots of ``l``'s region visible to both layers."""
-    s = cache._storage[l]
+    s = cache.layout.storage[l]
     n = int(cache.seq_lens[s, b])
     pages = cache.page_table[s, b, :math.ceil(n / cache.page_size)].long()
     return cache.slot_mask[pages].flatten(0, 1)[:n] == 3

@@ -41,6 +41,7 @@ from kvkernels.score_update import (
 )
 from kvkernels.topk_compact import topk_compact, topk_evict
 from kvpolicies.base import LayerStats, NewTokens
+from kvpolicies.plan import CompressionPlan
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -163,8 +164,13 @@ class PagedKVCache:
     gumbel_noise, temperature:
         ``[Lc, max_batch, Hq, M * S]`` float32 noise of the current step and ``[1]`` float32 tau (only
         allocated for the ``gumbel`` score mode).
+    layout:
+        ``kvpolicies.plan.MergeLayout``: where each layer stores its tokens (``policy.merge_layout(Lc)``).
     merged_pairs:
-        MiniCache pairs ``(a, b)`` of cache layers (``policy.merge.pairs(Lc)``; empty without merging).
+        MiniCache pairs ``(a, b)`` of cache layers (``layout.pairs``; empty without merging).
+    plan:
+        The batch's ``kvpolicies.plan.CompressionPlan`` (``None`` before ``finish_prefill``): the budgets
+        and forced counts the cache compacts to, and the eviction schedule.
     k_mag, v_mag:
         ``[2, P + 1, S, Hkv]`` float32 per-slot magnitudes of a merged region (member 0 = layer ``a``, 1 =
         layer ``b``; 1.0 on private slots). Only allocated with merging; ``M`` then covers ``2 * max_tokens``
@@ -204,21 +210,9 @@ class PagedKVCache:
                              "(GQA groups)")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-        self.merged_pairs = [(int(a), int(b)) for a, b in policy.merge.pairs(n_layers)]
-        members = [l for pair in self.merged_pairs for l in pair]
-        if len(set(members)) != len(members) or any(not 0 <= l < n_layers for l in members):
-            raise ValueError(f"merge policy {policy.merge.name!r} gave pairs {self.merged_pairs} for "
-                             f"{n_layers} cache layers; pairs must be disjoint and in range")
-        # Layer l stores its tokens in the region of layer _storage[l], as member _member[l] (its slot_mask
-        # bit is 1 << member); _width[l] = slots it adds per decode step (2 for a pair's region, 0 for the
-        # layer that reads it).
-        self._storage, self._member = list(range(n_layers)), [0] * n_layers
-        self._width = np.ones(n_layers, dtype=np.int64)
-        for a, b in self.merged_pairs:
-            self._storage[b], self._member[b] = a, 1
-            self._width[a], self._width[b] = 2, 0
-        # The same as Python bools, which a compiled step branches on (it would trace a numpy array).
-        self._merged = tuple(l in members for l in range(n_layers))
+        # Where each layer stores its tokens (MiniCache pairs share a region), decided by the policy.
+        self.layout = policy.merge_layout(n_layers)
+        self._width = np.asarray(self.layout.width, dtype=np.int64)  # [Lc] the layout's, as an array
 
         self.policy = policy
         self.eviction = policy.eviction
@@ -226,7 +220,7 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.max_batch, self.max_tokens, self.page_size = max_batch, max_tokens, page_size
         # A region holds up to both layers' tokens: 2 * max_tokens slots.
-        self.max_pages = _ceil_div(max_tokens * int(self._width.max()), page_size)  # M
+        self.max_pages = _ceil_div(max_tokens * self.layout.max_width, page_size)  # M
         if num_pages is None:  # a region never needs more pages than its two layers would
             num_pages = n_layers * max_batch * _ceil_div(max_tokens, page_size)
         if not isinstance(num_pages, int) or num_pages < 1:
@@ -253,7 +247,7 @@ class PagedKVCache:
         self.cos_sim = torch.zeros(n_layers, max_batch, dtype=torch.float32, device=dev)
         self.k_mag = self.v_mag = self.slot_mask = None
         extra_bytes = 0
-        if self.merged_pairs:
+        if self.layout.pairs:
             self.k_mag = torch.ones(2, P, S, H, dtype=torch.float32, device=dev)
             self.v_mag = torch.ones(2, P, S, H, dtype=torch.float32, device=dev)
             self.slot_mask = torch.zeros(P, S, H, dtype=torch.uint8, device=dev)
@@ -278,6 +272,11 @@ class PagedKVCache:
         self.batch_size = 0
         self._state = "idle"
         self._reset_pool()
+
+    @property
+    def merged_pairs(self) -> list[tuple[int, int]]:
+        """MiniCache pairs ``(a, b)`` (``layout.pairs``)."""
+        return list(self.layout.pairs)
 
     def static_buffers(self) -> list[torch.Tensor]:
         """Every device tensor the decode step reads or writes; allocated once, updated only in place."""
@@ -308,9 +307,7 @@ class PagedKVCache:
         self._prefilled = np.zeros((self.n_layers, self.max_batch), dtype=bool)
         self._compressed = np.zeros(self.max_batch, dtype=bool)  # prompt compressed by compress_prompt
         self._shared_scores: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> scores others reuse
-        self._budgets: np.ndarray | None = None  # [Lc, n] layer budgets and forced counts (finish_prefill)
-        self._n_sink: np.ndarray | None = None
-        self._n_recent: np.ndarray | None = None
+        self.plan: CompressionPlan | None = None  # the batch's plan (finish_prefill)
         self._peak_pages = 0
         self._full_peak_pages = 0
 
@@ -360,7 +357,7 @@ class PagedKVCache:
             raise ValueError(f"prompt of {max(prompt_lens)} tokens + max_new_tokens={max_new_tokens} = "
                              f"{longest} exceeds max_tokens={self.max_tokens}; raise max_tokens or shorten "
                              "the prompt")
-        if compress_each and self.eviction.prefill_compress and not self.merged_pairs:
+        if compress_each and self.eviction.prefill_compress and not self.layout.pairs:
             # Prompts are compressed one by one (compress_prompt): only the longest must fit whole; each
             # later prefill_layer checks its own pages before writing anything.
             # (A HeadPagedKVCache's sequence spans one row per KV head: all of them are compressed together.)
@@ -585,14 +582,13 @@ class PagedKVCache:
             raise ValueError(f"value must be a float or a 0-d tensor, got shape {list(value.shape)}")
         self.cos_sim[l, b] = value
 
-    def _plan_budgets(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer budgets and forced sink / recent counts ``[Lc, len(seqs)]`` (host int64) of sequences
-        ``seqs``. Budget policies allocate each sequence from its own statistics, so a sequence gets the same
-        budgets alone (:meth:`compress_prompt`) as in the whole batch (:meth:`finish_prefill`)."""
+    def _plan(self, seqs: list[int]) -> CompressionPlan:
+        """The policy's plan (``ComposedPolicy.plan``) for the pool rows ``seqs``. Budget policies allocate
+        each sequence from its own statistics, so a sequence gets the same budgets alone
+        (:meth:`compress_prompt`) as in the whole batch (:meth:`finish_prefill`)."""
         stats = LayerStats(cos_sim=self.cos_sim[:, seqs].cpu())
-        # The most a layer can ever hold: prompt + new tokens.
-        capacity = torch.tensor([self.prompt_lens[b] for b in seqs]) + self.max_new_tokens
-        return self.policy.plan(self.budget_tokens[seqs], self.n_layers, stats, capacity)
+        return self.policy.plan(torch.tensor([self.prompt_lens[b] for b in seqs]), self.n_layers, stats,
+                                max_new_tokens=self.max_new_tokens, budget_tokens=self.budget_tokens[seqs])
 
     def compress_prompt(self, b: int) -> None:
         """Compress sequence ``b``'s prompt to its layer budgets now, right after its prefill.
@@ -613,24 +609,25 @@ class PagedKVCache:
             raise RuntimeError(f"sequence {b} has {missing} layer(s) not prefilled; call "
                                f"compress_prompt({b}) "
                                "after its whole prefill")
-        if not self.eviction.prefill_compress or self.merged_pairs or self._compressed[b]:
+        if not self.eviction.prefill_compress or self.layout.pairs or self._compressed[b]:
             return
-        budgets, n_sink, n_recent = (x.numpy() for x in self._plan_budgets([b]))  # [Lc, 1] each
+        budgets, n_sink, n_recent = (x.numpy() for x in self._plan([b]).rows)  # [Lc, 1] each
         rows = [l for l in range(self.n_layers) if self._lens[l, b] > budgets[l, 0]]
         if rows:
             self._compact(rows, [b], budgets[rows], n_sink[rows], n_recent[rows])
         self._compressed[b] = True
 
     def finish_prefill(self) -> None:
-        """Allocate layer budgets, merge MiniCache pairs and compress every prompt to its budget
+        """Take the policy's plan, merge MiniCache pairs and compress every prompt to its budget
         (docs/contract.md §5 steps 2–3).
 
-        A merged pair ``(a, b)`` with layer budgets ``B_a, B_b`` gets one budget ``R = B_a + B_b`` (listed
-        under ``a``, 0 under ``b``: the total is conserved). Per sequence:
+        The plan (``self.plan``, ``ComposedPolicy.plan``) gives a merged pair ``(a, b)`` with layer budgets
+        ``B_a, B_b`` one budget ``R = B_a + B_b`` (listed under ``a``, 0 under ``b``: the total is
+        conserved). Per sequence:
 
         1. Joint selection: both layers must hold the same tokens, so each slot's score becomes the sum of
-           the two layers' scores and both layers keep the same ``N = min(L, R // 2)`` tokens (all ``L``
-           without prompt compression), forced sinks / recent window from ``forced(N)``.
+           the two layers' scores and both layers keep the same ``N`` tokens (``plan.joint``: ``min(L, R //
+           2)``, all ``L`` without prompt compression), forced sinks / recent window ``forced(N)``.
         2. The merge policy's ``region`` (MiniCache's: ``kvkernels.merge_region``) builds the region:
            ``magnitude_direction_merge`` of K and of V over the ``N`` kept tokens (per token and KV head).
            The ``ceil(retain_ratio * N)`` tokens per head with the largest angle ``max(theta_K, theta_V)``
@@ -643,9 +640,8 @@ class PagedKVCache:
            table entry of ``b``, go back to the pool.
 
         At decode both layers append private slots (2 per step) and eviction compacts the region to ``R``
-        with forced ``2 * forced(R // 2)`` slots (each step's two private slots count as one token of each
-        layer), so the region never holds more than ``R + 2 * (evict_every - 1)`` slots, i.e.
-        ``budget + evict_every - 1`` per layer-equivalent.
+        with the plan's forced ``2 * forced(R // 2)`` slots, so the region never holds more than ``R + 2 *
+        (evict_every - 1)`` slots, i.e. ``budget + evict_every - 1`` per layer-equivalent.
         """
         if self._state != "prefill":
             raise RuntimeError(f"finish_prefill called in state {self._state!r}; call start(...) and "
@@ -657,21 +653,13 @@ class PagedKVCache:
             raise RuntimeError(f"layer {l} of sequence {b} was not prefilled ({len(missing)} (layer, "
                                "sequence) pairs missing); call prefill_layer for every cache layer of every "
                                "sequence")
-        budgets, n_sink, n_recent = self._plan_budgets(list(range(n)))
-        for a, b in self.merged_pairs:  # one region budget; forced slots count both layers' private slots
-            budgets[a] += budgets[b]
-            budgets[b] = 0
-            n_sink[a], n_recent[a] = (2 * x for x in self.eviction.forced(budgets[a] // 2))
-            n_sink[b] = n_recent[b] = 0
-        self.budgets[:, :n] = budgets.clamp_min(1).to(self.device, torch.int32)  # the reader's row is unused
-        self._budgets, self._n_sink, self._n_recent = (x.numpy().astype(np.int64)
-                                                       for x in (budgets, n_sink, n_recent))
-        lens = self._lens[:, :n].copy()
-        for a, b in self.merged_pairs:
-            keep = np.minimum(lens[a], self._budgets[a] // 2) if self.eviction.prefill_compress else lens[a]
-            self._merge_pair(a, b, keep)
-        if self.eviction.prefill_compress:
-            self._compress([l for l in range(self.n_layers) if self._width[l] == 1])
+        self.plan = plan = self._plan(list(range(n)))
+        # A region's reader row is unused; it holds 1 so the device budgets stay valid op input.
+        self.budgets[:, :n] = plan.rows.budgets.clamp_min(1).to(self.device, torch.int32)
+        for i, (a, b) in enumerate(self.layout.pairs):
+            self._merge_pair(a, b, *(x.numpy() for x in plan.joint.row(i)))
+        if plan.schedule.prefill_compress:
+            self._compress([l for l in range(self.n_layers) if self.layout.width[l] == 1])
         self._state = "decode"
 
     def _compact(self, layers: list[int], seqs: list[int], budgets: np.ndarray, n_sink: np.ndarray,
@@ -706,9 +694,11 @@ class PagedKVCache:
         assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
         return [self.k_mag[0], self.k_mag[1], self.v_mag[0], self.v_mag[1], self.slot_mask]
 
-    def _merge_pair(self, a: int, b: int, keep: np.ndarray) -> None:
+    def _merge_pair(self, a: int, b: int, keep: np.ndarray, n_sink: np.ndarray,
+                    n_recent: np.ndarray) -> None:
         """Turn the prefilled layers ``a`` and ``b`` into one region keeping ``keep [n]`` tokens per
-        sequence (see :meth:`finish_prefill`)."""
+        sequence, forced ``n_sink``/``n_recent [n]`` (the plan's ``joint`` row; see
+        :meth:`finish_prefill`)."""
         assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
         n, S = self.batch_size, self.page_size
         own_score = self.slot_score
@@ -721,7 +711,6 @@ class PagedKVCache:
                 total = self.slot_score[pa] + self.slot_score[pb]
                 self.slot_score[pa] = total
                 self.slot_score[pb] = total
-            n_sink, n_recent = (x.numpy() for x in self.eviction.forced(torch.as_tensor(keep)))
             both = lambda x: np.stack([x, x])  # noqa: E731 -- the same row for layers a and b
             self._compact([a, b], list(range(n)), both(keep), both(n_sink), both(n_recent), extra=[own_score])
 
@@ -769,17 +758,18 @@ class PagedKVCache:
         what the bridge and the reference policies index it by. Merged regions stay in order too.
         """
         n = self.batch_size
-        budgets, n_sink, n_recent = self._budgets, self._n_sink, self._n_recent
-        assert budgets is not None and n_sink is not None and n_recent is not None  # set by finish_prefill
+        assert self.plan is not None  # set by finish_prefill
+        budgets, n_sink, n_recent = (x.numpy() for x in self.plan.rows)  # [Lc, n] each
+        width = self.layout.width
         over = [l for l in (range(self.n_layers) if layers is None else layers)
-                if self._width[l] and (self._lens[l, :n] > budgets[l]).any()]
-        for width in (1, 2):
-            ls = [l for l in over if self._width[l] == width]
+                if width[l] and (self._lens[l, :n] > budgets[l]).any()]
+        for w in (1, 2):
+            ls = [l for l in over if width[l] == w]
             if not ls:
                 continue
             self._compact(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls],
-                          extra=self._region_extra() if width == 2 else [],
-                          in_place=in_place and width == 1 and not self.gumbel)
+                          extra=self._region_extra() if w == 2 else [],
+                          in_place=in_place and w == 1 and not self.gumbel)
 
     # ------------------------------------------------------------------ decode
     def prepare_decode(self, step: int) -> None:
@@ -829,7 +819,7 @@ class PagedKVCache:
         Pass ``i`` covers the ``i``-th slot a layer appends this step (a merged region appends two)."""
         n, S, M = self.batch_size, self.page_size, self.max_pages
         table = self.page_table[:, :n]  # [Lc, n, M] view
-        for i in range(int(self._width.max())):
+        for i in range(self.layout.max_width):
             width = torch.as_tensor(self._width > i, device=self.device)  # [Lc]
             lens = self.seq_lens[:, :n] + i  # [Lc, n]
             need = (lens % S == 0) & self.active[:n] & width[:, None]  # [Lc, n]
@@ -877,7 +867,7 @@ class PagedKVCache:
             raise ValueError(f"append(q=None): policy {self.eviction.name!r} scores each token from its own "
                              "queries (reads_queries); pass this step's queries q [B, Hq, D]")
         n, S = self.batch_size, self.page_size
-        s = self._storage[l]  # a merged layer appends into its pair's region
+        s = self.layout.storage[l]  # a merged layer appends into its pair's region
         lens = self.seq_lens[s, :n]  # [n]
         active = self.active[:n]
         col = (lens // S).clamp_max(self.max_pages - 1).to(torch.int64)
@@ -889,11 +879,11 @@ class PagedKVCache:
         self.slot_pos[page, slot] = positions.to(torch.int32)[:, None].expand(n, self.n_kv_heads)
         self.slot_score[page, slot] = self._token_scores(q, k, v, positions) if self.eviction.scores_tokens \
             else 0.0
-        if self._merged[l]:  # a private slot of this layer: exact K/V, visible to this layer only
+        if self.layout.merged[l]:  # a private slot of this layer: exact K/V, visible to this layer only
             assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
             for mag in (self.k_mag, self.v_mag):
                 mag[:, page, slot] = 1.0
-            self.slot_mask[page, slot] = 1 << self._member[l]
+            self.slot_mask[page, slot] = self.layout.mask_bit(l)
         lens += active.to(torch.int32)
 
     def attend(self, l: int, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
@@ -922,16 +912,16 @@ class PagedKVCache:
         self._check_layer(l)
         self._check_decode_input("q", q, self.n_q_heads)
         self._check_positions("q_positions", q_positions)
-        n, s, member = self.batch_size, self._storage[l], self._member[l]
+        n, s, member = self.batch_size, self.layout.storage[l], self.layout.member[l]
         alibi = None
         if alibi_slopes is not None:  # from the slots' original positions
             alibi = Alibi(alibi_slopes, self.slot_pos, q_positions.to(torch.int32))
         noise = self.gumbel_noise[l, :n] if self.gumbel_noise is not None else None
         restore = None
-        if self._merged[l]:  # the pair's region through this layer's magnitudes and slot_mask bit
+        if self.layout.merged[l]:  # the pair's region through this layer's magnitudes and slot_mask bit
             restore = Restore(self.k_mag[member] if self.k_mag is not None else None,
                               self.v_mag[member] if self.v_mag is not None else None,
-                              self.slot_mask, mask_bit=1 << member)
+                              self.slot_mask, mask_bit=self.layout.mask_bit(l))
         return paged_decode_attention(
             q, self.k_pages, self.v_pages, self.page_table[s, :n], self.seq_lens[s, :n], scale=scale,
             alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)
@@ -947,11 +937,13 @@ class PagedKVCache:
                            gumbel_noise, self.temperature if self.gumbel else None)
 
     def after_step(self, step: int) -> None:
-        """Eager end of a decode step: every ``evict_every`` steps compact the layers over budget."""
+        """Eager end of a decode step: when the plan's schedule says so (every ``evict_every`` steps),
+        compact the layers over budget."""
         if self._state != "step" or step != self._step:
             raise RuntimeError(f"after_step(step={step}) must follow prepare_decode(step={step}); the next "
                                f"step is {self._step}")
-        if self.policy.evicts_after(step):
+        assert self.plan is not None  # set by finish_prefill
+        if self.plan.evicts_after(step):
             if self.eviction.heads_share_selection:  # every slot holds one token in all heads of its layer
                 self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
             self._compress(in_place=True)
@@ -991,7 +983,7 @@ class PagedKVCache:
         other layer's private slots).
         """
         self._check_layer(l)
-        s = self._storage[l]
+        s = self.layout.storage[l]
         n = int(self.seq_lens[s, b])
         pages = self.page_table[s, b, :_ceil_div(n, self.page_size)].to(torch.int64)
 
@@ -1000,12 +992,12 @@ class PagedKVCache:
 
         out = {"k": rows(self.k_pages), "v": rows(self.v_pages), "pos": rows(self.slot_pos),
                "score": rows(self.slot_score)}
-        if self._width[s] == 2:
+        if self.layout.merged[l]:
             assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
-            m = self._member[l]
+            m = self.layout.member[l]
             out["k"] = merge_restore(out["k"], rows(self.k_mag[m]))
             out["v"] = merge_restore(out["v"], rows(self.v_mag[m]))
-            out["visible"] = (rows(self.slot_mask) & (1 << m)) != 0
+            out["visible"] = (rows(self.slot_mask) & self.layout.mask_bit(l)) != 0
             return out
         order = torch.sort(out["pos"].long(), dim=0, stable=True).indices  # [n, Hkv]
         return {name: x.gather(0, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x))
@@ -1017,8 +1009,8 @@ class PagedKVCache:
         per_layer = self._pages_held().sum(axis=1) * self.page_bytes
         full_pages = self.n_layers * int(_ceil_div(self._seen[self._active], self.page_size).sum())
         budgets = None
-        if self._budgets is not None:
-            budgets = tuple(tuple(int(x) for x in row) for row in self._budgets)
+        if self.plan is not None:  # the storage layers' budgets: a region's under its owner, 0 under b
+            budgets = tuple(tuple(int(x) for x in row) for row in self.plan.rows.budgets.tolist())
         return CacheReport(
             page_size=self.page_size, page_bytes=self.page_bytes, num_pages=self.num_pages,
             bytes_per_layer=tuple(int(x) for x in per_layer), total_bytes=int(per_layer.sum()),
@@ -1026,7 +1018,7 @@ class PagedKVCache:
             full_cache_bytes=full_pages * self.page_bytes,
             full_cache_peak_bytes=self._full_peak_pages * self.page_bytes,
             tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in self._lens),
-            layer_budgets=budgets, merged_pairs=tuple(self.merged_pairs))
+            layer_budgets=budgets, merged_pairs=self.layout.pairs)
 
 
 def paged_cache(**kw) -> PagedKVCache:

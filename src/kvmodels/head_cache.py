@@ -9,13 +9,14 @@ shorter heads' empty slots, which costs memory instead of saving it (docs/design
 length and budget, in pages of one head (``[S, 1, D]``). It *is* a ``PagedKVCache`` whose rows are
 ``(sequence b, KV head h) -> row b * Hkv + h``, with one KV head and the ``G = Hq / Hkv`` query heads of
 that KV head per row; this class only translates the model's ``[B, Hkv, ...]`` tensors to rows and back
-and plans each layer's per-head budgets. So the kernels, the eviction and the host bookkeeping are the
-ones every other policy runs through, and a head that keeps ``n`` tokens holds ``ceil(n / S)`` pages
-(docs/contract.md §4.1).
+and hands the policy its heads' prompt scores to plan per-head budgets from. So the kernels, the eviction
+and the host bookkeeping are the ones every other policy runs through, and a head that keeps ``n`` tokens
+holds ``ceil(n / S)`` pages (docs/contract.md §4.1).
 
 Head budgets are planned once per sequence, from the layer's prompt scores before any compression
-(``ComposedPolicy.head_budgets``), and held while decoding: decode-time eviction keeps each head at its own
-budget. ``report()`` lists, per layer and sequence, the mean over KV heads of the tokens and budgets
+(``ComposedPolicy.plan(..., head_scores=...)``, whose ``head_budgets`` split each layer), and held while
+decoding: decode-time eviction keeps each head at its own budget. ``report()`` lists, per layer and
+sequence, the mean over KV heads of the tokens and budgets
 (``head_tokens`` has each head's count).
 """
 
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 from kvkernels import check_shape, check_tensor
 from kvkernels.paged_attention import Alibi, paged_decode_attention
+from kvpolicies.base import LayerStats
+from kvpolicies.plan import CompressionPlan
 
 from .cache import _INT_DTYPES, CacheReport, PagedKVCache, _ceil_div
 
@@ -97,8 +99,8 @@ class HeadPagedKVCache(PagedKVCache):
                       compress_each=compress_each)
         self.n_sequences = len(prompt_lens)
         self.sequence_prompt_lens = prompt_lens
-        # Per-sequence head budgets [Lc, Hkv], planned once from the uncompressed prompt's scores.
-        self._head_plans: dict[int, np.ndarray] = {}
+        # Each sequence's plan (head budgets [Lc, 1, Hkv]), made once from the uncompressed prompt's scores.
+        self._plans: dict[int, CompressionPlan] = {}
 
     def prefill_layer(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,
@@ -128,26 +130,31 @@ class HeadPagedKVCache(PagedKVCache):
         for row in self._rows(b):
             super().record_cos_sim(l, row, value)
 
-    def _plan_budgets(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As :meth:`PagedKVCache._plan_budgets` for pool rows ``seqs`` (whole sequences), with each layer's
-        budget split among the sequence's KV heads by ``policy.head_budgets`` (once per sequence)."""
-        budgets, n_sink, n_recent = super()._plan_budgets(seqs)  # [Lc, len(seqs)], equal across heads
+    def _plan(self, seqs: list[int]) -> CompressionPlan:
+        """As :meth:`PagedKVCache._plan` for pool rows ``seqs`` (whole sequences): the policy plans each
+        sequence once, the first time it is asked (``compress_prompt`` or ``finish_prefill``), with its
+        heads' uncompressed prompt scores (``plan(head_scores=...)``); its ``rows`` are then
+        ``[Lc, len(seqs)]``, one column per (sequence, KV head)."""
         H, S = self.kv_heads, self.page_size
+        plans = []
         for j in range(0, len(seqs), H):
             b = seqs[j] // H
             assert seqs[j:j + H] == self._rows(b), "rows are planned a whole sequence at a time"
-            if b not in self._head_plans:
-                plan = budgets[:, j:j + H].numpy().copy()  # [Lc, H]
-                for l in range(self.n_layers):
-                    L, B = int(self._lens[l, seqs[j]]), int(budgets[l, j])
-                    if L <= B or not self.eviction.prefill_compress:
-                        continue
-                    pages = self.page_table[l, seqs[j]:seqs[j] + H, :_ceil_div(L, S)].long()  # [H, pages]
-                    scores = self.slot_score[pages].reshape(H, -1)[:, :L]  # [H, L] in position order
-                    plan[l] = self.policy.head_budgets(scores, B, int(n_sink[l, j]), int(n_recent[l, j]))
-                self._head_plans[b] = plan
-            budgets[:, j:j + H] = torch.from_numpy(self._head_plans[b])
-        return budgets, n_sink, n_recent
+            if b not in self._plans:
+                first = seqs[j]
+
+                def head_scores(l: int, _: int, first: int = first) -> torch.Tensor:
+                    L = int(self._lens[l, first])
+                    pages = self.page_table[l, first:first + H, :_ceil_div(L, S)].long()  # [H, pages]
+                    return self.slot_score[pages].reshape(H, -1)[:, :L]  # [H, L] in position order
+
+                stats = LayerStats(cos_sim=self.cos_sim[:, [first]].cpu())  # every row of b holds b's
+                self._plans[b] = self.policy.plan(
+                    torch.tensor([self.sequence_prompt_lens[b]]), self.n_layers, stats,
+                    max_new_tokens=self.max_new_tokens, budget_tokens=self.budget_tokens[[first]],
+                    head_scores=head_scores)
+            plans.append(self._plans[b])
+        return CompressionPlan.cat(plans)
 
     def compress_prompt(self, b: int) -> None:
         """As :meth:`PagedKVCache.compress_prompt`: every KV head of sequence ``b`` to its own budget."""
@@ -160,7 +167,7 @@ class HeadPagedKVCache(PagedKVCache):
                                "whole prefill")
         if not self.eviction.prefill_compress or self._compressed[rows].all():
             return
-        budgets, n_sink, n_recent = (x.numpy() for x in self._plan_budgets(rows))  # [Lc, H] each
+        budgets, n_sink, n_recent = (x.numpy() for x in self._plan(rows).rows)  # [Lc, H] each
         layers = [l for l in range(self.n_layers) if (self._lens[l, rows] > budgets[l]).any()]
         if layers:
             self._compact(layers, rows, budgets[layers], n_sink[layers], n_recent[layers])
@@ -198,7 +205,7 @@ class HeadPagedKVCache(PagedKVCache):
             return out.reshape(q.shape)
         # ALiBi slopes belong to query heads, which differ between a sequence's rows: one call per KV head
         # over its rows (b * H + h for every b), each with its group's slopes.
-        s, G = self._storage[l], self.n_q_heads
+        s, G = self.layout.storage[l], self.n_q_heads
         outs = []
         for h in range(H):
             rows = slice(h, n * H, H)

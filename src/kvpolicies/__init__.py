@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import budget, eviction, heads, merge  # noqa: F401  (importing registers the built-in policies)
 from .base import BudgetPolicy, EvictionPolicy, HeadBudgetPolicy, LayerStats, MergePolicy, NewTokens, Policy
 from .compose import ComposedPolicy, compose
+from .plan import CompressionPlan, EvictionSchedule, LayerBudgets, MergeLayout
 from .registry import PolicyInfo, UnknownPolicyError, available, get_policy, register_policy
 
 
@@ -32,9 +33,13 @@ def __getattr__(name: str):
 __all__ = [
     "BudgetPolicy",
     "ComposedPolicy",
+    "CompressionPlan",
     "EvictionPolicy",
+    "EvictionSchedule",
     "HeadBudgetPolicy",
+    "LayerBudgets",
     "LayerStats",
+    "MergeLayout",
     "MergePolicy",
     "NewTokens",
     "Policy",

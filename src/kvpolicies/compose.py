@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from .base import (
     Policy,
 )
 from .budget._rounding import cap_budgets
+from .plan import CompressionPlan, EvictionSchedule, LayerBudgets, MergeLayout
 from .registry import _REGISTRY, available, get_policy
 
 # Roles left out of a composition get these; their names are omitted from ``ComposedPolicy.name``.
@@ -252,36 +253,119 @@ class ComposedPolicy:
             budgets = cap_budgets(budgets, torch.as_tensor(capacity))
         return budgets
 
-    def evicts_after(self, step: int) -> bool:
-        """Whether decode step ``step`` (0-based) ends with an eviction (both caches ask): the eviction
-        policy evicts during decoding and this is the last of ``evict_every`` steps."""
-        return bool(self.eviction.decode_evict) and (step + 1) % self.evict_every == 0
+    @property
+    def schedule(self) -> EvictionSchedule:
+        """When a cache compresses (both caches ask, through the plan): the prompt, and after which decode
+        steps (the eviction policy evicts during decoding, every ``evict_every`` steps)."""
+        return EvictionSchedule(bool(self.eviction.prefill_compress), bool(self.eviction.decode_evict),
+                                self.evict_every)
 
-    def plan(self, budget_tokens: torch.Tensor, n_layers: int, stats: LayerStats | None,
-             capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The compression decision both caches (``kvmodels.cache``, ``kvpolicies.hf``) act on, made once:
-        ``(budgets, n_sink, n_recent)``, each ``[n_layers, B]`` int64 on the host: the layer budgets
-        (:meth:`layer_budgets`, capped at ``capacity``) and the eviction's forced sink / recent counts for
-        each, checked (every budget ``>= 1``, forced slots within it)."""
-        budgets = torch.as_tensor(self.layer_budgets(budget_tokens, n_layers, stats, capacity=capacity))
+    def evicts_after(self, step: int) -> bool:
+        """Whether decode step ``step`` (0-based) ends with an eviction (:attr:`schedule`)."""
+        return self.schedule.evicts_after(step)
+
+    def merge_layout(self, n_layers: int) -> MergeLayout:
+        """Where each of ``n_layers`` cache layers stores its tokens: the merge policy's pairs, checked
+        (disjoint, in range; the error names the merge policy). A cache builds its storage from it."""
+        return MergeLayout.of(self.merge, n_layers)
+
+    def plan(self, prompt_lens: torch.Tensor, n_layers: int, stats: LayerStats | None = None, *,
+             max_new_tokens: int = 0, budget_tokens: torch.Tensor | None = None,
+             head_scores: Callable[[int, int], torch.Tensor] | None = None) -> CompressionPlan:
+        """The compression decision every cache acts on, made once per batch (docs/contract.md, "The plan").
+
+        Parameters
+        ----------
+        prompt_lens : Tensor ``[B]`` int
+            Prompt length of each sequence.
+        n_layers : int
+            ``Lc``, cache layers.
+        stats : LayerStats, optional
+            The budget policy's prefill statistics (``cos_sim [Lc, B]``).
+        max_new_tokens : int
+            Decode steps; a layer can hold at most ``prompt_len + max_new_tokens`` tokens, and a budget
+            above that is capped (:meth:`layer_budgets`).
+        budget_tokens : Tensor ``[B]`` int, optional
+            :meth:`budget_tokens` of ``prompt_lens`` when the caller has them already.
+        head_scores : callable ``(l, j) -> Tensor [Hkv, L]``, optional
+            The prompt scores of layer ``l`` of the ``j``-th sequence before any compression, which
+            :meth:`head_budgets` splits the layer's budget by; the plan then has ``head_budgets``. Required
+            by a head-budget policy (``heads.per_head``); a cache of per-head pages passes it always.
+
+        Returns
+        -------
+        CompressionPlan
+            Host int64 tensors, checked: every layer budget ``>= 1``, forced slots within it.
+        """
+        lens = torch.as_tensor(prompt_lens).to("cpu", torch.int64)
+        B = int(lens.numel())
+        bt = self.budget_tokens(lens) if budget_tokens is None else budget_tokens
+        bt = torch.as_tensor(bt).to("cpu", torch.int64)
+        if bt.shape != (B,) or bool((bt < 1).any()):
+            raise ValueError(f"policy {self.name!r} (budget={self.budget!r}) gave per-sequence budgets "
+                             f"{bt.tolist()} for prompt_lens={lens.tolist()}; each must be >= 1")
+        capacity = lens + max_new_tokens  # the most a layer can ever hold
+        budgets = torch.as_tensor(self.layer_budgets(bt, n_layers, stats, capacity=capacity))
         budgets = budgets.to(torch.int64).cpu()
-        B = int(torch.as_tensor(budget_tokens).numel())
         if budgets.shape != (n_layers, B) or bool((budgets < 1).any()):
             raise ValueError(f"policy {self.name!r} gave layer budgets {budgets.tolist()}; expected shape "
                              f"[{n_layers}, {B}] with every entry >= 1")
-        forced = [self.eviction.forced(row) for row in budgets]
-        n_sink = torch.stack([s for s, _ in forced]).to(torch.int64)
-        n_recent = torch.stack([r for _, r in forced]).to(torch.int64)
-        if bool((n_sink + n_recent > budgets).any()):
+        layers = LayerBudgets(budgets, *self._forced(budgets))
+        if bool((layers.n_sink + layers.n_recent > budgets).any()):
             raise ValueError(f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
                              f"than the layer budgets {budgets.tolist()} allow; raise the budget")
-        return budgets, n_sink, n_recent
+        layout = self.merge_layout(n_layers)
+        schedule = self.schedule
+        # A merged pair is one region: budget R = B_a + B_b; each decode step adds one private slot of each
+        # layer, so its forced slots are 2 * forced(R // 2). Merging keeps N = min(L, R // 2) per layer.
+        regions = layout.region_budgets(budgets)
+        n_sink, n_recent = layers.n_sink.clone(), layers.n_recent.clone()
+        keep = torch.zeros(len(layout.pairs), B, dtype=torch.int64)
+        for i, (a, b) in enumerate(layout.pairs):
+            n_sink[a], n_recent[a] = (2 * x for x in self.eviction.forced(regions[a] // 2))
+            n_sink[b] = n_recent[b] = 0
+            keep[i] = torch.minimum(lens, regions[a] // 2) if schedule.prefill_compress else lens
+        heads = None
+        if self.heads.per_head or head_scores is not None:
+            heads = self._plan_heads(layers, head_scores)
+        return CompressionPlan(layout, schedule, bt, layers, LayerBudgets(regions, n_sink, n_recent),
+                               LayerBudgets(keep, *self._forced(keep)), heads)
+
+    def _forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eviction's forced ``(n_sink, n_recent)`` for each row of ``budgets [rows, B]``."""
+        if budgets.shape[0] == 0:
+            return budgets.clone(), budgets.clone()
+        forced = [self.eviction.forced(row) for row in budgets]
+        return (torch.stack([s for s, _ in forced]).to(torch.int64),
+                torch.stack([r for _, r in forced]).to(torch.int64))
+
+    def _plan_heads(self, layers: LayerBudgets,
+                    head_scores: Callable[[int, int], torch.Tensor] | None) -> torch.Tensor:
+        """``[Lc, B, Hkv]`` head budgets: each compressed layer's budget split by :meth:`head_budgets`;
+        a layer the prompt fits in (or without prompt compression) gives every head its budget."""
+        if head_scores is None:
+            raise ValueError(f"head-budget policy {self.heads.name!r} splits each layer's budget by its "
+                             "heads' prompt scores; pass plan(..., head_scores=lambda l, j: scores [Hkv, L])")
+        Lc, B = layers.budgets.shape
+        rows = []
+        for l in range(Lc):
+            row = []
+            for j in range(B):
+                scores = head_scores(l, j)  # [Hkv, L]
+                budget, n_sink, n_recent = (int(x[l, j]) for x in layers)
+                H, L = scores.shape
+                if L > budget and self.eviction.prefill_compress:
+                    row.append(self.head_budgets(scores, budget, n_sink, n_recent))
+                else:
+                    row.append(torch.full((H,), budget, dtype=torch.int64))
+            rows.append(torch.stack(row))
+        return torch.stack(rows)  # [Lc, B, Hkv]
 
     def head_budgets(self, scores: torch.Tensor, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:
         """``[Hkv]`` int64 budgets of the KV heads of one layer of one sequence, from the head-budget policy
         (``heads.split``) given the layer's ``[Hkv, L]`` prompt scores, its budget ``B`` and its forced
-        counts (from :meth:`plan`); checked: each head keeps its forced tokens (and at least one), and when
-        the layer is compressed (``L > B``) the heads hold ``Hkv * B`` tokens, none more than ``L``."""
+        counts (``plan.layers``); checked: each head keeps its forced tokens (and at least one), and when the
+        layer is compressed (``L > B``) the heads hold ``Hkv * B`` tokens, none more than ``L``."""
         H, L = scores.shape
         out = torch.as_tensor(self.heads.split(scores, int(budget), (int(n_sink), int(n_recent))))
         out = out.to(torch.int64).cpu()

@@ -56,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from kvkernels import draw_gumbel_, merge_restore, noise_seed, prefill_seed
 from kvpolicies.base import LayerStats, NewTokens, residual_cos_sim
+from kvpolicies.plan import CompressionPlan
 
 __all__ = [
     "PolicyCache",
@@ -526,14 +527,9 @@ class PolicyCache(Cache):
         super().__init__(layers=[PolicyLayer(self, i) for i in range(n)])
         self.policy = policy
         self.eviction = policy.eviction
-        # MiniCache pairs (a, b), as kvmodels' PagedKVCache takes them from the merge policy.
-        self.merged_pairs = [(int(a), int(b)) for a, b in policy.merge.pairs(n)]
-        members = [l for pair in self.merged_pairs for l in pair]
-        if len(set(members)) != len(members) or any(not 0 <= l < n for l in members):
-            raise ValueError(
-                f"merge policy {policy.merge.name!r} gave pairs {self.merged_pairs} for {n} layers; pairs "
-                "must be disjoint and in range"
-            )
+        # Where each layer stores its tokens (MiniCache pairs share a region), as kvmodels' PagedKVCache
+        # takes it from the policy.
+        self.layout = policy.merge_layout(n)
         self.seed = seed
         # Seeds as kvmodels' PagedKVCache derives them (kvkernels.noise_seed / prefill_seed): the bridge and
         # kvmodels draw identical Gumbel noise for the same policy and seed.
@@ -550,10 +546,21 @@ class PolicyCache(Cache):
         self._seen = 0  # logical length (padded prompt + generated), what generate expects
         self._cos_sum: torch.Tensor | None = None  # [Lc, B] sum of cos-sims over prompt tokens
         self.prompt_lens: torch.Tensor | None = None
-        self.layer_budgets: torch.Tensor | None = None
+        self.plan: CompressionPlan | None = None  # the policy's plan for this batch (end of prefill)
         self.peak_bytes = 0
         self._noise: torch.Tensor | None = None  # [Lc, B, Hq, width] this decode step's Gumbel noise
         self._gumbel: torch.Generator | None = None
+
+    @property
+    def merged_pairs(self) -> list[tuple[int, int]]:
+        """MiniCache pairs ``(a, b)`` (``layout.pairs``)."""
+        return list(self.layout.pairs)
+
+    @property
+    def layer_budgets(self) -> torch.Tensor | None:
+        """``[Lc, B]`` int64 budgets of the storage layers (a region's ``B_a + B_b`` under ``a``, 0 under
+        ``b``), from the plan; None before the prompt was compressed."""
+        return None if self.plan is None else self.plan.storage.budgets
 
     # --- what transformers asks --------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -616,12 +623,9 @@ class PolicyCache(Cache):
             self._gumbel = torch.Generator(device=device)
             self._gumbel.manual_seed(self._noise_seed)
         lens = torch.stack([layer.kept_tokens() for layer in self.layers])  # [Lc, B] before this step
-        # Slots each layer appends this step: 1, or 2 for a merged region (both layers' private slots) and 0
-        # for the layer that reads it, as kvmodels grows its lengths.
-        grow = torch.ones(len(self.layers), 1, dtype=lens.dtype)
-        for a, b in self.merged_pairs:
-            grow[a], grow[b] = 2, 0
-        width = int((lens + grow.to(lens.device)).max())
+        # Slots each layer appends this step (the layout's width), as kvmodels grows its lengths.
+        grow = torch.tensor(self.layout.width, dtype=lens.dtype, device=lens.device)[:, None]  # [Lc, 1]
+        width = int((lens + grow).max())
         noise = torch.empty(len(self.layers), lens.shape[1], self._family.n_q_heads, width, device=device)
         self._noise = draw_gumbel_(noise, self._gumbel)
 
@@ -632,7 +636,8 @@ class PolicyCache(Cache):
         else:
             step = self._decode_step
             self._decode_step += 1
-            if self.policy.evicts_after(step):
+            assert self.plan is not None  # made when the decode's first forward began
+            if self.plan.evicts_after(step):
                 if self.eviction.heads_share_selection:  # every head of a layer holds the same tokens
                     for layer in self.layers:
                         if layer.store is layer and layer.scores is not None:
@@ -641,37 +646,34 @@ class PolicyCache(Cache):
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
 
     def _finish_prefill(self) -> None:
-        """Layer budgets from the prompt statistics, then compress every layer (docs/contract.md §5)."""
+        """The policy's plan from the prompt statistics, then merge pairs and compress every layer
+        (docs/contract.md §5)."""
         self._compressed = True
-        n = len(self.layers)
-        budget_tokens = self.policy.budget_tokens(self.prompt_lens.cpu()).to(torch.int64)  # [B]
-        cos = (self._cos_sum / self.prompt_lens.cpu().to(torch.float64).clamp_min(1)).to(torch.float32)
-        capacity = self.prompt_lens.cpu() + (self.max_new_tokens or 0)   # the most a layer can hold
-        # The same decision kvmodels' cache acts on (ComposedPolicy.plan); forced slots are recomputed
-        # per eviction from these budgets.
-        self.layer_budgets, _, _ = self.policy.plan(budget_tokens, n, LayerStats(cos_sim=cos), capacity)
-        for a, b in self.merged_pairs:  # one region budget R = B_a + B_b, listed under a (kvmodels' rule)
-            self.layer_budgets[a] += self.layer_budgets[b]
-            self.layer_budgets[b] = 0
-            self._merge_pair(a, b)
-        if self.eviction.prefill_compress:
+        lens = self.prompt_lens.cpu()
+        cos = (self._cos_sum / lens.to(torch.float64).clamp_min(1)).to(torch.float32)
+        # The same decision kvmodels' cache acts on (ComposedPolicy.plan).
+        self.plan = self.policy.plan(lens, len(self.layers), LayerStats(cos_sim=cos),
+                                     max_new_tokens=self.max_new_tokens or 0)
+        for i, (a, b) in enumerate(self.layout.pairs):
+            self._merge_pair(a, b, *self.plan.joint.row(i))
+        if self.plan.schedule.prefill_compress:
             self._evict(regions=False)  # a region was compressed by its joint selection
 
-    def _merge_pair(self, a: int, b: int) -> None:
+    def _merge_pair(self, a: int, b: int, keep: torch.Tensor, n_sink: torch.Tensor,
+                    n_recent: torch.Tensor) -> None:
         """Turn the prefilled layers ``a`` and ``b`` into one region held by ``a`` (docs/contract.md §5.1).
 
-        As ``kvmodels.cache.PagedKVCache.finish_prefill``: both layers keep the same ``N = min(L, R // 2)``
-        tokens per sequence (all ``L`` without prompt compression), chosen on the summed scores with forced
-        slots ``forced(N)``; then the merge policy's ``region`` merges them into shared slots plus the
-        retained tokens' private slots, which are packed front-aligned per sequence.
+        As ``kvmodels.cache.PagedKVCache.finish_prefill``: both layers keep the same ``keep [B]`` tokens per
+        sequence (the plan's ``joint`` row: ``N = min(L, R // 2)``, all ``L`` without prompt compression),
+        chosen on the summed scores with forced slots ``n_sink``/``n_recent [B]``; then the merge policy's
+        ``region`` merges them into shared slots plus the retained tokens' private slots, which are packed
+        front-aligned per sequence.
         """
         la, lb = self.layers[a], self.layers[b]
         assert la.valid is not None and la.scores is not None and lb.scores is not None
         count = la.valid.sum(-1).cpu()  # [B] prompt tokens (both layers saw the same ones)
-        keep = torch.minimum(count, self.layer_budgets[a] // 2) if self.eviction.prefill_compress else count
         if bool((count > keep).any()):
             summed = la.scores + lb.scores  # [B, Hkv, L]
-            n_sink, n_recent = self.eviction.forced(keep)
             for layer in (la, lb):  # the same ranking and forced slots, so the same tokens per head
                 layer.compact(keep, n_sink, n_recent, priority=summed)
         regions = []
@@ -697,22 +699,20 @@ class PolicyCache(Cache):
         la.valid = torch.arange(width, device=n_slots.device)[None, :] < n_slots[:, None]  # [B, width]
         # b holds nothing of its own from now on: empty tensors (so counts and bytes read 0; fresh ones, not
         # views that would keep its prompt's storage alive) and a reference to the region.
-        lb._store, lb.member = la, 1
+        lb._store, lb.member = la, self.layout.member[b]
         lb.keys, lb.values = (x.new_empty(*x.shape[:2], 0, x.shape[3]) for x in (la.keys, la.values))
         lb.positions, lb.scores = (x.new_empty(*x.shape[:2], 0) for x in (la.positions, la.scores))
         lb.valid = la.valid.new_empty(la.valid.shape[0], 0)
 
     def _evict(self, regions: bool = True) -> None:
-        owners = {a for a, _ in self.merged_pairs}
+        """Compact every storage layer to the plan's budgets and forced counts (``plan.storage``); the
+        regions too unless ``regions=False``."""
+        assert self.plan is not None
+        width = self.layout.width
         for l, layer in enumerate(self.layers):
-            if layer.store is not layer or (l in owners and not regions):
+            if width[l] == 0 or (width[l] == 2 and not regions):
                 continue  # the second layer of a pair holds no tokens; a region may be left alone
-            budgets = self.layer_budgets[l]
-            if l in owners:  # each step's two private slots are one token of each layer: 2 * forced(R // 2)
-                n_sink, n_recent = (2 * x for x in self.eviction.forced(budgets // 2))
-            else:
-                n_sink, n_recent = self.eviction.forced(budgets)
-            layer.compact(budgets, n_sink, n_recent)
+            layer.compact(*self.plan.storage.row(l))
 
     def _record_cos(self, layer_idx: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
         cos = residual_cos_sim(h_in, attn_out)  # [B, q]
@@ -878,8 +878,8 @@ class PolicyCache(Cache):
         nbytes = torch.tensor([layer.nbytes() for layer in self.layers], dtype=torch.int64)
         total = int(nbytes.sum())
         self.peak_bytes = max(self.peak_bytes, total)
-        pairs = tuple(self.merged_pairs)
-        budgets = None if self.layer_budgets is None else self.layer_budgets.cpu()
+        pairs = self.layout.pairs
+        budgets = None if self.plan is None else self.plan.storage.budgets.clone()
         full = 0
         if self.prompt_lens is not None:
             seen = int(self.prompt_lens.sum()) + self._decode_step * int(self.prompt_lens.numel())
