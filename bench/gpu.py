@@ -30,6 +30,7 @@ otherwise); compare numbers only within one run or one device.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -148,6 +149,21 @@ class Stage:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """Seconds of one ``fn()``: CUDA events around it on the GPU, wall time on the CPU."""
+        import torch
+
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     def seconds(self, fn: Callable[[], Any], reps: int | None = None) -> tuple[float, str]:
         """Median device seconds of one ``fn()`` and how they were measured. On CUDA: ``reps`` calls
         captured in one CUDA graph, replayed (launch overhead excluded); events around each call when the
@@ -159,12 +175,7 @@ class Stage:
             fn()
         self.sync()
         if not self.cuda:
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times), "wall"
+            return statistics.median(self.timed(fn) for _ in range(reps)), "wall"
         try:
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream()
@@ -175,49 +186,21 @@ class Stage:
             with torch.cuda.graph(graph):
                 for _ in range(reps):
                     fn()
-            times = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3 / reps)
-            return statistics.median(times), "cuda-graph"
+            return statistics.median(self.timed(graph.replay) for _ in range(5)) / reps, "cuda-graph"
         except Exception:  # noqa: BLE001 -- not capturable (a host sync inside): time it with events
             torch.cuda.synchronize()
-            times = []
-            for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            return statistics.median(times), "events"
+            return statistics.median(self.timed(fn) for _ in range(reps)), "events"
 
     def mutating_seconds(self, setup: Callable[[], Any], fn: Callable[[Any], Any],
                          reps: int | None = None) -> float:
         """Median seconds of ``fn(setup())`` with only ``fn`` timed (``fn`` mutates what ``setup`` made)."""
-        import torch
-
         reps = reps or self.shapes.reps
         fn(setup())  # warm-up (compiles Triton kernels)
         times = []
         for _ in range(reps):
             args = setup()
             self.sync()
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(args)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn(args)
-                times.append(time.perf_counter() - t0)
+            times.append(self.timed(functools.partial(fn, args)))
         return statistics.median(times)
 
     def copy_bandwidth(self) -> dict[str, float]:
@@ -300,7 +283,7 @@ def stage_correctness(st: Stage, files: tuple[str, ...] | None = None) -> None:
             proc.kill()
             proc.wait()
             rc, cut = None, True
-    tests = [json.loads(line) for line in open(st.path) if '"kind": "test"' in line]
+    tests = [r for r in _read_jsonl(st.path) if r["kind"] == "test"]
     counts = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "skipped")}
     st.emit("tests_done", returncode=rc, cut_at_time_box=cut, seconds=round(time.time() - t0, 1),
             files=list(files), log_tail=open(log).read()[-1500:], **counts)
@@ -537,17 +520,24 @@ def stage_kernels(st: Stage) -> None:
 # Stages: generation, hf_static, capacity
 # ----------------------------------------------------------------------------------------------------
 
+def _config(st: Stage, max_seq_len: int):
+    """The benchmarked model's shape: Llama-3.2-1B, or a tiny Llama for --smoke."""
+    from kvmodels.llama import LlamaConfig
+
+    if st.shapes.model == "tiny":
+        return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
+                           max_seq_len=max_seq_len)
+    return LlamaConfig.from_name(st.shapes.model, max_seq_len=max_seq_len)
+
+
 def _model(st: Stage, max_seq_len: int):
+    """kvmodels' Llama of :func:`_config`'s shape with random weights (seed 0), in the stage's dtype."""
     import torch
 
-    from kvmodels.llama import Llama, LlamaConfig
+    from kvmodels.llama import Llama
 
     torch.manual_seed(0)
-    if st.shapes.model == "tiny":
-        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
-                          max_seq_len=max_seq_len)
-    else:
-        cfg = LlamaConfig.from_name(st.shapes.model, max_seq_len=max_seq_len)
+    cfg = _config(st, max_seq_len)
     with torch.device(st.device):
         model = Llama(cfg)
     return model.to(st.dtype).eval(), cfg
@@ -558,6 +548,17 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+def decode_rates(stamps: list[float], batch: int) -> dict[str, float | None]:
+    """From the times each step's token was ready (``stamps[0]`` ends the prefill): the first decode
+    step's seconds (the compile, when compiled), steady-state tok/s leaving out the first three steps
+    (compile, then CUDA graph warm-up and recording), and tok/s leaving out the first step only."""
+    n = len(stamps) - 1  # decode steps
+    warm = max(0, min(3, n - 1))
+    return {"first_step_s": stamps[1] - stamps[0] if n >= 1 else None,
+            "decode_tok_s": batch * (n - warm) / (stamps[-1] - stamps[warm]) if n > warm else None,
+            "decode_tok_s_skip_first": batch * (n - 1) / (stamps[-1] - stamps[1]) if n > 1 else None}
 
 
 def _policy(name: str, budget: float):
@@ -587,13 +588,11 @@ def stage_generation(st: Stage) -> None:
     for name in sh.prefill_policies:
         try:
             times = [generate(model, prompt, 1, _policy(name, sh.budget)).prefill_s for _ in range(2)]
-            st.emit("prefill_policy", policy=name, budget=1.0 if name == "full" else sh.budget,
-                    prompt_len=sh.prompt_len,
-                    prefill_s=min(times))
+            st.emit("prefill_policy", policy=name, budget=_policy(name, sh.budget).budget,
+                    prompt_len=sh.prompt_len, prefill_s=min(times))
         except Exception:  # noqa: BLE001
             st.error(f"prefill {name}")
 
-    compile_step = True
     for batch, new in sh.runs:
         prompts = _prompts(batch, sh.prompt_len, cfg.vocab_size)
         for name in sh.policies:
@@ -607,26 +606,20 @@ def stage_generation(st: Stage) -> None:
                     torch.cuda.reset_peak_memory_stats()
                 stamps: list[float] = []  # when row 0 gets each token
                 clock = lambda b, tok, stamps=stamps: b == 0 and stamps.append(time.perf_counter())
-                res = generate(model, prompts, new, _policy(name, sh.budget), compile=compile_step,
-                               stream=clock)
-                # stamps[0]: the prefill's token; stamps[i]: after decode step i. Steady state leaves out the
-                # first three steps (compile, then CUDA graph warm-up and recording).
-                n = len(stamps) - 1
-                warm = min(3, n - 1)
+                policy = _policy(name, sh.budget)
+                res = generate(model, prompts, new, policy, compile=True, stream=clock)
                 r = res.report
                 skips = counters["inductor"].get("cudagraph_skips", 0)
                 st.emit(
-                    "gen", batch=batch, policy=name, budget=1.0 if name == "full" else sh.budget,
-                    new_tokens=new, prompt_len=sh.prompt_len, compiled=compile_step, prefill_s=res.prefill_s,
-                    first_step_s=stamps[1] - stamps[0] if n >= 1 else None,
-                    decode_tok_s=batch * (n - warm) / (stamps[-1] - stamps[warm]) if n > warm else None,
-                    decode_tok_s_skip_first=batch * (n - 1) / (stamps[-1] - stamps[1]) if n > 1 else None,
+                    "gen", batch=batch, policy=name, budget=policy.budget, new_tokens=new,
+                    prompt_len=sh.prompt_len, compiled=True, prefill_s=res.prefill_s,
+                    **decode_rates(stamps, batch),
                     peak_gib=torch.cuda.max_memory_allocated() / 2**30 if st.cuda else None,
                     kv_bytes=r.total_bytes, kv_full_bytes=r.full_cache_bytes,
                     kv_kept=r.total_bytes / r.full_cache_bytes, weight_bytes=weight_bytes,
                     floor_step_s=(weight_bytes + r.total_bytes) / (copy["gb_s"] * 1e9),
                     cudagraph_skips=skips,
-                    cuda_graph=bool(st.cuda and compile_step and skips == 0),
+                    cuda_graph=bool(st.cuda and skips == 0),
                     graphs_compiled=counters["stats"].get("unique_graphs", 0))
             except Exception:  # noqa: BLE001
                 st.error(f"generation B{batch} {name}")
@@ -634,7 +627,7 @@ def stage_generation(st: Stage) -> None:
                     torch.cuda.empty_cache()
 
 
-class _StepClock:
+class StepClock:
     """A transformers logits processor that stamps each step (the first call ends the prefill)."""
 
     def __init__(self) -> None:
@@ -649,33 +642,51 @@ def stage_hf_static(st: Stage) -> None:
     import torch
     import transformers
 
-    from kvmodels.llama import LlamaConfig
     from kvmodels.loading import llama_config_to_hf
 
     sh = st.shapes
     batch, new = sh.hf_run
-    if sh.model == "tiny":
-        cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
-                          max_seq_len=sh.prompt_len + new + 8)
-    else:
-        cfg = LlamaConfig.from_name(sh.model, max_seq_len=sh.prompt_len + new + 8)
+    cfg = _config(st, sh.prompt_len + new + 8)
     torch.manual_seed(0)
     with torch.device(st.device):
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_to_hf(cfg)))
     hf = hf.to(st.dtype).eval()
     ids = torch.tensor(_prompts(batch, sh.prompt_len, cfg.vocab_size), device=st.device)
-    clock = _StepClock()
+    clock = StepClock()
     with torch.no_grad():
         t0 = time.perf_counter()
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                     do_sample=False, cache_implementation="static",
                     logits_processor=transformers.LogitsProcessorList([clock]))
-    n = len(clock.times) - 1
-    warm = min(3, n - 1)
     st.emit("hf_static", batch=batch, new_tokens=new, prompt_len=sh.prompt_len, prefill_s=clock.times[0] - t0,
-            first_step_s=clock.times[1] - clock.times[0] if n >= 1 else None,
-            decode_tok_s=batch * (n - warm) / (clock.times[-1] - clock.times[warm]) if n > warm else None,
-            transformers=transformers.__version__)
+            **decode_rates(clock.times, batch), transformers=transformers.__version__)
+
+
+def largest_batch(fits: Callable[[int], bool], start: int, cap: int,
+                  go_on: Callable[[], bool] = lambda: True) -> tuple[int, bool, list[tuple[int, bool]]]:
+    """The largest batch in ``[1, cap]`` for which ``fits`` holds (fitting is monotone in the batch):
+    doubling from ``start``, then bisection, asking ``go_on()`` before each try. Returns the batch (0 if
+    none fits), whether the search finished (False: cut by ``go_on``, the batch is then a lower bound) and
+    every ``(batch, fits)`` tried."""
+    if not 1 <= start <= cap:
+        raise ValueError(f"start={start} must be in [1, cap={cap}]")
+    lo, hi, tried = 0, start, []  # lo fits (or is 0); hi does not fit, or is untried
+    while hi <= cap:
+        if not go_on():
+            return lo, False, tried
+        ok = fits(hi)
+        tried.append((hi, ok))
+        if not ok:
+            break
+        lo, hi = hi, min(hi * 2, cap + 1)
+    while hi - lo > 1:  # hi <= cap + 1, so every mid is <= cap
+        if not go_on():
+            return lo, False, tried
+        mid = (lo + hi) // 2
+        ok = fits(mid)
+        tried.append((mid, ok))
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo, True, tried
 
 
 def stage_capacity(st: Stage) -> None:
@@ -691,7 +702,7 @@ def stage_capacity(st: Stage) -> None:
     num_pages = full_b * model.cache_layout().n_layers * math.ceil((sh.prompt_len + new) / page)
     results: dict[str, int] = {}
 
-    def fits(policy, batch: int) -> bool:
+    def fits(policy: Any, batch: int) -> bool:
         try:
             generate(model, _prompts(batch, sh.prompt_len, cfg.vocab_size, seed=batch), new, policy,
                      num_pages=num_pages, page_size=page)
@@ -703,22 +714,11 @@ def stage_capacity(st: Stage) -> None:
 
     for name in ("full", "h2o", "streaming", "snapkv"):
         policy = _policy(name, sh.budget)
-        lo, hi, tried = 0, full_b, []
         try:
-            while hi <= cap and st.left() > 15:
-                ok = fits(policy, hi)
-                tried.append((hi, ok))
-                if not ok:
-                    break
-                lo, hi = hi, min(hi * 2, cap + 1)
-            while hi - lo > 1 and hi <= cap and st.left() > 15:
-                mid = (lo + hi) // 2
-                ok = fits(policy, mid)
-                tried.append((mid, ok))
-                lo, hi = (mid, hi) if ok else (lo, mid)
+            lo, exact, tried = largest_batch(lambda b, policy=policy: fits(policy, b), full_b, cap,
+                                             lambda: st.left() > 15)
             results[name] = lo
-            exact = hi - lo <= 1 or lo == cap
-            st.emit("capacity", policy=name, budget=1.0 if name == "full" else sh.budget, max_batch=lo,
+            st.emit("capacity", policy=name, budget=policy.budget, max_batch=lo,
                     search_cap=cap, exact=exact, tried=tried, num_pages=num_pages, page_size=page,
                     prompt_len=sh.prompt_len, new_tokens=new,
                     vs_full=lo / results["full"] if results.get("full") else None)
@@ -739,13 +739,15 @@ STAGE_FNS: dict[str, Callable[[Stage], None]] = {
 # Results: results.json and summary.md (targets of issue 33)
 # ----------------------------------------------------------------------------------------------------
 
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def load(out: Path, stages: tuple[str, ...] = STAGES) -> list[dict[str, Any]]:
-    records = []
-    for name in stages:
-        path = out / f"{name}.jsonl"
-        if path.exists():
-            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records
+    """Every record the stages wrote, stage by stage."""
+    return [r for name in stages for r in _read_jsonl(out / f"{name}.jsonl")]
 
 
 def _fmt(x: Any, digits: int = 3) -> str:

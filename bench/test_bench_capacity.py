@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from gpu import largest_batch  # bench/gpu.py (pytest puts bench/ on the path)
 from kvmodels.generate import generate
 from kvmodels.llama import Llama, LlamaConfig
 from kvpolicies import compose
@@ -52,17 +53,10 @@ def fits(model, batch: int, policy, num_pages: int) -> bool:
 
 def max_batch(model, policy, num_pages: int) -> int:
     """Largest batch up to ``MAX_RATIO * FULL_BATCH`` that fits (doubling from ``FULL_BATCH``, then
-    bisection); fitting is monotone in the batch size."""
+    bisection: ``bench/gpu.py``'s search); fitting is monotone in the batch size."""
     cap = MAX_RATIO * FULL_BATCH
-    lo, hi = 0, FULL_BATCH
-    while hi <= cap and fits(model, hi, policy, num_pages):
-        lo, hi = hi, min(hi * 2, cap + 1)
-    if lo == cap:
-        return cap
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(model, mid, policy, num_pages) else (lo, mid)
-    return lo
+    best, _, _ = largest_batch(lambda b: fits(model, b, policy, num_pages), FULL_BATCH, cap)
+    return best
 
 
 _full: dict[str, int] = {}

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu import StepClock  # bench/gpu.py (pytest puts bench/ on the path)
 from kvmodels.generate import generate
 from kvpolicies import compose
 
@@ -74,22 +75,11 @@ def prompts(batch: int, vocab: int, tokenizer) -> list[list[int]]:
     return torch.randint(10, vocab, (batch, PROMPT_LEN), generator=g).tolist()
 
 
-class _StepClock(transformers.LogitsProcessor):
-    """Records when each step's logits are ready: the first call marks the end of the prefill."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
 def hf_generate(hf, batch: list[list[int]]) -> dict[str, float]:
     """transformers' greedy generate (DynamicCache), prefill and decode timed within one call."""
     device = next(hf.parameters()).device
     ids = torch.tensor(batch, device=device)
-    clock = _StepClock()
+    clock = StepClock()
     with torch.no_grad():
         t0 = time.perf_counter()
         hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,

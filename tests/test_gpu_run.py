@@ -4,6 +4,7 @@ a device is lent, the verdicts it writes against the targets, and the launch-par
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from devices import DEVICE
 from kvkernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
@@ -92,6 +95,36 @@ def test_summary_names_the_tuned_lines_to_commit(tmp_path):
     assert ('TUNED[("decode", 90)] = LaunchConfig(block=32, num_warps=8, num_stages=4)  # best at B8-L4096'
             in summary)
     assert 'TUNED[("prefill_scores", 90)] = LaunchConfig(block=128, num_warps=8, num_stages=2)' in summary
+
+
+@given(st.integers(0, 80), st.integers(1, 8), st.integers(0, 56))
+def test_largest_batch_finds_the_largest_that_fits(threshold, start, extra):
+    """The capacity search (doubling from ``start``, then bisection) against counting up by one: the largest
+    batch in ``[1, cap]`` that fits, 0 if none does; and a search cut by its time box says it was cut."""
+    gpu = _gpu_module()
+    cap = start + extra
+    fits = lambda b: b <= threshold  # noqa: E731 -- fitting is monotone in the batch
+    want = max((b for b in range(1, cap + 1) if fits(b)), default=0)
+    best, exact, tried = gpu.largest_batch(fits, start, cap)
+    assert (best, exact) == (want, True)
+    assert all(ok == fits(b) and 1 <= b <= cap for b, ok in tried)
+    for allowed in range(len(tried)):  # cut after `allowed` tries: a lower bound, and it says so
+        go_on = functools.partial(next, iter([True] * allowed), False)  # True `allowed` times, then False
+        cut, exact, cut_tried = gpu.largest_batch(fits, start, cap, go_on=go_on)
+        assert not exact and cut_tried == tried[:allowed] and cut <= want
+    with pytest.raises(ValueError, match="start=2"):
+        gpu.largest_batch(fits, 2, 1)
+
+
+def test_decode_rates_leave_out_the_warm_up_steps():
+    """Steady-state tok/s leaves out the first three decode steps, the other rate only the first."""
+    gpu = _gpu_module()
+    stamps = [0.0, 10.0, 11.0, 12.0, 12.5, 13.0, 13.5]  # prefill end, then six decode steps
+    rates = gpu.decode_rates(stamps, batch=4)
+    assert rates == {"first_step_s": 10.0, "decode_tok_s": 4 * 3 / 1.5,
+                     "decode_tok_s_skip_first": 4 * 5 / 3.5}
+    assert gpu.decode_rates([0.0], batch=4) == {"first_step_s": None, "decode_tok_s": None,
+                                                 "decode_tok_s_skip_first": None}
 
 
 def _rec(kind, **kw):

@@ -370,12 +370,7 @@ class PagedKVCache:
         if prompt_pages > self.num_pages:
             self._free = self.num_pages
             raise self._out_of_pages(prompt_pages, what)
-        lens_t = torch.tensor(prompt_lens, dtype=torch.int64)
-        budget_tokens = torch.as_tensor(self.policy.budget_tokens(lens_t)).to(torch.int64).cpu()
-        if budget_tokens.shape != (n,) or bool((budget_tokens < 1).any()):
-            raise ValueError(f"policy {self.policy.name!r} (budget={self.policy.budget!r}) gave per-sequence "
-                             f"budgets {budget_tokens.tolist()} for prompt_lens={prompt_lens}; each must be "
-                             ">= 1")
+        budget_tokens = self.policy.checked_budget_tokens(torch.tensor(prompt_lens, dtype=torch.int64))
 
         self._reset_pool()
         self._compressed[:] = False

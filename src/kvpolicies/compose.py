@@ -253,6 +253,18 @@ class ComposedPolicy:
             budgets = cap_budgets(budgets, torch.as_tensor(capacity))
         return budgets
 
+    def checked_budget_tokens(self, prompt_lens: torch.Tensor,
+                              budget_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`budget_tokens` of ``prompt_lens`` (or the ``budget_tokens`` given) as host int64 ``[B]``,
+        checked: one per sequence, each ``>= 1``. Caches call it before prefilling; :meth:`plan` too."""
+        lens = torch.as_tensor(prompt_lens).to("cpu", torch.int64)
+        bt = self.budget_tokens(lens) if budget_tokens is None else budget_tokens
+        bt = torch.as_tensor(bt).to("cpu", torch.int64)
+        if bt.shape != (int(lens.numel()),) or bool((bt < 1).any()):
+            raise ValueError(f"policy {self.name!r} (budget={self.budget!r}) gave per-sequence budgets "
+                             f"{bt.tolist()} for prompt_lens={lens.tolist()}; each must be >= 1")
+        return bt
+
     @property
     def schedule(self) -> EvictionSchedule:
         """When a cache compresses (both caches ask, through the plan): the prompt, and after which decode
@@ -299,11 +311,7 @@ class ComposedPolicy:
         """
         lens = torch.as_tensor(prompt_lens).to("cpu", torch.int64)
         B = int(lens.numel())
-        bt = self.budget_tokens(lens) if budget_tokens is None else budget_tokens
-        bt = torch.as_tensor(bt).to("cpu", torch.int64)
-        if bt.shape != (B,) or bool((bt < 1).any()):
-            raise ValueError(f"policy {self.name!r} (budget={self.budget!r}) gave per-sequence budgets "
-                             f"{bt.tolist()} for prompt_lens={lens.tolist()}; each must be >= 1")
+        bt = self.checked_budget_tokens(lens, budget_tokens)
         capacity = lens + max_new_tokens  # the most a layer can ever hold
         budgets = torch.as_tensor(self.layer_budgets(bt, n_layers, stats, capacity=capacity))
         budgets = budgets.to(torch.int64).cpu()
