@@ -1,7 +1,7 @@
 """The prepared GPU run: every GPU target of the project measured by one command.
 
-    python bench/gpu.py --out DIR                      # a CUDA machine: about 6.5 minutes on one H100
-    python bench/gpu.py --out DIR --only kernels,hf_static --budget 300   # a second, targeted run
+    python bench/gpu.py --out DIR --pack OUT/gpu.tgz   # a CUDA machine: about 8.5 minutes (boxes: 480 s)
+    python bench/gpu.py --out DIR --only generation,capacity   # a second, targeted run (their own boxes)
     python bench/gpu.py --out DIR --smoke              # every stage at tiny shapes on CPU (in the test suite)
 
 Needs only the project's tree and the machine's own packages (torch, triton, transformers, pytest; it puts
@@ -16,15 +16,18 @@ box, so a crash, a CUDA error or a hang in one loses nothing measured before it:
                 launch parameters and split counts (``kvkernels.tuning.SWEEP``), prompt compaction and
                 decode-time eviction against ``torch.topk`` + ``gather``, the prefill scorer against SDPA
 ``generation``  the Llama-3.2-1B shape with random bf16 weights, 4k prompts: prefill cost of the scoring
-                policies, then full / h2o / snapkv / streaming at 0.2, batch 1, 16 and 64, compiled
+                policies, then full / h2o / snapkv / streaming at 0.2, batch 1, 16 and 64, compiled, the
+                most telling first (``generation_order``)
 ``hf_static``   transformers ``generate(cache_implementation="static")`` at batch 16 on the same shape
 ``capacity``    the largest batch one fixed page pool holds, full cache against 0.2, run for real
 
 Each stage appends its records to ``DIR/<stage>.jsonl`` as it measures them; after every stage
 ``DIR/results.json`` (every record, every stage's status) and ``DIR/summary.md`` (tables, the targets of
 issue 33 as met / not met / not measured, and the ``TUNED`` lines to commit in ``kvkernels/tuning.py``) are
-rewritten. Timings are medians of device time (CUDA graph replay where the call can be captured, events
-otherwise); compare numbers only within one run or one device.
+rewritten, and every 30 s while a stage runs; ``--pack PATH`` then rewrites one tar.gz of all of ``DIR``
+(a tool that returns few files gets everything in one, even from a run cut short). Timings are medians of
+device time (CUDA graph replay where the call can be captured, events otherwise); compare numbers only
+within one run or one device.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 import traceback
 from collections.abc import Callable
@@ -50,10 +54,14 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 STAGES = ("env", "correctness", "kernels", "generation", "hf_static", "capacity")
-# Seconds of the default budget each stage may use (scaled to --budget; --only shares the budget among the
-# stages it names in the same proportions).
-SHARES = {"env": 10, "correctness": 65, "kernels": 75, "generation": 160, "hf_static": 45, "capacity": 35}
-DEFAULT_BUDGET = 390  # seconds: under 7 minutes with the processes' start-up
+# Each stage's default time box in seconds. --budget splits its seconds among the stages run in these
+# proportions; without it each stage gets its own box (with --only too). On the H200 (2026-11-26) generation
+# needed about 300 s for everything (each new batch compiles full's and h2o's decode step, ~40 s each) and
+# capacity about 50 s for full and h2o.
+SHARES = {"env": 10, "correctness": 50, "kernels": 60, "generation": 250, "hf_static": 50, "capacity": 60}
+DEFAULT_BUDGET = sum(SHARES.values())  # 480 s: about 8.5 minutes with the processes' start-up
+KILL_GRACE_S = 10  # a stage still running this long after its box is killed
+SAVE_EVERY_S = 30  # results (and the --pack) rewritten this often while a stage runs
 
 # The kernel, cache, compile and bridge tests that run on CUDA, most telling first (the time box may cut the
 # tail; every test that finished is recorded).
@@ -89,6 +97,7 @@ class Shapes:
     prompt_len: int
     runs: tuple[tuple[int, int], ...]  # (batch, new tokens) of the generation stage
     policies: tuple[str, ...]
+    gen_lead: tuple[tuple[int, str], ...]  # (batch, policy) the generation stage runs first, in this order
     prefill_policies: tuple[str, ...]
     budget: float
     hf_run: tuple[int, int]  # (batch, new tokens)
@@ -102,12 +111,19 @@ REAL = Shapes(
     decode=((8, 4096), (64, 4096), (1, 32768)), heads=(32, 8, 128), page=16, splits=(1, 2, 4, 8, 16, 32),
     compact=(8, 4096, 0.2), prefill_len=4096, model="llama-3.2-1b", prompt_len=4096,
     runs=((16, 256), (64, 512), (1, 128)), policies=("full", "h2o", "snapkv", "streaming"),
+    # Most telling first, since the time box cuts the tail. A new batch compiles full's and h2o's decode step
+    # (37-44 s each on the H200); snapkv and streaming then take ~3 s (inductor's caches), so they follow at
+    # batch 16 (the transformers comparison). Then batch 1's full cache (the bandwidth floor), full and h2o
+    # at batch 64 (the 2x target); the rest (64: snapkv, streaming; 1: h2o, snapkv, streaming) last.
+    gen_lead=((16, "full"), (16, "h2o"), (16, "snapkv"), (16, "streaming"), (1, "full"), (64, "full"),
+              (64, "h2o")),
     prefill_policies=("full", "h2o", "keyformer", "snapkv", "squeeze+keyformer"), budget=0.2,
     hf_run=(16, 256), capacity_new=128, capacity_full_batch=4, capacity_max_ratio=8, reps=20)
 SMOKE = Shapes(
     decode=((2, 64), (1, 256)), heads=(4, 2, 32), page=16, splits=(1, 2), compact=(2, 64, 0.25),
     prefill_len=48, model="tiny", prompt_len=48, runs=((1, 6), (2, 6)),
-    policies=("full", "h2o", "snapkv", "streaming"), prefill_policies=("full", "h2o", "snapkv"), budget=0.2,
+    policies=("full", "h2o", "snapkv", "streaming"), gen_lead=((2, "full"), (2, "h2o"), (1, "full")),
+    prefill_policies=("full", "h2o", "snapkv"), budget=0.2,
     hf_run=(2, 6), capacity_new=4, capacity_full_batch=1, capacity_max_ratio=4, reps=2)
 
 
@@ -408,12 +424,15 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
     fn = topk_compact if op == "topk_compact" else topk_evict
     counts = (i32(fill), i32(budget), i32(4), i32(min(16, budget // 4)))
 
+    used = table[:, :math.ceil(fill / page)].contiguous()  # the columns in use, as the cache passes them
+
     def setup():
         free = torch.zeros(n_pages + 1, device=dev, dtype=torch.int32)
-        return (k.clone(), v.clone(), pos.clone(), score.clone(), table.clone(), *counts, free,
+        return (k.clone(), v.clone(), pos.clone(), score.clone(), used.clone(), *counts, free,
                 torch.zeros(1, device=dev, dtype=torch.int64))
 
-    s_op = st.mutating_seconds(setup, lambda a: fn(*a))
+    # As the cache calls it every step: no eager value checks (each reads the device back).
+    s_op = st.mutating_seconds(setup, lambda a: fn(*a, validate=False))
     # Dense: the same tokens in logical order, [B, Hkv, fill, D]; keep `budget` per head.
     rows = table.long()
     dk = k[rows].reshape(batch, -1, hkv, d)[:, :fill].transpose(1, 2).contiguous()
@@ -567,23 +586,24 @@ def _policy(name: str, budget: float):
     return compose(name) if name == "full" else compose(name, budget=budget)
 
 
-def stage_generation(st: Stage) -> None:
-    import torch
-    from torch._dynamo.utils import counters
+def generation_order(sh: Shapes) -> list[tuple[int, int, str]]:
+    """(batch, new tokens, policy) in the order the generation stage runs them: ``sh.gen_lead`` first, then
+    the other (batch, policy) pairs of ``sh.runs`` x ``sh.policies``, batch by batch."""
+    new = dict(sh.runs)
+    every = [(b, p) for b, _ in sh.runs for p in sh.policies]
+    unknown = [x for x in sh.gen_lead if x not in every]
+    if unknown or len(set(sh.gen_lead)) != len(sh.gen_lead):
+        raise ValueError(f"gen_lead {sh.gen_lead} must name distinct (batch, policy) pairs of runs x "
+                         f"policies; unknown: {unknown}")
+    order = list(sh.gen_lead) + [x for x in every if x not in sh.gen_lead]
+    return [(b, new[b], p) for b, p in order]
 
+
+def _prefill_costs(st: Stage, model: Any, cfg: Any) -> None:
+    """Prefill cost of the scoring policies (batch 1, eager, one new token): best of two."""
     from kvmodels.generate import generate
 
     sh = st.shapes
-    for name in ("cache_size_limit", "recompile_limit"):  # a recompile per policy must not fall back to eager
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
-    max_new = max(n for _, n in sh.runs)
-    model, cfg = _model(st, sh.prompt_len + max_new + 8)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    copy = st.copy_bandwidth()
-    st.emit("model", config=cfg.__dict__, weight_bytes=weight_bytes, copy_gb_s=copy["gb_s"])
-
-    # Prefill cost of the scoring policies (batch 1, eager, one new token): best of two.
     prompt = _prompts(1, sh.prompt_len, cfg.vocab_size, seed=7)
     for name in sh.prefill_policies:
         try:
@@ -593,38 +613,71 @@ def stage_generation(st: Stage) -> None:
         except Exception:  # noqa: BLE001
             st.error(f"prefill {name}")
 
-    for batch, new in sh.runs:
-        prompts = _prompts(batch, sh.prompt_len, cfg.vocab_size)
-        for name in sh.policies:
-            if st.left() < 10:
-                st.skipped(f"generation B{batch} {name}", "time box")
-                continue
-            try:
-                counters.clear()
-                if st.cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                stamps: list[float] = []  # when row 0 gets each token
-                clock = lambda b, tok, stamps=stamps: b == 0 and stamps.append(time.perf_counter())
-                policy = _policy(name, sh.budget)
-                res = generate(model, prompts, new, policy, compile=True, stream=clock)
-                r = res.report
-                skips = counters["inductor"].get("cudagraph_skips", 0)
-                st.emit(
-                    "gen", batch=batch, policy=name, budget=policy.budget, new_tokens=new,
-                    prompt_len=sh.prompt_len, compiled=True, prefill_s=res.prefill_s,
-                    **decode_rates(stamps, batch),
-                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if st.cuda else None,
-                    kv_bytes=r.total_bytes, kv_full_bytes=r.full_cache_bytes,
-                    kv_kept=r.total_bytes / r.full_cache_bytes, weight_bytes=weight_bytes,
-                    floor_step_s=(weight_bytes + r.total_bytes) / (copy["gb_s"] * 1e9),
-                    cudagraph_skips=skips,
-                    cuda_graph=bool(st.cuda and skips == 0),
-                    graphs_compiled=counters["stats"].get("unique_graphs", 0))
-            except Exception:  # noqa: BLE001
-                st.error(f"generation B{batch} {name}")
-                if "out of memory" in traceback.format_exc():
-                    torch.cuda.empty_cache()
+
+def _generation_run(st: Stage, model: Any, cfg: Any, batch: int, new: int, name: str,
+                    weight_bytes: int, copy_gb_s: float) -> None:
+    """One compiled ``generate`` of ``batch`` prompts under policy ``name``: one ``gen`` record."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from kvmodels.generate import generate
+
+    sh = st.shapes
+    counters.clear()
+    if st.cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    stamps: list[float] = []  # when row 0 gets each token
+    clock = lambda b, tok: b == 0 and stamps.append(time.perf_counter())  # noqa: E731
+    policy = _policy(name, sh.budget)
+    res = generate(model, _prompts(batch, sh.prompt_len, cfg.vocab_size), new, policy, compile=True,
+                   stream=clock)
+    r = res.report
+    skips = counters["inductor"].get("cudagraph_skips", 0)
+    st.emit("gen", batch=batch, policy=name, budget=policy.budget, new_tokens=new, prompt_len=sh.prompt_len,
+            compiled=True, prefill_s=res.prefill_s, **decode_rates(stamps, batch),
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if st.cuda else None,
+            kv_bytes=r.total_bytes, kv_full_bytes=r.full_cache_bytes,
+            kv_kept=r.total_bytes / r.full_cache_bytes, weight_bytes=weight_bytes,
+            floor_step_s=(weight_bytes + r.total_bytes) / (copy_gb_s * 1e9), cudagraph_skips=skips,
+            cuda_graph=bool(st.cuda and skips == 0),
+            graphs_compiled=counters["stats"].get("unique_graphs", 0))
+
+
+def stage_generation(st: Stage) -> None:
+    """The prefill cost of the scoring policies, then each (batch, policy) of :func:`generation_order`,
+    compiled. A run starts only if the time left covers its policy's slowest run so far (the first run of a
+    policy at a new batch pays its compile), so a run that cannot finish is skipped and cheaper ones after it
+    still run."""
+    import torch
+
+    sh = st.shapes
+    for name in ("cache_size_limit", "recompile_limit"):  # a recompile per policy must not fall back to eager
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    order = generation_order(sh)
+    model, cfg = _model(st, sh.prompt_len + max(n for _, n in sh.runs) + 8)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    copy = st.copy_bandwidth()
+    st.emit("model", config=cfg.__dict__, weight_bytes=weight_bytes, copy_gb_s=copy["gb_s"])
+    st.emit("gen_plan", order=order)
+    _prefill_costs(st, model, cfg)
+
+    slowest: dict[str, float] = {}  # policy -> its slowest run so far, seconds
+    for batch, new, name in order:
+        need = max(10.0, slowest.get(name, 0.0))
+        if st.left() < need:
+            st.skipped(f"generation B{batch} {name}",
+                       f"time box: {st.left():.0f} s left, {name}'s slowest run so far took {need:.0f} s")
+            continue
+        t0 = time.time()
+        try:
+            _generation_run(st, model, cfg, batch, new, name, weight_bytes, copy["gb_s"])
+        except Exception:  # noqa: BLE001
+            st.error(f"generation B{batch} {name}")
+            if st.cuda and "out of memory" in traceback.format_exc():
+                torch.cuda.empty_cache()
+        slowest[name] = max(slowest.get(name, 0.0), time.time() - t0)
 
 
 class StepClock:
@@ -662,6 +715,10 @@ def stage_hf_static(st: Stage) -> None:
             **decode_rates(clock.times, batch), transformers=transformers.__version__)
 
 
+CAPACITY_POLICIES = ("full", "h2o", "streaming", "snapkv")  # searched in this order; full first
+CAPACITY_TARGET = 4  # issue 33: the largest batch at 0.2 is at least 4x the full cache's
+
+
 def largest_batch(fits: Callable[[int], bool], start: int, cap: int,
                   go_on: Callable[[], bool] = lambda: True) -> tuple[int, bool, list[tuple[int, bool]]]:
     """The largest batch in ``[1, cap]`` for which ``fits`` holds (fitting is monotone in the batch):
@@ -691,8 +748,10 @@ def largest_batch(fits: Callable[[int], bool], start: int, cap: int,
 
 def stage_capacity(st: Stage) -> None:
     """The largest batch one fixed page pool holds: the pool fits ``capacity_full_batch`` uncompressed
-    sequences of prompt + new tokens; each policy's largest batch is searched (doubling, then bisection up
-    to ``capacity_max_ratio`` times the full cache's pool) by running ``generate`` for real (eager)."""
+    sequences of prompt + new tokens; each policy of :data:`CAPACITY_POLICIES` (full first, then h2o) is
+    searched by running ``generate`` for real (eager): doubling, then bisection up to ``capacity_max_ratio``
+    times the full cache's batch. The compressed policies start at the target (:data:`CAPACITY_TARGET` times
+    the full cache's batch), so their first try answers it."""
     from kvmodels.generate import generate
 
     sh = st.shapes
@@ -712,10 +771,11 @@ def stage_capacity(st: Stage) -> None:
             return False
         return True
 
-    for name in ("full", "h2o", "streaming", "snapkv"):
+    for name in CAPACITY_POLICIES:
         policy = _policy(name, sh.budget)
+        start = full_b if name == "full" else min(cap, CAPACITY_TARGET * (results.get("full") or full_b))
         try:
-            lo, exact, tried = largest_batch(lambda b, policy=policy: fits(policy, b), full_b, cap,
+            lo, exact, tried = largest_batch(lambda b, policy=policy: fits(policy, b), start, cap,
                                              lambda: st.left() > 15)
             results[name] = lo
             st.emit("capacity", policy=name, budget=policy.budget, max_batch=lo,
@@ -740,9 +800,19 @@ STAGE_FNS: dict[str, Callable[[Stage], None]] = {
 # ----------------------------------------------------------------------------------------------------
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of one JSON-lines file; a last line still being written (results are rewritten while a
+    stage runs) is left out."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+    return records
 
 
 def load(out: Path, stages: tuple[str, ...] = STAGES) -> list[dict[str, Any]]:
@@ -776,88 +846,145 @@ def best_decode(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
-def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each target of issue 33; 'not measured' where a run lacks it."""
-    rows: list[tuple[str, str, str]] = []
+Row = tuple[str, str, str]  # (target, measured, verdict)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("met" if ok else "NOT met")
+
+
+def _by_kind(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     kinds: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         kinds.setdefault(r["kind"], []).append(r)
+    return kinds
+
+
+def _decode_rows(kinds: dict[str, list[dict[str, Any]]], best: dict[str, dict[str, Any]]) -> list[Row]:
+    rows: list[Row] = []
     decode = {(r["shape"], r["impl"]): r for r in kinds.get("decode", [])}
-    best = best_decode(records)
-
-    def verdict(ok: bool | None) -> str:
-        return "not measured" if ok is None else ("met" if ok else "NOT met")
-
     for shape in ("B8-L4096", "B64-L4096", "B1-L32768"):
+        target = f"decode {shape}: >= 80% of copy bandwidth, <= SDPA dense"
         b, sdpa = best.get(shape) or decode.get((shape, "paged")), decode.get((shape, "sdpa-dense"))
         if b is None:
-            rows.append((f"decode {shape}: >= 80% of copy bandwidth, <= SDPA dense", "—", verdict(None)))
+            rows.append((target, "—", _verdict(None)))
             continue
         ok = b["pct_of_copy"] >= 80 and (sdpa is None or b["us"] <= sdpa["us"])
-        rows.append((f"decode {shape}: >= 80% of copy bandwidth, <= SDPA dense",
-                     f"{b['pct_of_copy']:.0f}% ({b['us']:.0f} us); SDPA {_fmt(sdpa and sdpa['us'])} us",
-                     verdict(ok if sdpa else None)))
+        measured = f"{b['pct_of_copy']:.0f}% ({b['us']:.0f} us); SDPA {_fmt(sdpa and sdpa['us'])} us"
+        rows.append((target, measured, _verdict(ok if sdpa else None)))
     for shape in ("B8-L4096", "B64-L4096"):
         a, s = decode.get((shape, "paged")), decode.get((shape, "paged+h2o-score"))
         ok = None if not (a and s) else s["us"] <= 1.05 * a["us"]
         rows.append((f"fused score update at {shape} costs <= 5%",
-                     "—" if ok is None else f"{100 * (s['us'] / a['us'] - 1):+.1f}%", verdict(ok)))
-    gen = {(r["batch"], r["policy"]): r for r in kinds.get("gen", []) if r.get("decode_tok_s")}
-    batches = sorted({b for b, _ in gen})
-    for b in batches:
-        full = gen.get((b, "full"))
-        for (bb, p), r in sorted(gen.items()):
-            if bb != b or p == "full":
-                continue
-            if full is None:
-                rows.append((f"{p} at 0.2 faster than full, batch {b}", "—", verdict(None)))
-                continue
-            x = r["decode_tok_s"] / full["decode_tok_s"]
-            need = 2.0 if b >= 64 else 1.0
-            rows.append((f"{p} at 0.2 >= {need:g}x full decode, batch {b}", f"{x:.2f}x", verdict(x >= need)))
+                     "—" if ok is None else f"{100 * (s['us'] / a['us'] - 1):+.1f}%", _verdict(ok)))
+    return rows
+
+
+def _generation_rows(kinds: dict[str, list[dict[str, Any]]], gen: dict[tuple[int, str], dict[str, Any]]
+                     ) -> list[Row]:
+    """Each compressed policy against the full cache at each batch planned or measured (a run the time box
+    skipped is 'not measured'), and batch 1 against the bandwidth floor."""
+    rows: list[Row] = []
+    planned = {(b, p) for r in kinds.get("gen_plan", []) for b, _, p in r["order"]} | set(gen)
+    for b, p in sorted(planned):
+        if p == "full":
+            continue
+        need = 2.0 if b >= 64 else 1.0
+        target = f"{p} at 0.2 >= {need:g}x full decode, batch {b}"
+        full, r = gen.get((b, "full")), gen.get((b, p))
+        if full is None or r is None:
+            rows.append((target, "—", _verdict(None)))
+            continue
+        x = r["decode_tok_s"] / full["decode_tok_s"]
+        rows.append((target, f"{x:.2f}x", _verdict(x >= need)))
     one = gen.get((1, "full"))
     if one:
         pct = 100 * one["floor_step_s"] * one["decode_tok_s"]
         rows.append(("batch 1 (full) >= 50% of the (weights + KV) / copy-bandwidth floor", f"{pct:.0f}%",
-                     verdict(pct >= 50)))
+                     _verdict(pct >= 50)))
     else:
-        rows.append(("batch 1 >= 50% of the bandwidth floor", "—", verdict(None)))
+        rows.append(("batch 1 >= 50% of the bandwidth floor", "—", _verdict(None)))
+    return rows
+
+
+def _hf_rows(kinds: dict[str, list[dict[str, Any]]], gen: dict[tuple[int, str], dict[str, Any]]) -> list[Row]:
     hf = kinds.get("hf_static", [])
-    if hf and hf[0].get("decode_tok_s"):
-        b = hf[0]["batch"]
-        ours = [r for (bb, p), r in gen.items() if bb == b]
-        if ours:
-            best_ours = max(ours, key=lambda r: r["decode_tok_s"])
-            x = best_ours["decode_tok_s"] / hf[0]["decode_tok_s"]
-            rows.append((f"batch {b} >= 2x transformers static-cache generate",
-                         f"{x:.2f}x ({best_ours['policy']})", verdict(x >= 2)))
-        full_b = gen.get((b, "full"))
-        if full_b:
-            rows.append((f"batch {b}, full cache, vs transformers static-cache generate",
-                         f"{full_b['decode_tok_s'] / hf[0]['decode_tok_s']:.2f}x", "(reference)"))
-    else:
-        rows.append(("batch 16 >= 2x transformers static-cache generate", "—", verdict(None)))
+    if not (hf and hf[0].get("decode_tok_s")):
+        return [("batch 16 >= 2x transformers static-cache generate", "—", _verdict(None))]
+    rows: list[Row] = []
+    b = hf[0]["batch"]
+    ours = [r for (bb, p), r in gen.items() if bb == b]
+    if ours:
+        best_ours = max(ours, key=lambda r: r["decode_tok_s"])
+        x = best_ours["decode_tok_s"] / hf[0]["decode_tok_s"]
+        rows.append((f"batch {b} >= 2x transformers static-cache generate",
+                     f"{x:.2f}x ({best_ours['policy']})", _verdict(x >= 2)))
+    full_b = gen.get((b, "full"))
+    if full_b:
+        rows.append((f"batch {b}, full cache, vs transformers static-cache generate",
+                     f"{full_b['decode_tok_s'] / hf[0]['decode_tok_s']:.2f}x", "(reference)"))
+    return rows
+
+
+def _capacity_gap(p: str, r: dict[str, Any] | None, full: dict[str, Any] | None, failed: set[str]) -> str:
+    """Why policy ``p``'s capacity target was not measured (its record ``r``, the full cache's ``full``)."""
+    if "full" in failed:
+        return "the full cache's search failed"
+    if p in failed:
+        return f"{p}'s search failed"
+    if full is None:
+        return "the full cache's search was not reached"
+    if r is None:
+        return "not reached (time box)"
+    return "nothing fit in the full cache's pool"
+
+
+def _capacity_rows(kinds: dict[str, list[dict[str, Any]]]) -> list[Row]:
+    """Each compressed policy's largest batch against the full cache's, once the capacity stage ran. 'not
+    measured', with the reason, where either search failed or was not reached; a search cut by the time box
+    gives a lower bound, which decides the target only one way."""
     cap = {r["policy"]: r for r in kinds.get("capacity", [])}
-    for p, r in cap.items():
-        if p != "full":
-            x = r.get("vs_full")
-            rows.append((f"largest batch at 0.2 ({p}) >= 4x full cache's",
-                         "—" if x is None else f"{r['max_batch']} vs {cap['full']['max_batch']} = {x:.1f}x"
-                         + ("" if r.get("exact") else " (search cut)"),
-                         verdict(None if x is None else x >= 4)))
+    errors = [e for e in kinds.get("error", []) if e["stage"] == "capacity"]
+    failed = {e["where"].removeprefix("capacity ") for e in errors}
+    if not cap and not failed:
+        return [(f"largest batch at 0.2 (h2o) >= {CAPACITY_TARGET}x full cache's", "—", _verdict(None))]
+    rows: list[Row] = []
+    full = cap.get("full")
+    for p in CAPACITY_POLICIES[1:]:
+        target, r = f"largest batch at 0.2 ({p}) >= {CAPACITY_TARGET}x full cache's", cap.get(p)
+        mine = "—" if r is None else f"{r['max_batch']}" + ("" if r.get("exact") else " (search cut)")
+        if r is None or not full or not full["max_batch"]:
+            rows.append((target, f"{mine}; {_capacity_gap(p, r, full, failed)}", _verdict(None)))
+            continue
+        x = r["max_batch"] / full["max_batch"]
+        ok: bool | None = x >= CAPACITY_TARGET
+        if (ok and not full.get("exact")) or (not ok and not r.get("exact")):
+            ok = None  # a cut search's batch is a lower bound
+        rows.append((target, f"{mine} vs {full['max_batch']} = {x:.1f}x", _verdict(ok)))
+    return rows
+
+
+def _prefill_rows(kinds: dict[str, list[dict[str, Any]]]) -> list[Row]:
     pre = {r["policy"]: r for r in kinds.get("prefill_policy", [])}
+    rows: list[Row] = []
     for p, r in pre.items():
         if p != "full" and "full" in pre:
             x = r["prefill_s"] / pre["full"]["prefill_s"]
-            rows.append((f"scoring prefill {p} <= 1.3x plain prefill", f"{x:.2f}x", verdict(x <= 1.3)))
+            rows.append((f"scoring prefill {p} <= 1.3x plain prefill", f"{x:.2f}x", _verdict(x <= 1.3)))
     return rows
+
+
+def targets(records: list[dict[str, Any]]) -> list[Row]:
+    """(target, measured, verdict) for each target of issue 33; 'not measured' where a run lacks it."""
+    kinds = _by_kind(records)
+    gen = {(r["batch"], r["policy"]): r for r in kinds.get("gen", []) if r.get("decode_tok_s")}
+    return (_decode_rows(kinds, best_decode(records)) + _generation_rows(kinds, gen) + _hf_rows(kinds, gen)
+            + _capacity_rows(kinds) + _prefill_rows(kinds))
 
 
 def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) -> str:
     records = load(out)
-    kinds: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        kinds.setdefault(r["kind"], []).append(r)
+    kinds = _by_kind(records)
     env = (kinds.get("env") or [{}])[0]
     copy = (kinds.get("copy") or [{}])[0]
     lines = [f"# GPU run: {env.get('device', '?')}", "",
@@ -865,7 +992,9 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
              f"CUDA {env.get('cuda')}, Python {env.get('python')}; capability {env.get('capability')}; "
              f"commit {commit or 'unknown'}; copy bandwidth {_fmt(copy.get('gb_s'))} GB/s.", "",
              "## Stages", ""]
-    lines += _table([{"stage": k, **v} for k, v in status.items()], ["stage", "status", "seconds", "box_s"])
+    ordered = sorted(status.items(), key=lambda kv: STAGES.index(kv[0]))
+    lines += _table([{"stage": k, **v} for k, v in ordered],
+                    ["stage", "status", "seconds", "box_s", "commit"])
     lines += ["", "## Targets (issue 33)", "", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(records)]
     tests = kinds.get("test", [])
@@ -939,6 +1068,24 @@ def write_results(out: Path, status: dict[str, dict[str, Any]], commit: str | No
     (out / "summary.md").write_text(summarize(out, status, commit))
 
 
+def pack(out: Path, dest: Path) -> None:
+    """Rewrite ``dest``, a tar.gz of every file under ``out`` (in a folder named like ``out``). It is written
+    beside ``dest`` and renamed, so a run killed while packing leaves the previous pack whole; a file that
+    changes while it is read keeps the previous pack too (the next one catches up)."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    skip = {dest.resolve(), tmp.resolve()}
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in sorted(out.rglob("*")):
+                if path.is_file() and path.resolve() not in skip:
+                    tar.add(path, arcname=str(Path(out.name) / path.relative_to(out)))
+        tmp.replace(dest)
+    except (OSError, tarfile.TarError) as e:
+        print(f"[gpu] pack {dest}: {e!r}; the previous pack stays", flush=True)
+        tmp.unlink(missing_ok=True)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Driver
 # ----------------------------------------------------------------------------------------------------
@@ -962,14 +1109,53 @@ def run_stage(name: str, out: Path, deadline: float, smoke: bool) -> int:
     return 0
 
 
+def stage_boxes(stages: tuple[str, ...], budget: float | None) -> dict[str, float]:
+    """Seconds each stage may run: its default box (:data:`SHARES`), or ``budget`` split among ``stages`` in
+    the same proportions."""
+    total = sum(SHARES[s] for s in stages)
+    scale = 1.0 if budget is None else budget / total
+    return {s: SHARES[s] * scale for s in stages}
+
+
+def wait(proc: subprocess.Popen, timeout: float, tick: Callable[[], None] | None = None,
+         every: float = SAVE_EVERY_S) -> int | None:
+    """``proc``'s exit code, or None once it ran ``timeout`` seconds (then it is killed); ``tick()`` every
+    ``every`` seconds meanwhile."""
+    end = time.time() + timeout
+    while True:
+        left = end - time.time()
+        try:
+            return proc.wait(timeout=max(0.0, min(every, left) if tick else left))
+        except subprocess.TimeoutExpired:
+            if time.time() >= end:
+                proc.kill()
+                proc.wait()
+                return None
+            if tick:
+                tick()
+
+
+def previous_status(out: Path) -> dict[str, dict[str, Any]]:
+    """The stage status of an earlier run into ``out`` (its records stay beside this run's: --only reruns
+    some stages and the results keep the others)."""
+    try:
+        return dict(json.loads((out / "results.json").read_text())["status"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path, help="directory for results.json, summary.md, logs")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton through its interpreter)")
-    p.add_argument("--only", default=None, help=f"comma-separated stages of {','.join(STAGES)}")
+    p.add_argument("--only", default=None, help=f"comma-separated stages of {','.join(STAGES)} (the other "
+                   "stages' records already in --out stay in the results)")
     p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for all stages together (default {DEFAULT_BUDGET}; 600 with --smoke)")
+                   help=f"seconds for the stages run, split in the default boxes' proportions (default: each "
+                   f"stage its own box, {DEFAULT_BUDGET} s for all; 600 s with --smoke)")
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    p.add_argument("--pack", default=None, type=Path,
+                   help="a tar.gz of the whole --out directory, rewritten while each stage runs and after it")
     p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # child process: one stage
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -981,34 +1167,37 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         p.error(f"--only: unknown stages {unknown}; choose from {', '.join(STAGES)}")
-    budget = args.budget or (600.0 if args.smoke else DEFAULT_BUDGET)
-    total = sum(SHARES[s] for s in stages)
+    boxes = stage_boxes(stages, args.budget or (600.0 if args.smoke else None))
     commit = args.commit or _commit()
     env = dict(os.environ)
     if args.smoke:
         env["TRITON_INTERPRET"] = "1"  # kernels on CPU tensors through the interpreter
         env["CUDA_VISIBLE_DEVICES"] = ""
-    status: dict[str, dict[str, Any]] = {}
+    status = {k: v for k, v in previous_status(args.out).items() if k in STAGES and k not in stages}
     for name in stages:
         (args.out / f"{name}.jsonl").unlink(missing_ok=True)
+
+    def save() -> None:
+        write_results(args.out, status, commit)
+        if args.pack:
+            pack(args.out, args.pack)
+
     for name in stages:
-        box = budget * SHARES[name] / total
-        start = time.time()
+        box, start = boxes[name], time.time()
         cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", name, "--out", str(args.out),
                "--deadline", str(start + box - 3)] + (["--smoke"] if args.smoke else [])
         print(f"[gpu] {name}: up to {box:.0f} s", flush=True)
+
+        def record(state: str, name: str = name, box: float = box, start: float = start) -> None:
+            status[name] = {"status": state, "seconds": round(time.time() - start, 1), "box_s": round(box),
+                            "commit": commit}
+            save()
+
         with open(args.out / f"{name}.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                rc = proc.wait(timeout=box + 10)
-                state = "ok" if rc == 0 else f"failed (exit {rc})"
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                state = "timed out"
-        status[name] = {"status": state, "seconds": round(time.time() - start, 1), "box_s": round(box)}
-        print(f"[gpu] {name}: {state} in {status[name]['seconds']} s", flush=True)
-        write_results(args.out, status, commit)
+            rc = wait(proc, box + KILL_GRACE_S, functools.partial(record, "running"))
+        record("timed out" if rc is None else "ok" if rc == 0 else f"failed (exit {rc})")
+        print(f"[gpu] {name}: {status[name]['status']} in {status[name]['seconds']} s", flush=True)
     print((args.out / "summary.md").read_text())
     return 0
 

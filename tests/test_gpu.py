@@ -121,3 +121,40 @@ def test_compiled_decode_step_is_captured_as_a_cuda_graph():
     assert len(result.tokens[0]) == 8
     skips = counters["inductor"].get("cudagraph_skips", 0)
     assert skips == 0, f"inductor skipped CUDA graph capture {skips} time(s)"
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache"])
+def test_decode_step_bookkeeping_never_waits_for_the_device(policy):
+    """prepare_decode and after_step (page allocation, decode-time eviction in place or by compaction) run
+    every step between compiled CUDA-graph steps: a host sync there (a ``.item()``, a length read back, an
+    upload from pageable memory) stalls the pipeline. ``set_sync_debug_mode("error")`` turns one into an
+    error. The first steps may upload the cached index rows; steps past them must not sync."""
+    from kvmodels.cache import PagedKVCache
+
+    model = tiny_llama(torch.bfloat16)
+    layout = model.cache_layout()
+    prompts = [list(range(1, 90)), list(range(3, 40))]
+    cache = PagedKVCache(n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+                         n_q_heads=layout.n_q_heads, max_batch=2, max_tokens=128, dtype=torch.bfloat16,
+                         device=DEVICE, policy=compose(policy, budget=0.3))
+    with torch.no_grad():
+        cache.start([len(p) for p in prompts], 12)
+        for b, p in enumerate(prompts):
+            model.prefill(torch.tensor(p, device=DEVICE), cache, b, last_only=True)
+        cache.finish_prefill()
+        positions = torch.tensor([len(p) for p in prompts], device=DEVICE)
+        tokens = torch.tensor([5, 6], device=DEVICE)
+        for t in range(10):
+            mode = "error" if t >= 3 else "default"
+            torch.cuda.set_sync_debug_mode(mode)
+            try:
+                cache.prepare_decode(t)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            model.decode_step(tokens, positions + t, cache)
+            torch.cuda.set_sync_debug_mode(mode)
+            try:
+                cache.after_step(t)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert int(cache.seq_lens.max()) <= 128

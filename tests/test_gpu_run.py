@@ -4,11 +4,14 @@ a device is lent, the verdicts it writes against the targets, and the launch-par
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -35,12 +38,20 @@ def _gpu_module():
 
 @pytest.mark.slow
 def test_smoke_run_every_stage_ok(tmp_path):
-    """``--smoke`` runs every stage (each in its own process) and each writes its records."""
-    proc = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    """``--smoke`` runs every stage (each in its own process) and each writes its records; ``--pack`` leaves
+    one tar.gz of the whole out directory (the device tool returns only a few files)."""
+    out, packed = tmp_path / "run", tmp_path / "back" / "gpu.tgz"
+    cmd = [sys.executable, "bench/gpu.py", "--smoke", "--out", str(out), "--pack", str(packed)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert {k: v["status"] for k, v in results["status"].items()} == {s: "ok" for s in _gpu_module().STAGES}
+    with tarfile.open(packed) as tar:
+        names = set(tar.getnames())
+        assert {"run/results.json", "run/summary.md", "run/generation.jsonl", "run/capacity.log"} <= names
+        assert tar.extractfile("run/summary.md").read().decode() == (out / "summary.md").read_text()
+    assert not list(packed.parent.glob("*.tmp"))
+    results = json.loads((out / "results.json").read_text())
+    gpu = _gpu_module()
+    assert {k: v["status"] for k, v in results["status"].items()} == {s: "ok" for s in gpu.STAGES}
     records = results["records"]
     errors = [r for r in records if r["kind"] == "error"]
     assert not errors, errors[0]["traceback"]
@@ -52,7 +63,8 @@ def test_smoke_run_every_stage_ok(tmp_path):
                                                         for p in ("full", "h2o", "snapkv", "streaming")}
     assert all(r["decode_tok_s"] > 0 for r in gen)
     assert all(r["kv_kept"] < 0.5 for r in gen if r["policy"] != "full")
-    summary = (tmp_path / "summary.md").read_text()
+    assert [(r["batch"], r["policy"]) for r in gen] == [(b, p) for b, _, p in gpu.generation_order(gpu.SMOKE)]
+    summary = (out / "summary.md").read_text()
     assert "## Targets (issue 33)" in summary and "| verdict |" in summary
 
 
@@ -165,6 +177,109 @@ def test_targets_verdicts():
     assert got["largest batch at 0.2 (h2o) >= 4x full cache's"] == ("16 vs 4 = 4.0x", "met")
     assert got["scoring prefill h2o <= 1.3x plain prefill"] == ("1.31x", "NOT met")
     assert gpu.best_decode(records)["B8-L4096"]["config"] == {"block": 64}
+
+
+def test_capacity_target_says_why_it_was_not_measured():
+    """The H200 run of 2026-11-26: the full cache's search raised, h2o's was cut by the time box. Every
+    compressed policy's target is 'not measured' and says why; a cut search is a lower bound, which decides
+    the target only one way."""
+    gpu = _gpu_module()
+    crashed = [_rec("error", stage="capacity", where="capacity full", traceback="IndexError: tuple index"),
+               _rec("capacity", policy="h2o", max_batch=8, exact=False, vs_full=None)]
+    got = {t: (m, v) for t, m, v in gpu.targets(crashed)}
+    assert got["largest batch at 0.2 (h2o) >= 4x full cache's"] == (
+        "8 (search cut); the full cache's search failed", "not measured")
+    assert got["largest batch at 0.2 (snapkv) >= 4x full cache's"] == (
+        "—; the full cache's search failed", "not measured")
+    cut = [_rec("capacity", policy="full", max_batch=4, exact=True),
+           _rec("capacity", policy="h2o", max_batch=8, exact=False),
+           _rec("capacity", policy="streaming", max_batch=16, exact=False)]
+    got = {t.split("(")[1].split(")")[0]: (m, v) for t, m, v in gpu.targets(cut) if t.startswith("largest")}
+    assert got == {"h2o": ("8 (search cut) vs 4 = 2.0x", "not measured"),  # a lower bound under the target
+                   "streaming": ("16 (search cut) vs 4 = 4.0x", "met"),  # a lower bound at the target
+                   "snapkv": ("—; not reached (time box)", "not measured")}
+    none = {t: v for t, _, v in gpu.targets([])}
+    assert none["largest batch at 0.2 (h2o) >= 4x full cache's"] == "not measured"
+
+
+def test_generation_order_runs_the_lead_first():
+    """full and h2o at batch 16 (with snapkv and streaming, cheap once those compiled), batch 1's full cache
+    and full and h2o at batch 64 come before the rest; every (batch, policy) runs once, with its batch's
+    new tokens; a lead naming an unknown pair is refused."""
+    gpu = _gpu_module()
+    order = gpu.generation_order(gpu.REAL)
+    assert [(b, p) for b, _, p in order[:7]] == [(16, "full"), (16, "h2o"), (16, "snapkv"), (16, "streaming"),
+                                                 (1, "full"), (64, "full"), (64, "h2o")]
+    assert sorted((b, p) for b, _, p in order) == sorted((b, p) for b, _ in gpu.REAL.runs
+                                                          for p in gpu.REAL.policies)
+    assert all(n == dict(gpu.REAL.runs)[b] for b, n, _ in order)
+    with pytest.raises(ValueError, match="gen_lead"):
+        gpu.generation_order(dataclasses.replace(gpu.REAL, gen_lead=((8, "full"),)))
+
+
+def test_skipped_generation_runs_are_not_measured():
+    """A run the time box skipped still has its target row, 'not measured' (the stage records its plan)."""
+    gpu = _gpu_module()
+    records = [_rec("gen_plan", order=[[16, 256, "full"], [16, 256, "h2o"], [64, 512, "full"],
+                                       [64, 512, "h2o"]]),
+               _rec("gen", batch=16, policy="full", decode_tok_s=100.0),
+               _rec("gen", batch=16, policy="h2o", decode_tok_s=150.0)]
+    got = {t: (m, v) for t, m, v in gpu.targets(records)}
+    assert got["h2o at 0.2 >= 1x full decode, batch 16"] == ("1.50x", "met")
+    assert got["h2o at 0.2 >= 2x full decode, batch 64"] == ("—", "not measured")
+
+
+def test_stage_boxes():
+    """Each stage gets its own box (with --only too); --budget splits its seconds in the same proportions."""
+    gpu = _gpu_module()
+    assert sum(gpu.stage_boxes(gpu.STAGES, None).values()) == gpu.DEFAULT_BUDGET
+    assert gpu.stage_boxes(("capacity",), None) == {"capacity": gpu.SHARES["capacity"]}
+    boxes = gpu.stage_boxes(("generation", "capacity"), 100.0)
+    assert sum(boxes.values()) == pytest.approx(100.0)
+    assert boxes["generation"] / boxes["capacity"] == pytest.approx(gpu.SHARES["generation"]
+                                                                   / gpu.SHARES["capacity"])
+
+
+def test_wait_ticks_then_kills_at_the_timeout():
+    """While a stage runs the driver ticks (rewrites the results and the pack); past its box it is killed."""
+    gpu = _gpu_module()
+    ticks = []
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    t0 = time.time()
+    assert gpu.wait(slow, 1.0, lambda: ticks.append(1), every=0.2) is None
+    assert time.time() - t0 < 10 and slow.returncode is not None and len(ticks) >= 2
+    quick = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert gpu.wait(quick, 30.0, lambda: None, every=0.2) == 3
+
+
+def test_only_rerun_keeps_the_other_stages(tmp_path):
+    """``--only`` into an earlier run's directory reruns the stages it names; the others' records and status
+    stay in results.json, summary.md and the pack."""
+    gpu = _gpu_module()
+    (tmp_path / "capacity.jsonl").write_text(json.dumps(_rec("capacity", policy="full", max_batch=4,
+                                                             exact=True)) + "\n")
+    before = {"capacity": {"status": "ok", "seconds": 5, "box_s": 60, "commit": "old"}}
+    (tmp_path / "results.json").write_text(json.dumps({"status": before}))
+    assert gpu.main(["--smoke", "--out", str(tmp_path), "--only", "env", "--commit", "new",
+                     "--pack", str(tmp_path / "gpu.tgz")]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {k: (v["status"], v["commit"]) for k, v in results["status"].items()} == {
+        "env": ("ok", "new"), "capacity": ("ok", "old")}
+    assert {r["kind"] for r in results["records"]} >= {"env", "copy", "capacity"}
+    with tarfile.open(tmp_path / "gpu.tgz") as tar:
+        summary = tar.extractfile(f"{tmp_path.name}/summary.md").read().decode()
+    assert "| capacity | ok | 5 | 60 | old |" in summary
+
+
+def test_results_leave_out_a_line_being_written(tmp_path):
+    """Results are rewritten while a stage appends: a partial last line is left out, not an error."""
+    gpu = _gpu_module()
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps(_rec("gen")) + "\n" + '{"stage": "x", "ki')
+    assert gpu._read_jsonl(path) == [_rec("gen")]
+    path.write_text('{"stage": "x", "ki\n' + json.dumps(_rec("gen")) + "\n")
+    with pytest.raises(json.JSONDecodeError):
+        gpu._read_jsonl(path)
 
 
 def test_launch_config_precedence_and_checks():

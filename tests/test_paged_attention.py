@@ -535,3 +535,16 @@ def test_compile_fullgraph_matches_eager(scored):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(s_comp, s_eager)
     assert torch.equal(s_comp, case.pool["score"]) != scored  # written only when scoring
+
+
+def test_ops_that_mutate_have_no_defaulted_arguments():
+    """torch < 2.13 drops trailing arguments equal to their defaults before bumping a mutated argument's
+    version by position (IndexError for an eager decode without scores, torch 2.11 on an H200): an op that
+    mutates declares every argument without a default."""
+    import kvkernels  # noqa: F401  (registers the ops)
+
+    for name in ("paged_decode_attention", "topk_compact", "topk_evict"):
+        schema = getattr(torch.ops.kvkernels, name).default._schema
+        assert any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments), name
+        defaulted = [a.name for a in schema.arguments if a.has_default_value()]
+        assert not defaulted, f"{name}: {defaulted}"

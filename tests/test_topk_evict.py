@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from devices import DEVICE
-from kvkernels.topk_compact import topk_compact_ref, topk_evict, topk_evict_ref, topk_evict_torch
+from kvkernels.topk_compact import (topk_compact_ref, topk_evict, topk_evict_ref, topk_evict_torch,
+                                    topk_evict_triton)
 from test_topk_compact import Pool, bits, run, scenarios
 
 
@@ -35,7 +36,7 @@ def shuffled(pool: Pool, seed: int) -> Pool:
 
 
 def run_evict(impl, before: Pool, budgets, n_sink, n_recent) -> Pool:
-    device = DEVICE if impl is topk_evict else torch.device("cpu")
+    device = DEVICE if impl in (topk_evict, topk_evict_triton) else torch.device("cpu")
     pool = before.clone(device)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     impl(pool.k, pool.v, pool.pos, pool.score, pool.tables[0], pool.lens[0], i32(budgets), i32(n_sink),
@@ -76,7 +77,9 @@ def test_keeps_what_topk_compact_keeps_in_position_order(case, seed, shuffle):
     assert torch.equal(got.tables[1], before.tables[1]) and torch.equal(got.lens[1], before.lens[1])
 
 
-@pytest.mark.parametrize("impl", [topk_evict_torch, topk_evict], ids=["torch", "op"])
+@pytest.mark.parametrize("impl", [topk_evict_torch, topk_evict,
+                                  pytest.param(topk_evict_triton, marks=pytest.mark.interpret)],
+                         ids=["torch", "op", "triton"])
 @given(case=scenarios(), seed=st.integers(0, 2**16))
 def test_fast_paths_equal_reference_bit_for_bit(impl, case, seed):
     before, budgets, n_sink, n_recent = case

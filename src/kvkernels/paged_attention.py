@@ -558,12 +558,12 @@ def paged_decode_attention_torch(
 @torch.library.custom_op("kvkernels::paged_decode_attention", mutates_args=("score",))
 def _paged_decode_attention_op(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, alibi_slopes: torch.Tensor | None = None,
-    slot_pos: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
-    score: torch.Tensor | None = None, score_mode: str = "none", decay: float = 1.0,
-    gumbel_noise: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    slot_mask: torch.Tensor | None = None, mask_bit: int = 1, num_splits: int = 0,
+    seq_lens: torch.Tensor, scale: float, alibi_slopes: torch.Tensor | None,
+    slot_pos: torch.Tensor | None, q_pos: torch.Tensor | None,
+    score: torch.Tensor | None, score_mode: str, decay: float,
+    gumbel_noise: torch.Tensor | None, temperature: torch.Tensor | None,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    slot_mask: torch.Tensor | None, mask_bit: int, num_splits: int,
 ) -> torch.Tensor:
     """The registered op (no input checks): Triton on CUDA tensors, the vectorised torch path elsewhere.
 
@@ -572,6 +572,10 @@ def _paged_decode_attention_op(
     ``scores`` (score, mode as ``score_mode``, decay, gumbel_noise, temperature), ``restore`` (k_scale,
     v_scale, slot_mask, mask_bit); no ``alibi_slopes`` means no ALiBi, no ``score`` no score update. The
     tensors cannot be keyword-only in an op schema. The op bundles them again for the implementation.
+
+    No argument has a default: torch < 2.13 drops trailing arguments equal to their defaults before its
+    ADInplaceOrView kernel bumps the mutated ``score`` by position, which raised ``IndexError`` for an
+    eager call without scores (torch 2.11 on an H200, ``bench/results/nvidia-h200-2026-11-26``).
     """
     alibi = None
     if alibi_slopes is not None:
@@ -721,8 +725,7 @@ def paged_decode_attention(
         # Inductor (torch 2.13) cannot lower this op with its mutable argument None ("getitem is not an
         # OpOverload"); an empty score with score_mode "none" is never read or written.
         score = torch.empty(0, 1, 1, device=q.device)
-    # Every argument positionally: torch < 2.13 bumps the version of a mutated argument (``score``) by its
-    # position in ``args`` and raised IndexError when it came as a keyword (seen with torch 2.11 on CUDA).
+    # Every argument positionally, none defaulted (see the op's docstring: torch < 2.13 on CUDA).
     return _paged_decode_attention_op(
         q, k_pages, v_pages, page_table, seq_lens, float(scale), slopes, slot_pos, q_pos, score,
         score_mode, float(decay), gumbel_noise, temperature, k_scale, v_scale, slot_mask, int(mask_bit),

@@ -199,11 +199,21 @@ def topk_compact_triton(
     if batch == 0 or num_pages == 0:  # nothing stored (an empty pool means every length is 0)
         return
     src_map, n_move, new_lens = _plan_moves(slot_score, page_table, seq_lens, budgets, n_sink, n_recent)
+    _move_slots(k_pages, v_pages, slot_pos, slot_score, extra, src_map, page_table, n_move)
+    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+
+
+def _move_slots(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor,
+                extra: list[Tensor] | tuple[Tensor, ...], src_map: Tensor, page_table: Tensor,
+                n_move: Tensor) -> None:
+    """One :func:`_move_slots_kernel` launch per pool tensor: slot ``d < n_move[b]`` of row ``(b, h)`` takes
+    slot ``src_map[b, h, d]``'s values."""
+    num_pages, page_size, n_heads = k_pages.shape[:3]
     for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
         x4 = x.view(num_pages, page_size, n_heads, -1)  # [P, S, Hkv, W]: W = D for K/V, 1 per-slot tensors
         width = x4.shape[3]
         block_w = min(triton.next_power_of_2(width), 64)
-        grid = (batch * n_heads, triton.cdiv(width, block_w))
+        grid = (page_table.shape[0] * n_heads, triton.cdiv(width, block_w))
         launch(
             _move_slots_kernel, grid,
             x4, src_map, page_table, n_move,
@@ -212,7 +222,6 @@ def topk_compact_triton(
             n_heads, width,
             PAGE_SIZE=page_size, BLOCK_N=64, BLOCK_W=block_w,
         )
-    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -283,7 +292,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
-                  free_pages, n_free, extra) -> None:
+                  free_pages, n_free, extra, validate: bool = True) -> None:
     check_tensor("k_pages", k_pages, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
     dev = k_pages.device
     num_pages, page_size, n_heads, _ = k_pages.shape
@@ -309,7 +318,7 @@ def _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, 
         check_tensor(f"extra[{i}]", x, device=dev, contiguous=True)
         check_shape(f"extra[{i}]", x, slot_shape, "[P, S, Hkv], one value per slot")
 
-    if torch.compiler.is_compiling():  # value checks read the device; compiled steps skip them
+    if not validate or torch.compiler.is_compiling():  # value checks read the device (a sync)
         return
     if batch and bool((budgets < 1).any()):
         raise ValueError(f"budgets must be >= 1 for every sequence, got {budgets.tolist()}")
@@ -328,7 +337,7 @@ def _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, 
 
 def topk_compact(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
                  seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor,
-                 n_free: Tensor, extra: list[Tensor] | None = None) -> None:
+                 n_free: Tensor, extra: list[Tensor] | None = None, *, validate: bool = True) -> None:
     """Keep the top ``budgets[b]`` slots of each (sequence, KV head) in one cache layer, in place.
 
     Per (sequence ``b``, KV head ``h``): nothing changes when ``seq_lens[b] <= budgets[b]``. Otherwise
@@ -359,17 +368,22 @@ def topk_compact(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score:
         Number of valid entries in ``free_pages`` (mutated).
     extra : list of Tensor ``[P, S, Hkv]``, optional
         Further per-slot tensors (any dtype) moved with the slots, e.g. MiniCache magnitudes or masks.
+    validate : bool, default True
+        Check the values (budgets, forced counts, lengths, page table, free stack) eagerly. Each check reads
+        the device, a host sync; a caller that built them itself (the cache, every decode step) passes
+        False. Shapes, dtypes and devices are always checked (no sync).
 
     Raises
     ------
     TypeError, ValueError
         On a bad shape, dtype, device or layout, or (eagerly; skipped under ``torch.compile``) on
         ``budgets < 1``, ``n_sink + n_recent > budgets`` or a page table that points outside the pool.
-        Nothing is written when an error is raised.
+        Nothing is written when an error is raised. With ``validate=False`` the value checks are the
+        caller's.
     """
     extra = list(extra or [])
     _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
-                  free_pages, n_free, extra)
+                  free_pages, n_free, extra, validate)
     torch.ops.kvkernels.topk_compact(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets,
                                      n_sink, n_recent, free_pages, n_free, extra)
 
@@ -473,6 +487,41 @@ def topk_evict_torch(
     _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
 
 
+def _pair_holes(holes: Tensor, movers: Tensor) -> Tensor:
+    """``src_map [B, Hkv, W]`` int32 for the move kernel: the ``i``-th hole of a (sequence, head) row takes
+    its ``i``-th mover, every other slot ``d`` maps to itself (not moved). Static shapes, no host sync."""
+    width = holes.shape[-1]
+    d = torch.arange(width, device=holes.device).expand_as(holes)  # [B, Hkv, W]
+    mover_rank = torch.where(movers, movers.cumsum(-1) - 1, width)  # sink column W for non-movers
+    by_rank = torch.zeros(*holes.shape[:-1], width + 1, dtype=torch.int64, device=holes.device)
+    by_rank.scatter_(-1, mover_rank, d.contiguous())  # [B, Hkv, W + 1]: i-th mover's slot
+    paired = by_rank.gather(-1, (holes.cumsum(-1) - 1).clamp_min(0))  # [B, Hkv, W]
+    return torch.where(holes, paired, d).to(torch.int32).contiguous()
+
+
+def topk_evict_triton(
+    k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+    seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
+    extra: list[Tensor] | tuple[Tensor, ...] = (),
+) -> None:
+    """Triton launcher of :func:`topk_evict` (no input checks): the batched torch plan over the page table's
+    whole width (so nothing reads a length back to the host: pass only the table columns in use, as the
+    cache does), then one move kernel per pool tensor that copies each mover into its hole, then the same
+    page release as :func:`topk_compact`. Holes lie below the budget and movers at or past it, so no slot is
+    both read and written."""
+    require_triton()
+    batch = page_table.shape[0]
+    num_pages, page_size, n_heads = k_pages.shape[:3]
+    if batch == 0 or num_pages == 0 or page_table.shape[1] == 0:
+        return
+    holes, movers, new_lens = _plan_evict(slot_score, slot_pos, page_table.long(), seq_lens, budgets, n_sink,
+                                          n_recent)
+    src_map = _pair_holes(holes, movers)  # [B, Hkv, W]
+    n_move = torch.where(seq_lens.long() > budgets.long(), budgets.long(), 0).to(torch.int32)
+    _move_slots(k_pages, v_pages, slot_pos, slot_score, extra, src_map, page_table, n_move)
+    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+
+
 @torch.library.custom_op(
     "kvkernels::topk_evict",
     mutates_args=("k_pages", "v_pages", "slot_pos", "slot_score", "page_table", "seq_lens", "free_pages",
@@ -483,8 +532,9 @@ def _topk_evict_op(
     seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
     extra: list[Tensor],
 ) -> None:
-    topk_evict_torch(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
-                     free_pages, n_free, extra)
+    impl = topk_evict_triton if use_triton(k_pages) else topk_evict_torch
+    impl(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent, free_pages,
+         n_free, extra)
 
 
 @_topk_evict_op.register_fake
@@ -495,7 +545,7 @@ def _(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_s
 
 def topk_evict(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
                seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor,
-               n_free: Tensor, extra: list[Tensor] | None = None) -> None:
+               n_free: Tensor, extra: list[Tensor] | None = None, *, validate: bool = True) -> None:
     """Keep the tokens :func:`topk_compact` keeps, moving only the kept slots past the budget.
 
     Attention does not depend on slot order (each slot stores its token's position), so decode-time
@@ -512,7 +562,7 @@ def topk_evict(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: T
     """
     extra = list(extra or [])
     _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
-                  free_pages, n_free, extra)
+                  free_pages, n_free, extra, validate)
     torch.ops.kvkernels.topk_evict(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets,
                                    n_sink, n_recent, free_pages, n_free, extra)
 

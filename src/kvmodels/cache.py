@@ -227,6 +227,9 @@ class PagedKVCache:
             raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
         self.num_pages = num_pages
         self.dtype, self.device = dtype, torch.device(device)
+        # Per pass i of _allocate_next_pages: the layers appending an i-th slot (uploaded once, not per step).
+        self._width_masks = [torch.as_tensor(self._width > i, device=self.device)
+                             for i in range(self.layout.max_width)]
         self.seed = seed
         # Gumbel noise depends on both the policy's seed and the cache's (e.g. a generation's sampling seed).
         self._noise_seed = noise_seed(policy.seed, seed)
@@ -308,6 +311,7 @@ class PagedKVCache:
         self._compressed = np.zeros(self.max_batch, dtype=bool)  # prompt compressed by compress_prompt
         self._shared_scores: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> scores others reuse
         self.plan: CompressionPlan | None = None  # the batch's plan (finish_prefill)
+        self._op_rows_memo: dict[tuple, tuple] = {}  # compaction calls' device rows (_op_rows)
         self._peak_pages = 0
         self._full_peak_pages = 0
 
@@ -667,22 +671,38 @@ class PagedKVCache:
         The pool is shared, so the rows' page tables stacked into ``[len(layers) * len(seqs), M]`` are one
         batch to the kernel (an eviction over 30 layers is one call, not 30); the free stack receives the
         pages in layer-major order, as one call per layer would push them.
+
+        Nothing here reads the device (a decode step evicts through this every step): the table columns in
+        use come from the host mirror, the index and budget tensors are uploaded once per distinct call
+        (:meth:`_op_rows`), and the op skips its value checks (the plan checked the budgets).
         """
-        ix = (torch.tensor(layers, device=self.device)[:, None], torch.tensor(seqs, device=self.device)[None])
-        table, lens = self.page_table[ix], self.seq_lens[ix]  # copies, written back below
-
-        def dev(x: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(x).to(self.device, torch.int32).flatten()
-
+        ix, budgets_t, n_sink_t, n_recent_t = self._op_rows(layers, seqs, budgets, n_sink, n_recent)
+        cols = int(_ceil_div(self._lens[np.ix_(layers, seqs)].max(initial=0), self.page_size))
+        table = self.page_table[ix[0], ix[1], :cols].contiguous()  # [L, n, cols], a copy written back below
+        lens = self.seq_lens[ix]
         op = topk_evict if in_place else topk_compact
         op(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1), lens.view(-1),
-           dev(budgets), dev(n_sink), dev(n_recent), self.free_pages, self.n_free, extra=extra or [])
-        self.page_table[ix], self.seq_lens[ix] = table, lens
+           budgets_t, n_sink_t, n_recent_t, self.free_pages, self.n_free, extra=extra or [], validate=False)
+        self.page_table[ix[0], ix[1], :cols], self.seq_lens[ix] = table, lens
         host = np.ix_(layers, seqs)
         old = self._lens[host]
         new = np.minimum(old, budgets)
         self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
         self._lens[host] = new
+
+    def _op_rows(self, layers: list[int], seqs: list[int], *rows: np.ndarray) -> tuple:
+        """Device copies of a compaction call's index (``(layers [L, 1], seqs [1, n])``) and of its host rows
+        ``[L, n]`` (flattened, int32), uploaded once per distinct call: an upload from host memory waits
+        for the device, and decode-time eviction repeats the same call every step."""
+        key = (tuple(layers), tuple(seqs), *(r.tobytes() for r in rows))
+        if key not in self._op_rows_memo:
+            if len(self._op_rows_memo) > 64:  # prefill calls differ per prompt; keep the memo small
+                self._op_rows_memo.clear()
+            ix = (torch.tensor(layers, device=self.device)[:, None],
+                  torch.tensor(seqs, device=self.device)[None])
+            dev = [torch.as_tensor(np.asarray(r)).to(self.device, torch.int32).flatten() for r in rows]
+            self._op_rows_memo[key] = (ix, *dev)
+        return self._op_rows_memo[key]
 
     def _region_extra(self) -> list[torch.Tensor]:
         """Per-slot tensors that move with a region's slots (topk_compact ``extra``)."""
@@ -815,7 +835,7 @@ class PagedKVCache:
         n, S, M = self.batch_size, self.page_size, self.max_pages
         table = self.page_table[:, :n]  # [Lc, n, M] view
         for i in range(self.layout.max_width):
-            width = torch.as_tensor(self._width > i, device=self.device)  # [Lc]
+            width = self._width_masks[i]  # [Lc]
             lens = self.seq_lens[:, :n] + i  # [Lc, n]
             need = (lens % S == 0) & self.active[:n] & width[:, None]  # [Lc, n]
             flat = need.reshape(-1).to(torch.int64)
