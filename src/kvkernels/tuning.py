@@ -59,8 +59,13 @@ DEFAULTS: dict[str, LaunchConfig] = {
 }
 
 #: Measured best per ``(kernel, compute capability as major * 10 + minor)``; see ``bench/results/``.
-#: Empty until a GPU run's sweep is committed.
-TUNED: dict[tuple[str, int], LaunchConfig] = {}
+TUNED: dict[tuple[str, int], LaunchConfig] = {
+    # NVIDIA H200, torch 2.11 / Triton 3.6, bench/results/nvidia-h200-2026-11-26/run1: the defaults were the
+    # best of the configs the time box let the sweep reach (decode: 11 of 27, at B8/B64-L4096 and B1-L32768;
+    # prefill scorer: 11 of 12, 0.757 ms at L4096). Sweep again when the kernels change.
+    ("decode", 90): LaunchConfig(block=64, num_warps=4, num_stages=3),
+    ("prefill_scores", 90): LaunchConfig(block=64, num_warps=4, num_stages=3),
+}
 
 #: What ``bench/gpu.py`` sweeps per kernel (the product of these values).
 SWEEP: dict[str, dict[str, tuple[int, ...]]] = {

@@ -226,7 +226,10 @@ class PagedKVCache:
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
         self.num_pages = num_pages
-        self.dtype, self.device = dtype, torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # tensors made on "cuda" report "cuda:N"
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype, self.device = dtype, device
         # Per pass i of _allocate_next_pages: the layers appending an i-th slot (uploaded once, not per step).
         self._width_masks = [torch.as_tensor(self._width > i, device=self.device)
                              for i in range(self.layout.max_width)]
@@ -659,6 +662,11 @@ class PagedKVCache:
             self._merge_pair(a, b, *(x.numpy() for x in plan.joint.row(i)))
         if plan.schedule.prefill_compress:
             self._compress([l for l in range(self.n_layers) if self.layout.width[l] == 1])
+        budgets, n_sink, n_recent = (x.numpy() for x in plan.rows)  # [Lc, n] each
+        for w in (1, 2):  # upload the rows of decode-time eviction's calls (_compress) now, not mid-decode
+            ls = [l for l in range(self.n_layers) if self.layout.width[l] == w]
+            if ls:
+                self._op_rows(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls])
         self._state = "decode"
 
     def _compact(self, layers: list[int], seqs: list[int], budgets: np.ndarray, n_sink: np.ndarray,
@@ -776,12 +784,14 @@ class PagedKVCache:
         assert self.plan is not None  # set by finish_prefill
         budgets, n_sink, n_recent = (x.numpy() for x in self.plan.rows)  # [Lc, n] each
         width = self.layout.width
-        over = [l for l in (range(self.n_layers) if layers is None else layers)
-                if width[l] and (self._lens[l, :n] > budgets[l]).any()]
+        considered = range(self.n_layers) if layers is None else layers
+        over = [l for l in considered if width[l] and (self._lens[l, :n] > budgets[l]).any()]
         for w in (1, 2):
-            ls = [l for l in over if width[l] == w]
-            if not ls:
+            if not any(width[l] == w for l in over):
                 continue
+            # Every layer of this width, over budget or not (the op leaves the others as they are): one call
+            # per width whose device rows finish_prefill uploaded (_op_rows), so no decode step uploads.
+            ls = [l for l in considered if width[l] == w]
             self._compact(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls],
                           extra=self._region_extra() if w == 2 else [],
                           in_place=in_place and w == 1 and not self.gumbel)
