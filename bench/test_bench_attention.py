@@ -91,8 +91,9 @@ def _impls(t):
         # compiled decode step (what this kernel serves) skips them. Check once here, eagerly.
         args = (t["q"], t["k_pages"], t["v_pages"], t["page_table"], t["seq_lens"])
         paged_decode_attention(*args, scale=t["scale"], scores=ScoreUpdate(t["score"].clone(), score_mode))
+        # The op's flat schema, every argument given (none has a default; see the op's docstring).
         return lambda: torch.ops.kvkernels.paged_decode_attention(
-            *args, scale=t["scale"], score=t["score"], score_mode=score_mode)
+            *args, t["scale"], None, None, None, t["score"], score_mode, 1.0, None, None, None, None, None, 1, 0)
 
     return {
         "paged": paged(),

@@ -238,7 +238,9 @@ def test_ref_matches_dense_oracle(params, flags):
     case = make_case(**params, device=torch.device("cpu"))
     out, score = run(paged_decode_attention_ref, case, **flags)
     want_out, want_scores = dense_oracle(case, **flags)
-    torch.testing.assert_close(out.double(), want_out, atol=2e-6, rtol=1e-5)
+    # float32 against float64: an output is a weighted sum of values up to ~4 in size, so its rounding
+    # reaches a few float32 ulps of 4 (2.6e-6 seen at 33 slots with ALiBi); a wrong slot costs ~0.1.
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     assert_scores_close(case, score, want_scores, atol=2e-6, mode=flags["mode"])
     untouched = ~valid_slot_mask(case)
     assert torch.equal(score.cpu()[untouched], case.pool["score"].cpu()[untouched])

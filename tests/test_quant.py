@@ -1,0 +1,100 @@
+"""Token-wise quantization (kvkernels.quant, issue 36's storage format): the vectorised path equals the
+per-channel reference bit for bit, the round trip stays within half a step of each group's scale, the
+parameters cover every value, and the packed rows take the bytes they claim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvkernels.quant import BITS, bytes_per_row, dequantize, dequantize_ref, quantize, quantize_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@st.composite
+def rows(draw):
+    """Rows of K/V-like values: a few leading dims (0 rows too), a head dim, a group dividing it, and
+    groups that are constant, tiny, huge or ordinary."""
+    bits = draw(st.sampled_from(BITS))
+    head_dim = draw(st.sampled_from([4, 8, 16, 24, 64, 96, 128]))
+    group = draw(st.sampled_from([g for g in (4, 8, 16, 32, 64, 128) if head_dim % g == 0] or [head_dim]))
+    lead = draw(st.lists(st.integers(0, 3), min_size=1, max_size=2))
+    dtype = draw(st.sampled_from(DTYPES))
+    param_dtype = draw(st.sampled_from([torch.float16, torch.float32]))
+    magnitude = draw(st.sampled_from([1e-3, 1.0, 30.0, 1e3]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn(*lead, head_dim, generator=g) * magnitude
+    if draw(st.booleans()) and x.numel():  # a constant group in every row
+        x[..., :group] = x[..., :1]
+    return x.to(dtype), bits, group, param_dtype
+
+
+@given(case=rows())
+def test_fast_path_equals_reference_bit_for_bit(case):
+    x, bits, group, param_dtype = case
+    got, want = quantize(x, bits, group, param_dtype), quantize_ref(x, bits, group, param_dtype)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(dequantize(got, bits, group), dequantize_ref(want, bits, group))
+
+
+@given(case=rows())
+def test_round_trip_within_half_a_step(case):
+    x, bits, group, param_dtype = case
+    qx = quantize(x, bits, group, param_dtype)
+    back = dequantize(qx, bits, group)
+    step = qx.scale.float().repeat_interleave(group, -1)  # [..., D]
+    zero = qx.zero.float().repeat_interleave(group, -1)
+    # s / 2 from rounding to a code, plus float32 arithmetic on values of size |z| + levels * s.
+    slack = 4 * torch.finfo(torch.float32).eps * (zero.abs() + (2**bits - 1) * step)
+    err = (back - x.float()).abs()
+    assert (err <= step / 2 + slack).all(), float((err - step / 2 - slack).max())
+    # The parameters cover the group: the minimum at or above the zero point, the maximum reachable.
+    g = x.float().unflatten(-1, (-1, group))
+    assert (qx.zero.float() <= g.amin(-1)).all()
+    assert (qx.zero.float() + (2**bits - 1) * qx.scale.float() >= g.amax(-1)).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_packed_rows_take_the_bytes_they_claim(bits):
+    x = torch.randn(5, 7, 128)
+    qx = quantize(x, bits, 32)
+    assert qx.codes.dtype == torch.uint8 and qx.codes.shape == (5, 7, 128 * bits // 8)
+    assert qx.scale.shape == qx.zero.shape == (5, 7, 4)
+    per_row = qx.codes[0, 0].nbytes + qx.scale[0, 0].nbytes + qx.zero[0, 0].nbytes
+    assert per_row == bytes_per_row(128, bits, 32) == 128 * bits // 8 + 2 * 4 * 2
+
+
+def test_each_row_is_self_contained():
+    """A row's codes and parameters depend on that row alone (what lets eviction move or drop slots)."""
+    x = torch.randn(6, 64)
+    whole = quantize(x, 2, 16)
+    for r in range(6):
+        alone = quantize(x[r:r + 1], 2, 16)
+        assert all(torch.equal(a[r:r + 1], b) for a, b in zip(whole, alone, strict=True))
+
+
+def test_extremes_of_a_group_come_back_within_half_a_step():
+    x = torch.tensor([[-3.0, 0.1, 0.2, 5.0]])
+    qx = quantize(x, 2, 4, torch.float32)
+    back = dequantize(qx, 2, 4)
+    assert float((back - x).abs().max()) <= float(qx.scale.max()) / 2 + 1e-6
+
+
+def test_bad_input_names_the_argument():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="bits=3"):
+        quantize(x, 3, 32)
+    with pytest.raises(ValueError, match="group=48"):
+        quantize(x, 4, 48)
+    with pytest.raises(ValueError, match="head dim divisible by 4"):
+        quantize(torch.randn(2, 6), 2, 2)
+    with pytest.raises(ValueError, match="NaN"):
+        quantize(torch.full((1, 8), float("nan")), 4, 8)
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        quantize(torch.ones(2, 8, dtype=torch.int64), 4, 8)
+    with pytest.raises(ValueError, match="param_dtype"):
+        quantize(x, 4, 32, torch.bfloat16)
