@@ -123,6 +123,9 @@ def test_quantized_gguf_loads_to_matching_logits(tmp_path, monkeypatch):
     hf.load_state_dict(sd)  # transformers on the dequantised tensors is the oracle
     loaded = load_checkpoint(tmp_path / "q.gguf")
     assert loaded.directory.parent == tmp_path / "cache" and loaded.converted
+    # This file has no vocabulary: the conversion says why it holds no tokenizer (kvgen quotes it).
+    assert loaded.tokenizer is None
+    assert (loaded.directory / loading.TOKENIZER_ERROR).read_text().strip()
     weights = (loaded.directory / "model.safetensors").stat().st_size
     assert loading.directory_bytes(loaded.directory) >= weights
     tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])

