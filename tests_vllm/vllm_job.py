@@ -1,0 +1,63 @@
+"""Run one vLLM engine on token-id prompts and write what the tests compare: greedy tokens and the block
+accounting after every engine step. One process per engine: vLLM loads its plugins once per process, so a
+policy (``KVPOLICIES_VLLM_POLICY``) is fixed for the process's life.
+
+    python tests_vllm/vllm_job.py JOB.json OUT.json
+
+``JOB.json``: ``{"model": DIR, "prompts": [[ids], ...], "max_tokens": n, "engine": {LLM kwargs}}``.
+``OUT.json``: ``{"tokens": [[ids], ...], "steps": [...], "block_size": bs, "num_blocks": n, "seconds": t}``;
+each step lists the free blocks and, per running request, ``[prompt_len, num_computed_tokens, blocks held]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = json.loads(open(job_path).read())
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    engine_kwargs = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
+                         enable_prefix_caching=False, max_model_len=512, seed=0)
+    engine_kwargs.update(job.get("engine", {}))
+    llm = LLM(model=job["model"], **engine_kwargs)
+    boot = time.perf_counter() - started
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    kv = scheduler.kv_cache_manager
+    manager = kv.coordinator.single_type_managers[0]
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(job["prompts"]):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    tokens: dict[str, list[int]] = {}
+    steps = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        held = {rid: [req.num_prompt_tokens, req.num_computed_tokens, len(manager.req_to_blocks.get(rid, []))]
+                for rid, req in scheduler.requests.items()}
+        steps.append({"free": kv.block_pool.get_num_free_blocks(), "requests": held})
+    result = {
+        "tokens": [tokens[str(i)] for i in range(len(job["prompts"]))],
+        "steps": steps,
+        "block_size": manager.block_size,
+        "num_blocks": kv.block_pool.num_gpu_blocks,
+        "manager": type(manager).__name__,
+        "boot_seconds": boot,
+        "generate_seconds": time.perf_counter() - t0,
+    }
+    from kvpolicies.vllm import backend
+
+    result["kept"] = {f"{rid}|{layer}": pos.tolist() for (rid, layer), pos in backend.KEPT.items()}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
