@@ -93,7 +93,8 @@ def _impls(t):
         paged_decode_attention(*args, scale=t["scale"], scores=ScoreUpdate(t["score"].clone(), score_mode))
         # The op's flat schema, every argument given (none has a default; see the op's docstring).
         return lambda: torch.ops.kvkernels.paged_decode_attention(
-            *args, t["scale"], None, None, None, t["score"], score_mode, 1.0, None, None, None, None, None, 1, 0)
+            *args, t["scale"], None, None, None, t["score"], score_mode, 1.0, None, None, None, None, None, 1,
+            0)
 
     return {
         "paged": paged(),

@@ -13,8 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from devices import DEVICE
-from kvkernels.topk_compact import (topk_compact_ref, topk_evict, topk_evict_ref, topk_evict_torch,
-                                    topk_evict_triton)
+from kvkernels.topk_compact import (
+    topk_compact_ref,
+    topk_evict,
+    topk_evict_ref,
+    topk_evict_torch,
+    topk_evict_triton,
+)
 from test_topk_compact import Pool, bits, run, scenarios
 
 

@@ -6,13 +6,17 @@
     >>> tok = loaded.tokenizer
     >>> ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
     >>> result = generate(loaded.model, [ids], 32, compose("squeeze", "keyformer", budget=0.2))
+
+``Decoder`` continues a batch after a generation (follow-up questions) and prefills long prompts in chunks.
 """
 
+from kvmodels.decoder import Decoder
 from kvmodels.generate import CacheLayout, CausalLM, GenerationResult, generate
 from kvmodels.llama import LLAMA_CONFIGS, Llama, LlamaConfig
 from kvmodels.loading import CheckpointError, from_transformers, load_checkpoint, read_gguf
 
 __all__ = [
-    "LLAMA_CONFIGS", "CacheLayout", "CausalLM", "CheckpointError", "GenerationResult", "Llama", "LlamaConfig",
+    "LLAMA_CONFIGS", "CacheLayout", "CausalLM", "CheckpointError", "Decoder", "GenerationResult", "Llama",
+    "LlamaConfig",
     "from_transformers", "generate", "load_checkpoint", "read_gguf",
 ]

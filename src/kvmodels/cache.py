@@ -40,6 +40,7 @@ from kvkernels.score_update import (
     prefill_scores,
 )
 from kvkernels.topk_compact import topk_compact, topk_evict
+from kvmodels.extend_attention import extend_attention
 from kvpolicies.base import LayerStats, NewTokens
 from kvpolicies.plan import CompressionPlan
 
@@ -48,6 +49,16 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 def _ceil_div(a, b):
     return -(-a // b)
+
+
+@dataclass
+class _Extension:
+    """An extension in progress (:meth:`PagedKVCache.begin_extend`): sequence ``b`` takes ``n`` tokens."""
+
+    b: int
+    n: int
+    budget_len: int  # the length the sequence's budget is a fraction of afterwards
+    done: np.ndarray  # [Lc] bool, the layers extended so far
 
 
 @dataclass(frozen=True)
@@ -310,6 +321,11 @@ class PagedKVCache:
         self._free = P
         self._seen = np.zeros(self.max_batch, dtype=np.int64)
         self._active = np.zeros(self.max_batch, dtype=bool)
+        # Rows holding a sequence that sits out the decode steps (pause): pages kept, nothing appended.
+        self._parked = np.zeros(self.max_batch, dtype=bool)
+        # Tokens behind each (layer, sequence)'s budget statistic (cos_sim): a running mean over extensions.
+        self._stat_tokens = np.zeros((self.n_layers, self.max_batch), dtype=np.int64)
+        self._extension: _Extension | None = None  # the extension in progress (begin_extend)
         self._prefilled = np.zeros((self.n_layers, self.max_batch), dtype=bool)
         self._compressed = np.zeros(self.max_batch, dtype=bool)  # prompt compressed by compress_prompt
         self._shared_scores: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> scores others reuse
@@ -318,12 +334,16 @@ class PagedKVCache:
         self._peak_pages = 0
         self._full_peak_pages = 0
 
+    def _holding(self) -> np.ndarray:
+        """``[max_batch]`` bool, rows holding a sequence: decoding (active) or paused."""
+        return self._active | self._parked
+
     def _pages_held(self) -> np.ndarray:
         return _ceil_div(self._lens, self.page_size)  # [Lc, B]
 
     def _track_peak(self) -> None:
         self._peak_pages = max(self._peak_pages, int(self._pages_held().sum()))
-        full = self.n_layers * int(_ceil_div(self._seen[self._active], self.page_size).sum())
+        full = self.n_layers * int(_ceil_div(self._seen[self._holding()], self.page_size).sum())
         self._full_peak_pages = max(self._full_peak_pages, full)
 
     def _out_of_pages(self, need: int, what: str) -> RuntimeError:
@@ -336,7 +356,8 @@ class PagedKVCache:
             raise ValueError(f"layer l={l!r} is out of range [0, {self.n_layers}) cache layers")
 
     # ------------------------------------------------------------------ batch lifecycle
-    def start(self, prompt_lens: list[int], max_new_tokens: int, *, compress_each: bool = False) -> None:
+    def start(self, prompt_lens: list[int], max_new_tokens: int, *, compress_each: bool = False,
+              budget_lens: list[int] | None = None) -> None:
         """Begin a new batch, dropping whatever the cache held.
 
         Parameters
@@ -349,6 +370,10 @@ class PagedKVCache:
             The caller calls :meth:`compress_prompt` after each sequence's prefill, so the pool must hold
             only the longest prompt whole (checked here) next to the compressed earlier ones (checked by
             each ``prefill_layer``). Otherwise every prompt must fit uncompressed at once.
+        budget_lens:
+            The lengths each sequence's budget is a fraction of (docs/contract.md §4); default
+            ``prompt_lens``. A chunked prefill prefills the first chunk here and passes the whole prompts'
+            lengths, so its budgets are those of the unchunked prompts (:meth:`begin_extend` takes the rest).
         """
         prompt_lens = [int(x) for x in prompt_lens]
         n = len(prompt_lens)
@@ -377,11 +402,17 @@ class PagedKVCache:
         if prompt_pages > self.num_pages:
             self._free = self.num_pages
             raise self._out_of_pages(prompt_pages, what)
-        budget_tokens = self.policy.checked_budget_tokens(torch.tensor(prompt_lens, dtype=torch.int64))
+        budget_lens = prompt_lens if budget_lens is None else [int(x) for x in budget_lens]
+        if len(budget_lens) != n or any(bl < pl for bl, pl in zip(budget_lens, prompt_lens, strict=True)):
+            raise ValueError(f"budget_lens={budget_lens} must give one length per sequence, each at least "
+                             f"its prompt_lens={prompt_lens}")
+        budget_tokens = self.policy.checked_budget_tokens(torch.tensor(budget_lens, dtype=torch.int64))
 
         self._reset_pool()
         self._compressed[:] = False
         self.batch_size = n
+        # The lengths the plan reads (budgets as fractions of them, layer budgets capped at them plus
+        # max_new_tokens): the prompts, and after an extension the sequence's context (end_extend).
         self.prompt_lens = prompt_lens
         self.max_new_tokens = max_new_tokens
         self.budget_tokens = budget_tokens
@@ -569,9 +600,19 @@ class PagedKVCache:
     def observe(self, l: int, b: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
         """The models' one observation point in the prefill: cache layer ``l``'s input hidden states
         ``h_in [L, dim]`` and attention output ``attn_out [L, dim]`` for sequence ``b``. The budget policy
-        reads what it needs (``layer_statistic``; nothing for most policies), averaged over the prompt."""
+        reads what it needs (``layer_statistic``; nothing for most policies), averaged over the prompt. During
+        an extension (:meth:`extend_attend`) the average runs over every token the sequence has prefilled, so
+        a chunked prefill ends with the whole prompt's mean."""
         stat = self.policy.budget_policy.layer_statistic(h_in, attn_out)
-        if stat is not None:
+        if stat is None:
+            return
+        ext = self._extension
+        if ext is not None and ext.b == b:
+            self._check_layer(l)
+            n_old, n_new = int(self._stat_tokens[l, b]), stat.numel()
+            self.cos_sim[l, b] = (self.cos_sim[l, b] * n_old + stat.float().sum()) / (n_old + n_new)
+            self._stat_tokens[l, b] = n_old + n_new
+        else:
             self.record_cos_sim(l, b, stat.mean())
 
     def record_cos_sim(self, l: int, b: int, value: float | torch.Tensor) -> None:
@@ -583,6 +624,7 @@ class PagedKVCache:
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise ValueError(f"value must be a float or a 0-d tensor, got shape {list(value.shape)}")
         self.cos_sim[l, b] = value
+        self._stat_tokens[l, b] = self.prompt_lens[b]  # the tokens an extension's running mean starts from
 
     def _plan(self, seqs: list[int]) -> CompressionPlan:
         """The policy's plan (``ComposedPolicy.plan``) for the pool rows ``seqs``. Budget policies allocate
@@ -948,8 +990,14 @@ class PagedKVCache:
                               self.v_mag[member] if self.v_mag is not None else None,
                               self.slot_mask, mask_bit=self.layout.mask_bit(l))
         return paged_decode_attention(
-            q, self.k_pages, self.v_pages, self.page_table[s, :n], self.seq_lens[s, :n], scale=scale,
+            q, self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s), scale=scale,
             alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)
+
+    def _visible_lens(self, s: int) -> torch.Tensor:
+        """``[B]`` int32 slots of storage layer ``s`` a decode step attends to: none for rows that do not
+        decode (finished, or paused between turns), so their kept tokens get no score update."""
+        n = self.batch_size
+        return torch.where(self.active[:n], self.seq_lens[s, :n], 0)
 
     def _score_update(self, update_scores: bool, gumbel_noise: torch.Tensor | None) -> ScoreUpdate | None:
         """The decode op's score bundle: the policy's score tensor whenever it scores, with its mode, or
@@ -981,7 +1029,7 @@ class PagedKVCache:
             raise RuntimeError(f"finish_sequence called in state {self._state!r}; call it between steps")
         if not isinstance(b, int) or not 0 <= b < self.batch_size:
             raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")
-        if not self._active[b]:
+        if not self._holding()[b]:
             raise ValueError(f"sequence {b} is already finished")
         counts = _ceil_div(self._lens[:, b], self.page_size)  # [Lc]
         ids = torch.cat([self.page_table[l, b, :int(c)] for l, c in enumerate(counts)])
@@ -994,7 +1042,267 @@ class PagedKVCache:
         self.active[b] = False
         self._lens[:, b] = 0
         self._active[b] = False
+        self._parked[b] = False
         self._prefilled[:, b] = True  # nothing left to prefill for it
+
+    # ------------------------------------------------------------------ continuing a sequence
+    # A sequence between decode steps (or between turns, paused) takes more tokens: begin_extend, then the
+    # model runs them through every layer (extend_attend), then end_extend re-plans and compresses it.
+    # restart_decode starts the next generation. Together they are a chunked prefill and a follow-up turn.
+    def pause(self, b: int) -> None:
+        """Take sequence ``b`` out of the decode steps, keeping its pages (:meth:`finish_sequence` returns
+        them): it appends nothing, its kept tokens get no score update (the decode attention reads none of
+        them), and :meth:`begin_extend` takes it back."""
+        if self._state != "decode":
+            raise RuntimeError(f"pause called in state {self._state!r}; call it between decode steps")
+        if not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")
+        if not self._active[b]:
+            raise ValueError(f"sequence {b} is not decoding (finished or paused already)")
+        self.active[b] = False
+        self._active[b] = False
+        self._parked[b] = True
+
+    def check_extendable(self) -> None:
+        """Raise ``NotImplementedError`` when this cache's policy cannot take tokens after the prompt (a
+        merge policy, per-head budgets); :meth:`begin_extend` checks it, callers may check it up front."""
+        if self.layout.pairs:
+            raise NotImplementedError(f"extending a sequence with merge policy {self.layout.merge_name!r} is "
+                                      "not supported (a merged region cannot take prefill tokens); use a "
+                                      "policy without merging")
+        if self.rows_are_heads:
+            raise NotImplementedError(f"extending a sequence with head budgets ({self.policy.heads.name!r}, "
+                                      "HeadPagedKVCache) is not supported; use a policy without per-head "
+                                      "budgets")
+
+    def slots_held(self, b: int) -> int:
+        """The most slots any cache layer holds for sequence ``b`` now (host mirror, no sync)."""
+        return int(self._lens[:, b].max(initial=0))
+
+    def decode_room(self, b: int) -> int:
+        """Decode steps sequence ``b`` can take before one of its storage layers (a merged region takes two
+        slots a step) runs out of the slots ``max_tokens`` gives it, evicting nothing (host mirror)."""
+        room = [(self.max_pages * self.page_size - int(self._lens[l, b])) // w
+                for l, w in enumerate(self.layout.width) if w]
+        return min(room)
+
+    @property
+    def slots_per_layer(self) -> int:
+        """The most slots one layer may hold for one sequence (``max_tokens`` rounded up to whole pages)."""
+        return self.max_pages * self.page_size // self.layout.max_width
+
+    def begin_extend(self, b: int, n: int, *, budget_len: int | None = None,
+                     max_new_tokens: int | None = None) -> None:
+        """Let sequence ``b`` (between decode steps, or paused) take ``n`` more tokens.
+
+        The model then runs the ``n`` tokens through every cache layer at their true positions (the
+        sequence's tokens seen so far, onward), calling :meth:`extend_attend` (and :meth:`observe`) per
+        layer; :meth:`end_extend` re-plans the sequence and compresses it to its budgets. Checked here,
+        before anything is written: the slots a layer may hold (``max_tokens``) and the pool's free pages.
+
+        Parameters
+        ----------
+        budget_len:
+            The length the sequence's budget is a fraction of afterwards (docs/contract.md §4); default:
+            every token it has seen, these included. A chunked prefill passes the whole prompt's length.
+        max_new_tokens:
+            The planning horizon: the plan caps each layer's budget at the context plus this many decode
+            steps (the next generation's length); default: the current one (``start``'s or
+            :meth:`restart_decode`'s).
+        """
+        if self._state != "decode":
+            raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
+                               "finish_prefill(), between decode steps")
+        self.check_extendable()
+        if not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence b={b!r} is out of range [0, {self.batch_size}) of the started batch")
+        if not self._holding()[b]:
+            raise ValueError(f"sequence {b} is finished (its pages went back to the pool); it cannot be "
+                             "extended")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n={n!r} must be a positive int (the tokens to add)")
+        seen = int(self._seen[b]) + n
+        budget_len = seen if budget_len is None else int(budget_len)
+        if budget_len < seen:
+            raise ValueError(f"budget_len={budget_len} is less than the {seen} tokens sequence {b} will have "
+                             "seen; pass at least that")
+        if max_new_tokens is not None:
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+                raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+            self.max_new_tokens = max_new_tokens
+        S, capacity = self.page_size, self.max_pages * self.page_size
+        lens = self._lens[:, b]
+        if (lens + n > capacity).any():
+            l = int(np.argmax(lens + n > capacity))
+            raise ValueError(f"sequence {b} holds {lens[l]} tokens in layer {l}; {n} more make "
+                             f"{lens[l] + n}, past the {capacity} slots per layer of max_tokens="
+                             f"{self.max_tokens}; extend in smaller chunks (chunk=) or build the cache with "
+                             "a larger max_tokens")
+        need = int((_ceil_div(lens + n, S) - _ceil_div(lens, S)).sum())
+        if need > self._free:
+            raise self._out_of_pages(need, f"extension of sequence {b} by {n} tokens")
+        self._extension = _Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool))
+        self._state = "extend"
+
+    def extend_attend(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor, *, scale: float,
+                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """The extension's attention in cache layer ``l``: its ``n`` tokens over sequence ``b``'s kept tokens
+        and themselves (causal among them); their K/V are appended after the kept ones, and the policy's
+        scores come from the same probabilities (``kvmodels.extend_attention``, a torch implementation).
+
+        How the scores carry over (the prefill scorer's rules, docs/contract.md §2.3, over kept + new):
+
+        * a policy that scores every query row (``h2o``, ``a2sf``, ``keyformer``, ``scissorhands``): the
+          extension's rows continue the kept tokens' scores as decode steps would (accumulated, decayed,
+          counted); new tokens start from 0;
+        * window votes (``snapkv``, ``chunkkv``: the last ``window`` rows; ``tova``: the last row): the kept
+          tokens' scores are replaced by this extension's votes, post-processed (pooling, chunk sums, the
+          heads' mean) over the kept and new tokens in position order, as a prompt's would be;
+        * an open score rule (``knorm``): each new token's own score, the kept ones unchanged; no score mode:
+          nothing (new tokens 0). ChunkKV's layer-wise index reuse does not apply: every layer scores itself.
+
+        Parameters
+        ----------
+        q:
+            ``[n, Hq, D]`` queries (after RoPE).
+        k, v:
+            ``[n, Hkv, D]`` keys (after RoPE) and values, ``dtype`` of the cache.
+        positions:
+            ``[n]`` int, the tokens' absolute positions (the sequence's tokens seen so far, onward).
+        scale, alibi_slopes:
+            Logit scale and optional ``[Hq]`` float32 ALiBi slopes.
+
+        Returns
+        -------
+        ``[n, Hq, D]`` attention output in ``q``'s dtype.
+        """
+        ext = self._extension
+        if self._state != "extend" or ext is None:
+            raise RuntimeError(f"extend_attend called in state {self._state!r}; call begin_extend(b, n) "
+                               "first")
+        self._check_layer(l)
+        if b != ext.b:
+            raise ValueError(f"sequence b={b!r} is not the one being extended ({ext.b})")
+        if ext.done[l]:
+            raise RuntimeError(f"layer {l} of sequence {b} is already extended; call end_extend({b})")
+        n, H, D, S, dev = ext.n, self.n_kv_heads, self.head_dim, self.page_size, self.device
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t, ndim=3, dtypes=(self.dtype,), device=dev)
+        check_shape("q", q, [n, self.n_q_heads, D], "n x n_q_heads x head_dim")
+        check_shape("k", k, [n, H, D], "n x n_kv_heads x head_dim")
+        check_shape("v", v, [n, H, D], "n x n_kv_heads x head_dim")
+        check_tensor("positions", positions, ndim=1, dtypes=_INT_DTYPES, device=dev)
+        check_shape("positions", positions, [n], "n (the tokens begin_extend announced)")
+
+        # The kept tokens in slot order, then per KV head in position order (pooling reads neighbours).
+        m = int(self._lens[l, b])
+        table = self.page_table[l, b, :_ceil_div(m, S)].to(torch.int64)
+        slots = torch.arange(m, device=dev)
+        page, offset = table[slots // S], slots % S  # [m] each
+        kept_score = self.slot_score[page, offset]  # [m, Hkv]
+        order = torch.sort(self.slot_pos[page, offset].long(), dim=0, stable=True).indices  # [m, Hkv]
+
+        def by_position(pool: torch.Tensor) -> torch.Tensor:  # [m, Hkv, ...] in position order per head
+            x = pool[page, offset]
+            return x.gather(0, order.view(m, H, *[1] * (x.dim() - 2)).expand_as(x))
+
+        ev, mode = self.eviction, self.eviction.prefill_mode
+        window = ev.prefill_window(n) if mode is not None else 0
+        kwargs = ev.prefill_kwargs(n) if mode is not None else {}
+        decay = float(kwargs.get("decay", 1.0))
+        out, scores = extend_attention(
+            q, k, v, positions, by_position(self.k_pages), by_position(self.v_pages),
+            by_position(self.slot_pos), scale=scale, alibi_slopes=alibi_slopes, mode=mode, window=window,
+            decay=decay, seed=self.prefill_seed(l, b), temperature=float(kwargs.get("temperature", 1.0)))
+        if scores is not None:
+            if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
+                scores = ev.postprocess_prefill_scores(scores)
+            else:  # every row scores: the rows continue the kept tokens' scores, as decode steps would
+                old = kept_score.gather(0, order).t()  # [Hkv, m]
+                if mode == "decay":
+                    old = old * decay**n
+                scores = torch.cat([old + scores[:, :m], scores[:, m:]], dim=1)
+            kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
+            self.slot_score[page, offset] = kept  # back in slot order
+            new_scores = scores[:, m:].t()  # [n, Hkv]
+        elif ev.scores_tokens:  # an open rule: each token's score from what its step provides
+            new_scores = self._token_scores(q, k, v, positions, check=True)
+        else:
+            new_scores = torch.zeros(n, H, dtype=torch.float32, device=dev)
+
+        # Append after the kept slots, popping the pages the extension opens (begin_extend counted them).
+        held, total = _ceil_div(m, S), _ceil_div(m + n, S)
+        if total > held:
+            self.page_table[l, b, held:total] = self.free_pages[self._free - (total - held):self._free]
+            self.n_free -= total - held
+            self._free -= total - held
+        slots = torch.arange(m, m + n, device=dev)
+        page, offset = self.page_table[l, b, :total].to(torch.int64)[slots // S], slots % S
+        self.k_pages[page, offset] = k
+        self.v_pages[page, offset] = v
+        self.slot_pos[page, offset] = positions.to(torch.int32)[:, None].expand(n, H)
+        self.slot_score[page, offset] = new_scores.to(torch.float32)
+        self.seq_lens[l, b] = m + n
+        self._lens[l, b] = m + n
+        ext.done[l] = True
+        self._track_peak()
+        return out
+
+    def end_extend(self, b: int) -> None:
+        """Finish sequence ``b``'s extension: re-plan the batch (``b``'s budget from ``budget_len``, its
+        layer budgets capped at its context plus the planning horizon) and compress every layer over budget
+        (the policy's ``prefill_compress``), returning pages. The sequence decodes at the next step."""
+        ext = self._extension
+        if self._state != "extend" or ext is None or b != ext.b:
+            raise RuntimeError(f"end_extend({b!r}) must follow begin_extend({b!r}) and extend_attend on "
+                               "every layer")
+        if not ext.done.all():
+            l = int(np.argmin(ext.done))
+            raise RuntimeError(f"layer {l} of sequence {b} was not extended; call extend_attend for every "
+                               "cache layer")
+        self._seen[b] += ext.n
+        self.prompt_lens[b] = ext.budget_len
+        self.budget_tokens[b] = self.policy.checked_budget_tokens(torch.tensor([ext.budget_len]))[0]
+        self.active[b] = True
+        self._active[b] = True
+        self._parked[b] = False
+        self._extension = None
+        self._state = "decode"
+        self._replan()
+
+    def restart_decode(self, max_new_tokens: int) -> None:
+        """Start the next generation of the batch: ``max_new_tokens`` decode steps from step 0 (Keyformer's
+        temperature schedule restarts). When the horizon changes, the plan is remade with it (each layer's
+        budget capped at its context plus ``max_new_tokens``) and layers over their new budget are
+        compressed now."""
+        if self._state != "decode":
+            raise RuntimeError(f"restart_decode called in state {self._state!r}; call it between decode "
+                               "steps")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        self._step = 0
+        if max_new_tokens == self.max_new_tokens and self.plan is not None:
+            return
+        self.max_new_tokens = max_new_tokens
+        self._replan()
+
+    def _replan(self) -> None:
+        """The batch's plan from the sequences' current lengths, budgets and horizon (``self.plan``), and,
+        with the policy's ``prefill_compress``, every layer over its budget compressed now. A
+        sequence's capacity counts every token it has seen (a generation adds to its context), its budget the
+        length it was last given (``budget_len``). Layers may be out of position order after decode-time
+        eviction: ``topk_evict`` ranks by stored positions (Keyformer's layers stay in order: its decode
+        noise is indexed by slot, and ``_compress`` keeps them on ``topk_compact``)."""
+        n = self.batch_size
+        for b in np.flatnonzero(self._holding()[:n]):
+            self.prompt_lens[b] = max(self.prompt_lens[b], int(self._seen[b]))
+        self.plan = self._plan(list(range(n)))
+        self.budgets[:, :n] = self.plan.rows.budgets.clamp_min(1).to(self.device, torch.int32)
+        if self.plan.schedule.prefill_compress:
+            if self.eviction.heads_share_selection:  # as after_step: one ranking for the layer's heads
+                self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
+            self._compress(in_place=True)
 
     # ------------------------------------------------------------------ inspection
     def layer_contents(self, l: int, b: int) -> dict[str, torch.Tensor]:
@@ -1032,7 +1340,7 @@ class PagedKVCache:
         """Bytes and tokens held now, the peak since ``start`` and the uncompressed equivalent."""
         n = self.batch_size
         per_layer = self._pages_held().sum(axis=1) * self.page_bytes
-        full_pages = self.n_layers * int(_ceil_div(self._seen[self._active], self.page_size).sum())
+        full_pages = self.n_layers * int(_ceil_div(self._seen[self._holding()], self.page_size).sum())
         budgets = None
         if self.plan is not None:  # the storage layers' budgets: a region's under its owner, 0 under b
             budgets = tuple(tuple(int(x) for x in row) for row in self.plan.rows.budgets.tolist())

@@ -5,12 +5,14 @@ pages), the cache applies the policy (budgets, merging, prompt compression), the
 together, one token per step, through a decode step whose shapes never change (finished rows keep
 running as inactive rows; the cache ignores them). That is what lets ``compile=True`` compile the step
 once (``torch.compile(fullgraph=True)``; CUDA graphs on CUDA) and never recompile as lengths change.
+
+:func:`generate` is one turn of :class:`kvmodels.decoder.Decoder`, which drives the cache protocol and
+continues a batch after a generation (follow-up questions) or prefills long prompts chunk by chunk.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -143,6 +145,7 @@ def generate(
     on_prefill: Callable[[int, int, int], None] | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
+    chunk: int | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens for each prompt, sharing one paged, compressed cache.
 
@@ -172,94 +175,20 @@ def generate(
         ``on_prefill(b, layers_done, n_layers)`` after each prefilled layer of sequence ``b``.
     page_size, num_pages :
         Cache pool geometry (``num_pages=None``: enough for every sequence at full length).
+    chunk : int, optional
+        Prefill each prompt ``chunk`` tokens at a time, compressing after each chunk, so a layer holds at
+        most its budget plus one chunk while prefilling (``Decoder.extend(chunk=)``; Llama, GPT-J, MPT).
+        ``None``: each prompt at once, then compressed.
 
     Returns
     -------
     GenerationResult
     """
-    from kvmodels.cache import paged_cache  # the cache pulls in the kernels; import when used
+    from kvmodels.decoder import Decoder  # the one driver of the cache protocol
 
-    if policy is None:
-        from kvpolicies import compose
-
-        policy = compose("full")
     _check_prompts(prompts, max_new_tokens, model)
-    eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or ())
-    param = next(iter(model.parameters()))
-    device, dtype = param.device, param.dtype
-    B = len(prompts)
-    prompt_lens = [len(p) for p in prompts]
-    layout = model.cache_layout()
-    cache = paged_cache(
-        n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
-        n_q_heads=layout.n_q_heads, max_batch=B, max_tokens=max(prompt_lens) + max_new_tokens,
-        page_size=page_size, num_pages=num_pages, dtype=dtype, device=device, policy=policy, seed=seed)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-    step_fn = compile_decode_step(model) if compile else model.decode_step
-
-    out: list[list[int]] = [[] for _ in range(B)]
-    report = None
-    on_eos = [False] * B
-    active = [True] * B
-
-    def emit(next_tokens: list[int]) -> None:
-        nonlocal report
-        for b in range(B):
-            if not active[b]:
-                continue
-            out[b].append(next_tokens[b])
-            if stream is not None:
-                stream(b, next_tokens[b])
-            if next_tokens[b] in eos or len(out[b]) == max_new_tokens:
-                on_eos[b] = next_tokens[b] in eos
-                active[b] = False
-                if report is None:
-                    report = cache.report()
-                cache.finish_sequence(b)
-
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        # Each prompt is compressed right after its prefill, so the pool never holds two whole prompts.
-        cache.start(prompt_lens, max_new_tokens, compress_each=True)
-        first = []
-        for b, prompt in enumerate(prompts):
-            progress = None
-            if on_prefill is not None:
-                progress = lambda l, b=b: on_prefill(b, l + 1, model.n_cache_layers)
-            logits = model.prefill(torch.tensor(prompt, dtype=torch.int64, device=device), cache, b,
-                                   last_only=True, on_layer=progress)
-            cache.compress_prompt(b)
-            first.append(_sample(logits[-1:], temperature, generator))
-        cache.finish_prefill()
-        tokens = torch.cat(first)  # [B]
-        next_tokens = tokens.tolist()  # synchronises, so the prefill time is real
-        prefill_s = time.perf_counter() - t0
-        emit(next_tokens)
-
-        positions = torch.tensor(prompt_lens, dtype=torch.int64, device=device)  # [B]
-        decode_tokens = 0
-        first_step_s = math.nan
-        t0 = time.perf_counter()
-        for step in range(max_new_tokens - 1):
-            if not any(active):
-                break
-            cache.prepare_decode(step)
-            if compile and device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            logits = step_fn(tokens, positions, cache)  # [B, V]
-            tokens = _sample(logits, temperature, generator)
-            cache.after_step(step)
-            next_tokens = tokens.tolist()
-            decode_tokens += sum(active)
-            emit(next_tokens)
-            positions = positions + 1
-            if step == 0:
-                first_step_s = time.perf_counter() - t0
-        decode_s = time.perf_counter() - t0
-
-    return GenerationResult(tokens=out, finished_on_eos=on_eos, prefill_tokens=sum(prompt_lens),
-                            prefill_s=prefill_s, decode_tokens=decode_tokens, decode_s=decode_s,
-                            report=report, extra={"first_step_s": first_step_s})
+    decoder = Decoder(model, policy, max_tokens=max(len(p) for p in prompts) + max_new_tokens,
+                      page_size=page_size, num_pages=num_pages, seed=seed, compile=compile)
+    decoder.extend(prompts, chunk=chunk, max_new_tokens=max_new_tokens, on_prefill=on_prefill)
+    return decoder.generate(max_new_tokens, temperature=temperature, eos_ids=eos_ids, stream=stream,
+                            final=True)

@@ -120,6 +120,9 @@ class GPTJ(nn.Module):
     config : GPTJConfig
     """
 
+    #: ``prefill(..., start > 0)`` continues a cached sequence (``kvmodels.decoder.Decoder.extend``).
+    can_extend = True
+
     def __init__(self, config: GPTJConfig) -> None:
         super().__init__()
         self.config = config
@@ -143,7 +146,7 @@ class GPTJ(nn.Module):
         return CacheLayout(n_layers=c.n_layers, n_kv_heads=c.n_heads, head_dim=c.head_dim,
                            n_q_heads=c.n_heads)
 
-    def prefill(self, tokens: Tensor, cache: Any, b: int, *, last_only: bool = False,
+    def prefill(self, tokens: Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
                 on_layer: Callable[[int], None] | None = None) -> Tensor:
         """Run one prompt densely and write every layer's K/V into ``cache`` for sequence ``b``.
 
@@ -152,6 +155,8 @@ class GPTJ(nn.Module):
         tokens : ``[L]`` int64 prompt ids
         cache : PagedKVCache or None (``None``: plain forward pass, nothing cached)
         b : batch slot of this sequence in the cache
+        start : position of ``tokens[0]``; ``> 0`` continues sequence ``b`` (``cache.extend_attend``, as
+            ``kvmodels.llama.Llama.prefill``)
         last_only : return only the last position's logits ``[1, V]``
         on_layer : called with the layer index after each layer
 
@@ -160,13 +165,17 @@ class GPTJ(nn.Module):
         ``[L, V]`` (or ``[1, V]``) logits in the model dtype.
         """
         L = tokens.shape[0]
-        positions = torch.arange(L, device=tokens.device)
+        if start and cache is None:
+            raise ValueError(f"start={start} continues a cached sequence; pass its cache")
+        positions = torch.arange(start, start + L, device=tokens.device)
         x = self.wte(tokens)                                                 # [L, h]
         for l, blk in enumerate(self.blocks):
             hn = blk.ln_1(x)
             q, k, v = blk.qkv(hn, positions)
             if cache is None:
                 attn, _ = prefill_attention(q, k, v, scale=self.scale)         # [L, H, D]
+            elif start:  # over the kept tokens and causally over these
+                attn = cache.extend_attend(l, b, q, k, v, positions, scale=self.scale)
             else:  # stores and scores the prompt K/V too, from the same attention probabilities
                 attn = cache.prefill_attend(l, b, q, k, v, positions, scale=self.scale)
             attn = blk.out_proj(attn.reshape(L, -1))                          # [L, h]

@@ -90,13 +90,15 @@ class HeadPagedKVCache(PagedKVCache):
         return x.reshape(x.shape[0] * self.kv_heads, x.shape[1] // self.kv_heads, *x.shape[2:])
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, prompt_lens: list[int], max_new_tokens: int, *, compress_each: bool = False) -> None:
+    def start(self, prompt_lens: list[int], max_new_tokens: int, *, compress_each: bool = False,
+              budget_lens: list[int] | None = None) -> None:
         prompt_lens = [int(x) for x in prompt_lens]
         if not 1 <= len(prompt_lens) <= self.max_sequences:
             raise ValueError(f"prompt_lens has {len(prompt_lens)} sequences; the cache was built for "
                              f"1..max_batch={self.max_sequences} (raise max_batch)")
+        per_row = None if budget_lens is None else [int(x) for x in budget_lens for _ in range(self.kv_heads)]
         super().start([L for L in prompt_lens for _ in range(self.kv_heads)], max_new_tokens,
-                      compress_each=compress_each)
+                      compress_each=compress_each, budget_lens=per_row)
         self.n_sequences = len(prompt_lens)
         self.sequence_prompt_lens = prompt_lens
         # Each sequence's plan (head budgets [Lc, 1, Hkv]), made once from the uncompressed prompt's scores.
@@ -177,6 +179,10 @@ class HeadPagedKVCache(PagedKVCache):
         for row in self._rows(self._check_sequence(b)):
             super().finish_sequence(row)
 
+    def pause(self, b: int) -> None:
+        for row in self._rows(self._check_sequence(b)):
+            super().pause(row)
+
     # ------------------------------------------------------------------ decode
     def append(self, l: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                q: torch.Tensor | None = None) -> None:
@@ -212,7 +218,7 @@ class HeadPagedKVCache(PagedKVCache):
             noise = self.gumbel_noise[l, :n * H][rows].contiguous() if self.gumbel_noise is not None else None
             outs.append(paged_decode_attention(
                 rows_q[rows].contiguous(), self.k_pages, self.v_pages,
-                self.page_table[s, :n * H][rows].contiguous(), self.seq_lens[s, :n * H][rows].contiguous(),
+                self.page_table[s, :n * H][rows].contiguous(), self._visible_lens(s)[rows].contiguous(),
                 scale=scale,
                 alibi=Alibi(alibi_slopes[h * G:(h + 1) * G].contiguous(), self.slot_pos,
                             rows_pos[rows].to(torch.int32).contiguous()),

@@ -183,6 +183,9 @@ class Llama(nn.Module):
     config : LlamaConfig
     """
 
+    #: ``prefill(..., start > 0)`` continues a cached sequence (``kvmodels.decoder.Decoder.extend``).
+    can_extend = True
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -220,9 +223,10 @@ class Llama(nn.Module):
         assert isinstance(cos, Tensor) and isinstance(sin, Tensor)
         return cos[positions].to(dtype), sin[positions].to(dtype)
 
-    def prefill(self, tokens: Tensor, cache: Any, b: int, *, last_only: bool = False,
+    def prefill(self, tokens: Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
                 on_layer: Callable[[int], None] | None = None) -> Tensor:
-        """Run one prompt densely and write every layer's K/V into ``cache`` for sequence ``b``.
+        """Run one prompt densely and write every layer's K/V into ``cache`` for sequence ``b``; with
+        ``start > 0``, continue sequence ``b`` instead (its earlier tokens are in the cache).
 
         Parameters
         ----------
@@ -234,6 +238,11 @@ class Llama(nn.Module):
             cached).
         b : int
             Batch slot of this sequence in the cache.
+        start : int
+            Position of ``tokens[0]``. ``0``: a prompt (``cache.prefill_attend``). ``> 0``: an extension of
+            sequence ``b``, which holds ``start`` tokens seen so far (kept or evicted) after
+            ``cache.begin_extend``: the tokens get positions ``start ..`` and attend to the kept ones
+            (``cache.extend_attend``); ``kvmodels.decoder.Decoder`` drives it.
         last_only : bool
             Return only the last position's logits (``[1, V]``), avoiding an ``[L, V]`` tensor.
         on_layer : callable, optional
@@ -245,13 +254,17 @@ class Llama(nn.Module):
             ``[L, V]`` (or ``[1, V]``) logits in the model dtype.
         """
         L = tokens.shape[0]
-        positions = torch.arange(L, device=tokens.device)
+        if start and cache is None:
+            raise ValueError(f"start={start} continues a cached sequence; pass its cache")
+        positions = torch.arange(start, start + L, device=tokens.device)
         x = self.tok_embeddings(tokens)  # [L, dim]
         cos, sin = self._rope(positions, x.dtype)
         for l, layer in enumerate(self.blocks):
             q, k, v = layer.qkv(x, cos, sin)
             if cache is None:
                 attn, _ = prefill_attention(q, k, v, scale=layer.scale)  # [L, Hq, D]
+            elif start:  # over the kept tokens and causally over these; stores and scores them
+                attn = cache.extend_attend(l, b, q, k, v, positions, scale=layer.scale)
             else:  # stores and scores the prompt K/V too, from the same attention probabilities
                 attn = cache.prefill_attend(l, b, q, k, v, positions, scale=layer.scale)
             attn_out = layer.wo(attn.reshape(L, -1))  # [L, dim]

@@ -137,6 +137,9 @@ class MPT(nn.Module):
     config : MPTConfig
     """
 
+    #: ``prefill(..., start > 0)`` continues a cached sequence (``kvmodels.decoder.Decoder.extend``).
+    can_extend = True
+
     def __init__(self, config: MPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -166,7 +169,7 @@ class MPT(nn.Module):
         return CacheLayout(n_layers=c.n_layers, n_kv_heads=c.n_heads, head_dim=c.head_dim,
                            n_q_heads=c.n_heads)
 
-    def prefill(self, tokens: Tensor, cache: Any, b: int, *, last_only: bool = False,
+    def prefill(self, tokens: Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
                 on_layer: Callable[[int], None] | None = None) -> Tensor:
         """Run one prompt densely and write every layer's K/V into ``cache`` for sequence ``b``.
 
@@ -175,6 +178,8 @@ class MPT(nn.Module):
         tokens : ``[L]`` int64 prompt ids
         cache : PagedKVCache or None (``None``: plain forward pass, nothing cached)
         b : batch slot of this sequence in the cache
+        start : position of ``tokens[0]``; ``> 0`` continues sequence ``b``: the cache attends over its kept
+            tokens with ALiBi from their stored positions (``cache.extend_attend``)
         last_only : return only the last position's logits ``[1, V]``
         on_layer : called with the layer index after each layer
 
@@ -183,14 +188,20 @@ class MPT(nn.Module):
         ``[L, V]`` (or ``[1, V]``) logits in the model dtype.
         """
         L = tokens.shape[0]
-        positions = torch.arange(L, device=tokens.device)
+        if start and cache is None:
+            raise ValueError(f"start={start} continues a cached sequence; pass its cache")
+        positions = torch.arange(start, start + L, device=tokens.device)
         x = self.wte(tokens)                                                 # [L, h]
         for l, blk in enumerate(self.blocks):
             q, k, v = blk.qkv(x)
-            if cache is not None:
-                cache.prefill_layer(l, b, q, k, v, positions, scale=self.scale,
-                                    alibi_slopes=self.alibi_slopes)
-            attn = alibi_causal_attention(q, k, v, self.alibi_slopes, scale=self.scale)
+            if start:
+                attn = cache.extend_attend(l, b, q, k, v, positions, scale=self.scale,
+                                           alibi_slopes=self.alibi_slopes)
+            else:
+                if cache is not None:
+                    cache.prefill_layer(l, b, q, k, v, positions, scale=self.scale,
+                                        alibi_slopes=self.alibi_slopes)
+                attn = alibi_causal_attention(q, k, v, self.alibi_slopes, scale=self.scale)
             attn = blk.out_proj(attn.reshape(L, -1))                          # [L, h]
             if cache is not None:  # the observation point: the budget policy reads what it needs
                 cache.observe(l, b, x, attn)

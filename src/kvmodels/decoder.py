@@ -1,0 +1,417 @@
+"""A continuable generation state: extend a batch of sequences with more tokens, generate, extend again.
+
+:class:`Decoder` holds one model, one paged cache and one policy for a batch, and is the one place that
+drives the cache protocol (docs/contract.md §6); :func:`kvmodels.generate.generate` is one ``extend`` and
+one ``generate(final=True)``::
+
+    dec = Decoder(model, compose("h2o", budget=0.5))
+    dec.extend([context_ids])             # the prompt: prefilled, then compressed to the budget
+    answer = dec.generate(32)             # decodes; the cache stays
+    dec.extend([question_ids])            # a follow-up costs its own tokens, not a new prefill
+    answer2 = dec.generate(32)
+
+* ``extend(tokens)`` prefills each sequence's new tokens into its existing, possibly compressed, cache: they
+  attend to its kept tokens and causally to each other, at their true positions (the sequence's tokens
+  seen so far, kept or evicted), their K/V are appended and scored, and the policy compresses the sequence
+  to its budget afterwards (a fraction budget counts every token seen). The first call is the prompt and
+  takes the one-shot path (dense causal attention, then prompt compression). ``chunk=N`` prefills ``N``
+  tokens at a time and compresses after each chunk, so a layer never holds more than its budget plus one
+  chunk, whatever the prompt's length.
+* ``generate(max_new_tokens)`` decodes every sequence. A sequence that stops (an eos id, or its last token)
+  is paused: it keeps its pages, and its last token, which no step has fed yet, is fed first by the next
+  ``extend`` (or ``generate``). ``final=True`` returns each sequence's pages as it stops instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
+import torch
+from torch import Tensor
+
+from kvmodels.generate import CausalLM, GenerationResult, _sample, compile_decode_step
+
+
+class _Extendable(Protocol):
+    """A model whose ``prefill`` continues a cached sequence from position ``start`` (``can_extend``)."""
+
+    def prefill(self, tokens: Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
+                on_layer: Callable[[int], None] | None = None) -> Tensor: ...
+
+
+def _positive(name: str, value: object, *, zero: bool = False) -> int:
+    lo = 0 if zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name}={value!r} must be an int >= {lo}")
+    return value
+
+
+class Decoder:
+    """Generation state of a batch on one paged, compressed cache, continuable after each generation.
+
+    Parameters
+    ----------
+    model : CausalLM
+        e.g. :class:`kvmodels.llama.Llama`; continuing a sequence needs ``model.can_extend`` (Llama,
+        GPT-J, MPT; not LCKV).
+    policy : ComposedPolicy, optional
+        From ``kvpolicies.compose``; default ``compose("full")``.
+    max_tokens : int, optional
+        The most tokens one cache layer may hold for one sequence at once (the page tables' width); default
+        the model's context. With a compressing policy and ``chunk``, the budget plus one chunk (plus the
+        tokens generated before the next eviction) is enough, however long the context.
+    page_size, num_pages :
+        Pool geometry (``num_pages=None``: enough for every sequence of the batch at ``max_tokens``).
+    seed : int
+        Seeds sampling and the cache's policy noise (Keyformer).
+    compile : bool
+        Compile the decode step once (``torch.compile(fullgraph=True)``; CUDA graphs on CUDA); every
+        ``generate`` reuses it.
+
+    Attributes
+    ----------
+    cache : PagedKVCache or None
+        Built by the first :meth:`extend` (its batch is the number of sequences given there).
+    lengths : list of int
+        Tokens each sequence has in its context (cached, kept or evicted): the next token's position.
+    pending : list of int or None
+        Each sequence's last generated token, not yet fed to the model (the next extend feeds it first).
+    closed : list of bool
+        Sequences whose pages went back to the pool (``generate(final=True)``).
+    """
+
+    def __init__(self, model: CausalLM, policy: Any = None, *, max_tokens: int | None = None,
+                 page_size: int = 16, num_pages: int | None = None, seed: int = 0,
+                 compile: bool = False) -> None:
+        if policy is None:
+            from kvpolicies import compose
+
+            policy = compose("full")
+        self.model, self.policy = model, policy
+        param = next(iter(model.parameters()))
+        self.device, self.dtype = param.device, param.dtype
+        self.max_tokens = model.max_seq_len if max_tokens is None else _positive("max_tokens", max_tokens)
+        self.page_size, self.num_pages, self.seed, self.compile = page_size, num_pages, seed, compile
+        self.cache: Any = None
+        self.lengths: list[int] = []
+        self.pending: list[int | None] = []
+        self.closed: list[bool] = []
+        self._logits: list[Tensor | None] = []  # [1, V] last-position logits of each sequence's last extend
+        self._generator = torch.Generator(device=self.device)  # sampling at temperature > 0
+        self._generator.manual_seed(seed)
+        self._step_fn = compile_decode_step(model) if compile else model.decode_step
+        self._prefill_tokens, self._prefill_s = 0, 0.0  # since the last generate
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    # ------------------------------------------------------------------ extend
+    def extend(self, tokens: Sequence[Sequence[int]], *, chunk: int | None = None, max_new_tokens: int = 0,
+               on_prefill: Callable[[int, int, int], None] | None = None) -> list[Tensor | None]:
+        """Prefill more tokens into each sequence's cache; the policy compresses each to its budget after.
+
+        Parameters
+        ----------
+        tokens : list of list of int
+            One list per sequence; the first call sets the batch (every list non-empty: the prompts). Later
+            a list may be empty (nothing new for that sequence); a sequence's pending token goes first.
+        chunk : int, optional
+            Prefill at most ``chunk`` tokens at a time, compressing after each chunk: a layer holds at most
+            its budget plus ``chunk`` tokens (docs/usage.md). ``None``: all at once.
+        max_new_tokens : int
+            The generation that will follow (planning only: each layer's budget is capped at the context
+            plus this; :meth:`generate` re-plans with its own). ``generate()`` passes its own.
+        on_prefill : callable, optional
+            ``on_prefill(b, layers_done, n_layers)`` after each prefilled layer (of each chunk).
+
+        Returns
+        -------
+        list of Tensor or None
+            Per sequence, the logits ``[V]`` after its last new token (what :meth:`generate` samples its
+            first token from), or ``None`` when it took no tokens.
+        """
+        new = self._new_tokens(tokens)
+        chunk = None if chunk is None else _positive("chunk", chunk)
+        _positive("max_new_tokens", max_new_tokens, zero=True)
+        first_call = self.cache is None
+        self._check_extension(new, chunk, max_new_tokens, first_call)
+        if first_call:
+            self._build_cache(len(new))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if first_call:
+                self._prefill(new, chunk, max_new_tokens, on_prefill)
+            else:
+                for b, toks in enumerate(new):
+                    if toks:
+                        self.pending[b] = None
+                        self._extend_sequence(b, toks, chunk, max_new_tokens, on_prefill,
+                                              budget_len=self.lengths[b] + len(toks))
+        self._prefill_s += time.perf_counter() - t0
+        self._prefill_tokens += sum(map(len, new))
+        return [logits[0] if toks and logits is not None else None
+                for toks, logits in zip(new, self._logits, strict=True)]
+
+    def _new_tokens(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each sequence's tokens to prefill: its pending token, then ``tokens[b]``; checked."""
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or len(tokens) == 0:
+            raise ValueError("tokens must be a non-empty list of token-id lists, one per sequence; tokenize "
+                             "the text first")
+        if self.cache is None:
+            for b, t in enumerate(tokens):
+                if len(t) == 0:
+                    raise ValueError(f"tokens[{b}] is empty; every prompt needs at least one token "
+                                     "(e.g. BOS)")
+            return [[int(x) for x in t] for t in tokens]
+        if len(tokens) != self.batch_size:
+            raise ValueError(f"tokens has {len(tokens)} lists; this Decoder's batch has {self.batch_size} "
+                             "sequences (pass [] for a sequence with nothing new)")
+        new: list[list[int]] = []
+        for b, t in enumerate(tokens):
+            if self.closed[b]:
+                if len(t):
+                    raise ValueError(f"tokens[{b}]: sequence {b} is closed (close() or generate(final=True) "
+                                     "returned its pages); start a new Decoder to continue it")
+                new.append([])
+                continue
+            last = self.pending[b]
+            new.append(([] if last is None else [last]) + [int(x) for x in t])
+        return new
+
+    def _check_extension(self, new: list[list[int]], chunk: int | None, max_new_tokens: int,
+                         first_call: bool) -> None:
+        """Refuse, before anything is written, what cannot run: past the model's context, past the cache's
+        ``max_tokens``, a chunk the policy cannot score, a model or policy that cannot continue."""
+        model, policy = self.model, self.policy
+        continues = any(new) if not first_call else chunk is not None and max(map(len, new)) > chunk
+        if continues and not getattr(model, "can_extend", False):
+            raise NotImplementedError(f"{type(model).__name__} cannot continue a cached sequence (extend "
+                                      "after the prompt, or chunk=); Llama, GPT-J and MPT can")
+        if continues and policy.merge_layout(model.n_cache_layers).pairs:
+            raise NotImplementedError(f"policy {policy.name!r} merges layers, which cannot take tokens after "
+                                      "the prompt (extend, chunk=); use a policy without merging")
+        if continues and policy.heads.per_head:
+            raise NotImplementedError(f"policy {policy.name!r} gives KV heads their own budgets (per-head "
+                                      "pages), which cannot take tokens after the prompt (extend, chunk=)")
+        window = policy.eviction.prefill_window(1 << 30) if policy.eviction.prefill_mode else 0
+        if chunk is not None and window > 1 and chunk < window:
+            name = policy.eviction.name
+            raise ValueError(f"chunk={chunk} is smaller than {name}'s observation window of {window} "
+                             f"queries, which vote at the end of each chunk; use chunk >= {window} (or a "
+                             f"smaller {name} window)")
+        context = model.max_seq_len
+        capacity = self.max_tokens if first_call else self.cache.slots_per_layer
+        for b, toks in enumerate(new):
+            if not toks:
+                continue
+            before = 0 if first_call else self.lengths[b]
+            total = before + len(toks) + max_new_tokens
+            if total > context:
+                raise ValueError(f"tokens[{b}]: sequence {b} would reach {total} tokens ({before} so far + "
+                                 f"{len(toks)} new + max_new_tokens={max_new_tokens}), past the model's "
+                                 f"context of {context}; shorten them or start a new Decoder")
+            held = 0 if first_call else self.cache.slots_held(b)
+            compresses = policy.eviction.prefill_compress
+            # without compression every token stays; with it, each chunk lands on a compressed layer
+            step = len(toks) if chunk is None or not compresses else min(chunk, len(toks))
+            if held + step > capacity:
+                arg = "chunk" if chunk is not None else f"tokens[{b}]"
+                raise ValueError(f"{arg}: sequence {b} would hold {held} + {step} tokens in a layer, more "
+                                 f"than max_tokens={self.max_tokens} allows; prefill in smaller chunks "
+                                 "(chunk=) or raise max_tokens")
+            if chunk is not None and compresses and len(toks) > chunk:
+                budget = int(policy.budget_tokens(torch.tensor([before + len(toks)]))[0])
+                if budget + chunk > capacity:
+                    raise ValueError(f"chunk={chunk}: each layer holds its budget ({budget} tokens) plus one "
+                                     f"chunk, more than max_tokens={self.max_tokens}; lower chunk or raise "
+                                     "max_tokens")
+
+    def _build_cache(self, batch: int) -> None:
+        from kvmodels.cache import paged_cache  # the cache pulls in the kernels; import when used
+
+        layout = self.model.cache_layout()
+        self.cache = paged_cache(
+            n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+            n_q_heads=layout.n_q_heads, max_batch=batch, max_tokens=self.max_tokens,
+            page_size=self.page_size, num_pages=self.num_pages, dtype=self.dtype, device=self.device,
+            policy=self.policy, seed=self.seed)
+        self.lengths, self.pending = [0] * batch, [None] * batch
+        self.closed, self._logits = [False] * batch, [None] * batch
+
+    def _progress(self, b: int, on_prefill: Callable[[int, int, int], None] | None):
+        if on_prefill is None:
+            return None
+        n = self.model.n_cache_layers
+        return lambda l: on_prefill(b, l + 1, n)
+
+    def _prefill(self, prompts: list[list[int]], chunk: int | None, max_new_tokens: int,
+                 on_prefill: Callable[[int, int, int], None] | None) -> None:
+        """The first call: each prompt's first chunk (all of it without ``chunk``) through the one-shot path,
+        compressed right after its prefill (so the pool holds one uncompressed prompt at a time); then the
+        rest chunk by chunk. Budgets are those of the whole prompts."""
+        cache = self.cache
+        first = [p if chunk is None else p[:chunk] for p in prompts]
+        cache.start([len(p) for p in first], max_new_tokens, compress_each=True,
+                    budget_lens=[len(p) for p in prompts])
+        for b, toks in enumerate(first):
+            logits = self.model.prefill(torch.tensor(toks, dtype=torch.int64, device=self.device), cache, b,
+                                        last_only=True, on_layer=self._progress(b, on_prefill))
+            cache.compress_prompt(b)
+            self._logits[b] = logits[-1:]
+            self.lengths[b] = len(toks)
+        cache.finish_prefill()
+        for b, toks in enumerate(prompts):
+            if len(toks) > len(first[b]):
+                self._extend_sequence(b, toks[len(first[b]):], chunk, max_new_tokens, on_prefill,
+                                      budget_len=len(toks))
+
+    def _extend_sequence(self, b: int, toks: list[int], chunk: int | None, max_new_tokens: int,
+                         on_prefill: Callable[[int, int, int], None] | None, *, budget_len: int) -> None:
+        """Sequence ``b`` takes ``toks`` through the cache's extension path, ``chunk`` at a time."""
+        cache, step = self.cache, chunk or len(toks)
+        for i in range(0, len(toks), step):
+            piece = toks[i:i + step]
+            cache.begin_extend(b, len(piece), budget_len=budget_len, max_new_tokens=max_new_tokens)
+            model = cast(_Extendable, self.model)  # checked: model.can_extend
+            logits = model.prefill(torch.tensor(piece, dtype=torch.int64, device=self.device), cache, b,
+                                   start=self.lengths[b], last_only=True,
+                                   on_layer=self._progress(b, on_prefill))
+            cache.end_extend(b)
+            self.lengths[b] += len(piece)
+            self._logits[b] = logits[-1:]
+
+    def close(self, b: int) -> None:
+        """Return sequence ``b``'s pages to the pool now; it takes no more tokens (``closed[b]``)."""
+        if self.cache is None or not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence b={b!r} is not in this Decoder's batch of {self.batch_size}")
+        if not self.closed[b]:
+            self.cache.finish_sequence(b)
+            self.closed[b], self._logits[b] = True, None
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, max_new_tokens: int, *, temperature: float = 0.0,
+                 eos_ids: int | Sequence[int] | None = None, stream: Callable[[int, int], None] | None = None,
+                 final: bool = False) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens for every open sequence, from its context so far.
+
+        Parameters
+        ----------
+        max_new_tokens : int
+            Tokens to generate per sequence (fewer when it stops on an eos id).
+        temperature : float
+            0 = greedy; otherwise sample from ``softmax(logits / temperature)`` (the Decoder's seeded
+            generator, continued across calls).
+        eos_ids : int or list of int, optional
+            A sequence stops after producing one of these.
+        stream : callable, optional
+            ``stream(b, token_id)`` for every new token as soon as it is known.
+        final : bool
+            Return each sequence's pages to the pool as soon as it stops; no ``extend`` may follow for it.
+            Otherwise a stopped sequence is paused, its pages kept for the next turn.
+
+        Returns
+        -------
+        GenerationResult
+            ``prefill_tokens``/``prefill_s`` cover the extensions since the previous ``generate``; ``report``
+            is the cache's report when the first sequence stops (``final``) or at the end, every sequence
+            still holding its pages.
+        """
+        if self.cache is None:
+            raise RuntimeError("generate() before extend(): prefill the prompts with extend(prompts) first")
+        _positive("max_new_tokens", max_new_tokens)
+        B, cache, model = self.batch_size, self.cache, self.model
+        live = [not c for c in self.closed]
+        if not any(live):
+            raise RuntimeError("every sequence is closed (close() or generate(final=True)); start a new "
+                               "Decoder")
+        for b in range(B):
+            if not live[b]:
+                continue
+            context = self.lengths[b] + (self.pending[b] is not None)
+            if context + max_new_tokens > model.max_seq_len:
+                raise ValueError(f"max_new_tokens={max_new_tokens}: sequence {b} has {context} tokens; "
+                                 f"{context + max_new_tokens} exceed the model's context of "
+                                 f"{model.max_seq_len}; lower max_new_tokens or start a new Decoder")
+            steps = (self.pending[b] is not None) + max_new_tokens - 1  # tokens the model will cache
+            if not self.policy.eviction.decode_evict and steps > cache.decode_room(b):
+                raise ValueError(f"max_new_tokens={max_new_tokens}: sequence {b} would cache {steps} more "
+                                 f"tokens, more than its layers have room for under max_tokens="
+                                 f"{self.max_tokens}; raise max_tokens or lower max_new_tokens")
+        if any(live[b] and self._logits[b] is None for b in range(B)):
+            self.extend([[] for _ in range(B)], max_new_tokens=max_new_tokens)  # feed the pending tokens
+        eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or ())
+        out: list[list[int]] = [[] for _ in range(B)]
+        on_eos = [False] * B
+        active = list(live)
+        report = None
+
+        def emit(next_tokens: list[int]) -> None:
+            nonlocal report
+            for b in range(B):
+                if not active[b]:
+                    continue
+                out[b].append(next_tokens[b])
+                if stream is not None:
+                    stream(b, next_tokens[b])
+                if next_tokens[b] in eos or len(out[b]) == max_new_tokens:
+                    on_eos[b] = next_tokens[b] in eos
+                    active[b] = False
+                    self.pending[b] = next_tokens[b]
+                    if final:
+                        if report is None:
+                            report = cache.report()
+                        cache.finish_sequence(b)
+                        self.closed[b] = True
+                    else:
+                        cache.pause(b)
+
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            cache.restart_decode(max_new_tokens)
+            first = []  # one draw per sequence, in order (a closed row gets a placeholder and no draw)
+            for b in range(B):
+                logits = self._logits[b]
+                first.append(torch.zeros(1, dtype=torch.int64, device=self.device) if logits is None
+                             else _sample(logits, temperature, self._generator))
+            tokens = torch.cat(first)  # [B]
+            next_tokens = tokens.tolist()  # synchronises, so the prefill time is real
+            prefill_s, prefill_tokens = self._prefill_s + time.perf_counter() - t0, self._prefill_tokens
+            self._prefill_s, self._prefill_tokens = 0.0, 0
+            self._logits = [None] * B
+            emit(next_tokens)
+
+            # [B]; a closed row's position stays 0, so its (ignored) step never indexes past the RoPE table
+            positions = torch.tensor([self.lengths[b] if live[b] else 0 for b in range(B)], dtype=torch.int64,
+                                     device=self.device)
+            step_fn, on_cuda = self._step_fn, self.compile and self.device.type == "cuda"
+            decode_tokens = 0
+            first_step_s = math.nan
+            t0 = time.perf_counter()
+            for step in range(max_new_tokens - 1):
+                if not any(active):
+                    break
+                stepping = [b for b in range(B) if active[b]]
+                cache.prepare_decode(step)
+                if on_cuda:
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits = step_fn(tokens, positions, cache)  # [B, V]
+                tokens = _sample(logits, temperature, self._generator)
+                cache.after_step(step)
+                next_tokens = tokens.tolist()
+                decode_tokens += len(stepping)
+                for b in stepping:  # the token fed this step is cached now
+                    self.lengths[b] += 1
+                emit(next_tokens)
+                positions = positions + 1
+                if step == 0:
+                    first_step_s = time.perf_counter() - t0
+            decode_s = time.perf_counter() - t0
+        if report is None:
+            report = cache.report()
+        return GenerationResult(tokens=out, finished_on_eos=on_eos, prefill_tokens=prefill_tokens,
+                                prefill_s=prefill_s, decode_tokens=decode_tokens, decode_s=decode_s,
+                                report=report, extra={"first_step_s": first_step_s})

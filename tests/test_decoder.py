@@ -1,0 +1,436 @@
+"""The continuable generation state (``kvmodels.decoder.Decoder``) and chunked prefill.
+
+(a) With the full policy nothing is evicted, so several turns of extend + generate equal greedy decoding of
+    the concatenated tokens by a no-cache forward pass, and a chunked prefill equals the whole prompt's.
+(b) With compressing policies, after each extend every layer holds at most its budget, every kept token's
+    K/V is bit-identical to what the model computed for it at its position, and positions are right.
+(c) A chunked prefill's peak pages follow budget + chunk, not the prompt's length.
+(d) The extension's attention and scores against a naive per-row, per-head loop.
+(e) Errors, each one line naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from devices import DEVICE
+from kvkernels._modes import update_scores_ref
+from kvkernels._noise import gumbel_noise_hash
+from kvmodels.decoder import Decoder
+from kvmodels.extend_attention import extend_attention, scored_rows
+from kvmodels.generate import generate
+from kvmodels.llama import Llama
+from kvpolicies import compose
+from test_cache import check_invariants
+from test_generate import V, greedy_oracle, tiny_llama
+from test_model_policy_matrix import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = tiny_llama()  # max_seq_len 96
+
+
+def no_cache_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The last position's logits of a plain forward pass over ``tokens`` (no cache)."""
+    with torch.no_grad():
+        return model.prefill(torch.tensor(tokens, device=DEVICE), None, 0)[-1]
+
+
+def tokens_strategy(min_size: int = 1, max_size: int = 12):
+    return st.lists(st.integers(0, V - 1), min_size=min_size, max_size=max_size)
+
+
+# ----------------------------------------------------------------------------------------------------- (a)
+@given(prompts=st.lists(tokens_strategy(), min_size=1, max_size=3),
+       follow=st.lists(tokens_strategy(0, 6), min_size=3, max_size=3), n1=st.integers(1, 5),
+       n2=st.integers(1, 5), page_size=st.sampled_from([1, 3, 4, 16]))
+def test_full_policy_turns_equal_one_shot_on_the_concatenation(prompts, follow, n1, n2, page_size):
+    """Turn 2 continues turn 1's cache; it must decode what a no-cache pass over everything decodes."""
+    B = len(prompts)
+    dec = Decoder(MODEL, page_size=page_size)
+    dec.extend(prompts)
+    first = dec.generate(n1)
+    logits = dec.extend(follow[:B])
+    second = dec.generate(n2)
+    for b in range(B):
+        assert first.tokens[b] == greedy_oracle(MODEL, prompts[b], n1)
+        context = prompts[b] + first.tokens[b] + follow[b]
+        assert second.tokens[b] == greedy_oracle(MODEL, context, n2)
+        torch.testing.assert_close(logits[b], no_cache_logits(MODEL, context), rtol=1e-4, atol=1e-4)
+    assert dec.lengths == [len(p) + n1 + len(f) + n2 - 1 for p, f in zip(prompts, follow, strict=False)]
+
+
+def test_generate_after_generate_feeds_the_last_token_first():
+    dec = Decoder(MODEL)
+    dec.extend([[3, 1, 4, 1, 5]])
+    a = dec.generate(4).tokens[0]
+    b = dec.generate(3).tokens[0]
+    assert a + b == greedy_oracle(MODEL, [3, 1, 4, 1, 5], 7)
+    assert dec.pending == [b[-1]] and dec.lengths == [5 + 6]
+
+
+@given(prompts=st.lists(tokens_strategy(1, 30), min_size=1, max_size=3), n_new=st.integers(1, 4),
+       chunk=st.sampled_from([1, 2, 3, 4, 5, 16]), page_size=st.sampled_from([1, 3, 4]))
+def test_full_policy_chunked_prefill_equals_unchunked(prompts, n_new, chunk, page_size):
+    """Ragged lengths incl. 1, chunks incl. 1 and ones that end on and across page boundaries."""
+    chunked = generate(MODEL, prompts, n_new, chunk=chunk, page_size=page_size)
+    whole = generate(MODEL, prompts, n_new, page_size=page_size)
+    assert chunked.tokens == whole.tokens == [greedy_oracle(MODEL, p, n_new) for p in prompts]
+    assert chunked.prefill_tokens == whole.prefill_tokens == sum(map(len, prompts))
+    dec = Decoder(MODEL, page_size=page_size)
+    logits = dec.extend(prompts, chunk=chunk)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(logits[b], no_cache_logits(MODEL, p), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gptj", "mpt"])
+def test_other_models_continue_too(family):
+    model = tiny_model(family)
+    dec = Decoder(model)
+    dec.extend([[5, 3, 8, 1, 9], [2, 2]], chunk=2)
+    first = dec.generate(3)
+    dec.extend([[7, 7, 1], []])
+    second = dec.generate(3)
+    for b, (prompt, more) in enumerate([([5, 3, 8, 1, 9], [7, 7, 1]), ([2, 2], [])]):
+        assert first.tokens[b] == greedy_oracle(model, prompt, 3)
+        assert second.tokens[b] == greedy_oracle(model, prompt + first.tokens[b] + more, 3)
+
+
+# ----------------------------------------------------------------------------------------------------- (b)
+class Recorder:
+    """Wraps the cache a Decoder builds to record the K/V the model hands it for every (layer, sequence,
+    position), and checks that each extension's positions continue its sequence."""
+
+    def __init__(self, dec: Decoder) -> None:
+        self.dec, self.kv = dec, {}
+        build = dec._build_cache
+
+        def build_and_wrap(batch: int) -> None:
+            build(batch)
+            self.wrap(dec.cache)
+
+        dec._build_cache = build_and_wrap
+
+    def wrap(self, cache) -> None:
+        dec = self.dec
+        prefill_attend, extend_attend, append = cache.prefill_attend, cache.extend_attend, cache.append
+
+        def on_prefill(l, b, q, k, v, positions, **kw):
+            self.store(l, b, k, v, positions)
+            return prefill_attend(l, b, q, k, v, positions, **kw)
+
+        def on_extend(l, b, q, k, v, positions, **kw):
+            start = dec.lengths[b]
+            assert positions.tolist() == list(range(start, start + len(positions)))
+            self.store(l, b, k, v, positions)
+            return extend_attend(l, b, q, k, v, positions, **kw)
+
+        def on_append(l, k, v, positions, q=None):
+            for b in range(len(positions)):
+                if cache._active[b]:
+                    self.store(l, b, k[b:b + 1], v[b:b + 1], positions[b:b + 1])
+            return append(l, k, v, positions, q=q)
+
+        cache.prefill_attend, cache.extend_attend, cache.append = on_prefill, on_extend, on_append
+
+    def store(self, l, b, k, v, positions) -> None:
+        for i, p in enumerate(positions.tolist()):
+            self.kv[l, b, p] = (k[i].clone(), v[i].clone())
+
+    def check(self, slack: int = 0) -> None:
+        """Every layer within its budget (+ ``slack``); kept K/V bit-identical to the model's; positions
+        distinct, seen, and including the forced recent window."""
+        cache, dec = self.dec.cache, self.dec
+        check_invariants(cache, evict_bound=False)
+        rep = cache.report()
+        for b in range(dec.batch_size):
+            for l in range(cache.n_layers):
+                held = rep.tokens_per_layer[l][b]
+                assert held <= rep.layer_budgets[l][b] + slack, (l, b, held, rep.layer_budgets[l][b])
+                kept = cache.layer_contents(l, b)
+                pos = kept["pos"]  # [n, Hkv], position order per head
+                assert int(pos.max()) < dec.lengths[b]
+                assert (pos[1:] > pos[:-1]).all(), "a position is kept twice"
+                for h in range(cache.n_kv_heads):
+                    for i, p in enumerate(pos[:, h].tolist()):
+                        k, v = self.kv[l, b, p]
+                        assert torch.equal(kept["k"][i, h], k[h]) and torch.equal(kept["v"][i, h], v[h])
+                n_recent = int(cache.plan.rows.n_recent[l, b])
+                if held == rep.layer_budgets[l][b] and n_recent:  # just compressed: the newest are kept
+                    newest = list(range(dec.lengths[b] - n_recent, dec.lengths[b]))
+                    for h in range(cache.n_kv_heads):
+                        assert pos[-n_recent:, h].tolist() == newest
+
+
+COMPRESSING = ["h2o", "snapkv(window=4)", "streaming", "tova", "a2sf", "keyformer", "scissorhands", "knorm",
+               "pyramid+h2o", "squeeze+h2o", "snapkv(window=4, chunk=3, per_head=False, align='scores')"]
+
+
+@given(prompts=st.lists(tokens_strategy(1, 40), min_size=1, max_size=2),
+       follow=st.lists(tokens_strategy(0, 9), min_size=2, max_size=2), chunk=st.sampled_from([None, 4, 5, 8]),
+       spec=st.sampled_from(COMPRESSING), budget=st.sampled_from([0.3, 6, 9]),
+       page_size=st.sampled_from([1, 4]))
+def test_compressing_policies_hold_their_budget_and_the_model_kv(prompts, follow, chunk, spec, budget,
+                                                                  page_size):
+    policy = compose(spec, budget=budget)
+    dec = Decoder(MODEL, policy, page_size=page_size, max_tokens=64)
+    rec = Recorder(dec)
+    B = len(prompts)
+    for more, n_new in ((prompts, 3), (follow[:B], 4), ([[9]] * B, 2)):
+        dec.extend(more, chunk=chunk)
+        rec.check()
+        dec.generate(n_new)
+        # decode-time eviction holds the budget; snapkv and the others that only compress prompts grow by the
+        # tokens fed since
+        rec.check(slack=0 if policy.eviction.decode_evict else n_new - 1)
+
+
+@pytest.mark.parametrize("spec", ["h2o", "a2sf"])
+def test_scores_of_an_extension_continue_as_decode_steps_would(spec):
+    """Nothing evicted (a budget above everything): the scores after decoding tokens one step at a time
+    equal the scores after extending with the same tokens, for rules that score every query row."""
+    prompt = [5, 3, 8, 1, 9, 2, 7, 11, 4]
+    policy = compose(spec, budget=60)
+    decoded = Decoder(MODEL, policy, page_size=4)
+    decoded.extend([prompt])
+    tokens = decoded.generate(6).tokens[0]
+    extended = Decoder(MODEL, policy, page_size=4)
+    extended.extend([prompt])
+    extended.extend([tokens[:-1]])
+    for l in range(MODEL.n_cache_layers):
+        a, b = decoded.cache.layer_contents(l, 0), extended.cache.layer_contents(l, 0)
+        assert torch.equal(a["pos"], b["pos"])
+        torch.testing.assert_close(a["score"], b["score"], rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_budgets_are_the_whole_prompts():
+    """A fraction budget is a fraction of the whole prompt, however it is chunked."""
+    prompt = list(range(40))
+    for chunk in (None, 7):
+        dec = Decoder(MODEL, compose("h2o", budget=0.25), page_size=4)
+        dec.extend([prompt], chunk=chunk)
+        assert dec.cache.report().tokens_per_layer == ((10,), (10,))
+    dec.extend([[1, 2, 3, 4]])  # 44 seen: ceil(0.25 * 44) = 11
+    assert dec.cache.report().tokens_per_layer == ((11,), (11,))
+
+
+# ----------------------------------------------------------------------------------------------------- (c)
+def pages(n_tokens: int, page_size: int) -> int:
+    return math.ceil(n_tokens / page_size)
+
+
+@given(length=st.integers(40, 90), chunk=st.sampled_from([1, 3, 4, 8, 13]),
+       budget=st.sampled_from([6, 8, 0.1]), page_size=st.sampled_from([1, 4, 5]))
+def test_chunked_peak_follows_budget_plus_chunk(length, chunk, budget, page_size):
+    policy = compose("h2o", budget=budget)
+    prompt = [(7 * i) % V for i in range(length)]
+    Lc = MODEL.n_cache_layers
+    budget_tokens = int(policy.budget_tokens(torch.tensor([length]))[0])
+    chunked = generate(MODEL, [prompt], 3, policy, chunk=chunk, page_size=page_size).report
+    whole = generate(MODEL, [prompt], 3, policy, page_size=page_size).report
+    assert chunked.peak_bytes <= Lc * pages(budget_tokens + chunk, page_size) * chunked.page_bytes
+    assert whole.peak_bytes == Lc * pages(length, page_size) * whole.page_bytes
+    assert chunked.tokens_per_layer == whole.tokens_per_layer == ((budget_tokens,),) * Lc
+
+
+def test_a_pool_for_budget_plus_chunk_runs_a_prompt_that_does_not_fit_whole():
+    prompt = [(5 * i + 1) % V for i in range(80)]
+    policy = compose("streaming", budget=12)
+    num_pages = MODEL.n_cache_layers * pages(12 + 8, 4)  # budget + one chunk per layer
+    with pytest.raises(RuntimeError, match="out of pages"):
+        generate(MODEL, [prompt], 4, policy, page_size=4, num_pages=num_pages)
+    res = generate(MODEL, [prompt], 4, policy, page_size=4, num_pages=num_pages, chunk=8)
+    assert len(res.tokens[0]) == 4
+    assert res.report.peak_bytes <= num_pages * res.report.page_bytes
+    assert res.report.tokens_per_layer == ((12,),) * MODEL.n_cache_layers
+
+
+# ----------------------------------------------------------------------------------------------------- (d)
+def naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, *, scale, slopes, mode, window, decay,
+                    seed, temperature):
+    """Row by row, query head by query head: each row attends to its KV head's kept tokens and to the new
+    tokens up to itself; scores start at zero and take ``update_scores_ref`` per scored row."""
+    n, Hq, D = q.shape
+    m, Hkv = kept_k.shape[0], k.shape[1]
+    G = Hq // Hkv
+    out = torch.zeros(n, Hq, D, dtype=torch.float64)
+    scores = torch.zeros(Hkv, m + n, dtype=torch.float64)
+    first = scored_rows(n, mode, window)
+    for i in range(n):
+        contrib = torch.zeros(Hkv, m + i + 1, dtype=torch.float64)
+        for hq in range(Hq):
+            h = hq // G
+            keys = torch.cat([kept_k[:, h], k[:i + 1, h]]).double()
+            values = torch.cat([kept_v[:, h], v[:i + 1, h]]).double()
+            key_pos = torch.cat([kept_pos[:, h].long(), positions[:i + 1].long()])
+            logits = scale * (keys @ q[i, hq].double())
+            if slopes is not None:
+                logits = logits + float(slopes[hq]) * (key_pos - int(positions[i])).double()
+            out[i, hq] = torch.softmax(logits, 0) @ values
+            if mode == "gumbel":
+                noise = gumbel_noise_hash(seed, hq, positions[i:i + 1].long(), key_pos).double()
+                contrib[h] += torch.softmax((logits + noise) / temperature, 0) / G
+            else:
+                contrib[h] += torch.softmax(logits, 0) / G
+        if i >= first:
+            visible = scores[:, :m + i + 1].float()
+            scores[:, :m + i + 1] = update_scores_ref(visible, contrib.float(), mode, decay=decay,
+                                                      n_valid=m + i + 1).double()
+    return out, scores
+
+
+@pytest.mark.parametrize("mode, window", [("accumulate", 0), ("accumulate", 3), ("decay", 0), ("replace", 1),
+                                          ("gumbel", 0), ("count_low", 0)])
+@pytest.mark.parametrize("alibi", [False, True])
+@given(m=st.integers(0, 9), n=st.integers(1, 7), seed=st.integers(0, 2**16))
+def test_extend_attention_equals_a_naive_loop(mode, window, alibi, m, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    Hkv, G, D = 2, 2, 8
+    q = torch.randn(n, Hkv * G, D, generator=g)
+    k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
+    kept_k, kept_v = torch.randn(m, Hkv, D, generator=g), torch.randn(m, Hkv, D, generator=g)
+    # each head keeps its own m of the first 3m positions, in order
+    kept_pos = torch.stack([torch.randperm(3 * m, generator=g)[:m].sort().values for _ in range(Hkv)], 1)
+    positions = torch.arange(3 * m, 3 * m + n)
+    slopes = torch.rand(Hkv * G, generator=g) if alibi else None
+    kw = dict(scale=D**-0.5, mode=mode, window=window, decay=0.9, seed=seed, temperature=1.5)
+    out, scores = extend_attention(q, k, v, positions, kept_k, kept_v, kept_pos, alibi_slopes=slopes, block=3,
+                                   **kw)
+    want_out, want_scores = naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, slopes=slopes, **kw)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores.double(), want_scores, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------- (e)
+class NoExtendLlama(Llama):
+    can_extend = False
+
+
+@pytest.mark.parametrize("make, call, error, match", [
+    (lambda: Decoder(MODEL), lambda d: d.extend([[1, 2, 3]], chunk=0), ValueError, r"^chunk=0 must be"),
+    (lambda: Decoder(MODEL, compose("snapkv", budget=0.5)), lambda d: d.extend([list(range(50))], chunk=16),
+     ValueError, r"^chunk=16 is smaller than snapkv's observation window of 32 .* use chunk >= 32"),
+    (lambda: Decoder(MODEL), lambda d: d.extend([[1] * 90], max_new_tokens=8), ValueError,
+     r"^tokens\[0\]: sequence 0 would reach 98 tokens .* past the model's context of 96"),
+    (lambda: Decoder(MODEL, compose("h2o", budget=8), max_tokens=12),
+     lambda d: d.extend([list(range(40))], chunk=8), ValueError,
+     r"^chunk=8: each layer holds its budget \(8 tokens\) plus one chunk, more than max_tokens=12"),
+    (lambda: Decoder(MODEL, max_tokens=12), lambda d: d.extend([list(range(20))]), ValueError,
+     r"^tokens\[0\]: .* more than max_tokens=12 allows; prefill in smaller chunks"),
+    (lambda: Decoder(tiny_model("llama"), compose("h2o", "minicache", budget=0.5)),
+     lambda d: d.extend([list(range(10))], chunk=4), NotImplementedError, "merges layers"),
+    (lambda: Decoder(MODEL, compose("h2o", "adakv", budget=0.5)),
+     lambda d: d.extend([list(range(10))], chunk=4), NotImplementedError, "own budgets"),
+    (lambda: Decoder(tiny_model("lckv")), lambda d: d.extend([list(range(10))], chunk=4), NotImplementedError,
+     "^LCKV cannot continue"),
+    (lambda: Decoder(MODEL), lambda d: d.generate(4), RuntimeError, r"before extend\(\)"),
+    (lambda: Decoder(MODEL), lambda d: d.extend([[1], []]), ValueError, r"tokens\[1\] is empty"),
+    (lambda: Decoder(MODEL), lambda d: d.extend("hello"), ValueError, "tokenize"),
+])
+def test_bad_input_is_refused_in_one_line(make, call, error, match):
+    dec = make()
+    with pytest.raises(error, match=match) as info:
+        call(dec)
+    assert "\n" not in str(info.value)
+    assert dec.cache is None or dec.cache._state in ("idle", "decode")  # nothing half done
+
+
+def test_continuation_errors():
+    dec = Decoder(MODEL)
+    dec.extend([[1, 2, 3], [4, 5]])
+    dec.generate(2)
+    with pytest.raises(ValueError, match=r"tokens has 1 lists; this Decoder's batch has 2 sequences"):
+        dec.extend([[1]])
+    with pytest.raises(ValueError, match=r"^max_new_tokens=95: sequence 0 has 5 tokens"):
+        dec.generate(95)
+    with pytest.raises(ValueError, match=r"^tokens\[1\]: sequence 1 would reach 98 tokens"):
+        dec.extend([[], [1] * 94])
+    dec.generate(2, final=True)
+    with pytest.raises(ValueError, match=r"sequence 0 is closed \(close\(\) or generate\(final=True\)"):
+        dec.extend([[1], []])
+    with pytest.raises(RuntimeError, match="every sequence is closed"):
+        dec.generate(2)
+    model = NoExtendLlama(MODEL.config).to(DEVICE)
+    one_shot = Decoder(model)
+    one_shot.extend([[1, 2, 3]])  # a prompt needs no continuation
+    one_shot.generate(2)
+    with pytest.raises(NotImplementedError, match="^NoExtendLlama cannot continue"):
+        one_shot.extend([[4]])
+
+
+def test_paused_sequences_keep_their_tokens_and_scores_while_others_decode():
+    """A sequence that stopped on eos sits out the rest of the turn: its cache must not change."""
+    policy = compose("h2o", budget=60)
+    dec = Decoder(MODEL, policy, page_size=4)
+    dec.extend([[5, 3, 8, 1], [9, 2, 7, 11, 4, 6]])
+    free = dec.generate(1)  # the first token of each
+    eos = free.tokens[0][0]
+    dec2 = Decoder(MODEL, policy, page_size=4)
+    dec2.extend([[5, 3, 8, 1], [9, 2, 7, 11, 4, 6]])
+    before = [dec2.cache.layer_contents(l, 0) for l in range(MODEL.n_cache_layers)]
+    res = dec2.generate(6, eos_ids=[eos])
+    assert res.tokens[0] == [eos] and res.finished_on_eos[0]
+    for l in range(MODEL.n_cache_layers):
+        after = dec2.cache.layer_contents(l, 0)
+        for name in ("k", "v", "pos", "score"):
+            assert torch.equal(before[l][name], after[name]), name
+
+
+@pytest.mark.slow
+def test_compiled_turns_equal_eager_without_recompiles():
+    """One decode graph for the Decoder: two turns (extend, generate, extend, generate) compiled give the
+    eager tokens and compile one graph."""
+    from torch._dynamo.utils import counters
+
+    policy = compose("h2o", budget=6, evict_every=2)
+    prompts = [[5, 3, 8, 1, 9, 2, 7], list(range(11, 30))]
+    turns = [([[1, 2, 3], [4]], 8), ([[], [6, 6]], 6)]
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    outs = []
+    for compile in (False, True):
+        dec = Decoder(MODEL, policy, page_size=4, compile=compile)
+        dec.extend(prompts, chunk=5)
+        got = [dec.generate(10).tokens]
+        for more, n in turns:
+            dec.extend(more)
+            got.append(dec.generate(n).tokens)
+        outs.append(got)
+    assert outs[0] == outs[1]
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_close_returns_one_sequences_pages_and_the_others_continue():
+    dec = Decoder(MODEL, compose("h2o", budget=6), page_size=4)
+    dec.extend([[5, 3, 8, 1, 9, 2, 7], [4, 4, 2, 9]])
+    first = dec.generate(3)
+    dec.close(0)
+    assert dec.cache.report().tokens_per_layer == ((0, 6), (0, 6))
+    dec.extend([[], [1, 2]])
+    second = dec.generate(3)
+    assert second.tokens[0] == [] and len(second.tokens[1]) == 3
+    want = Decoder(MODEL, compose("h2o", budget=6), page_size=4)  # the same turns without sequence 0
+    want.extend([[4, 4, 2, 9]])
+    assert want.generate(3).tokens[0] == first.tokens[1]
+    want.extend([[1, 2]])
+    assert want.generate(3).tokens[0] == second.tokens[1]
+
+
+def test_a_full_cache_longer_than_max_tokens_is_refused_before_any_chunk():
+    dec = Decoder(MODEL, max_tokens=20)
+    with pytest.raises(ValueError, match=r"^chunk: sequence 0 would hold 0 \+ 30 tokens in a layer"):
+        dec.extend([list(range(30))], chunk=8)
+    assert dec.cache is None
+
+
+def test_a_generation_past_max_tokens_is_refused_up_front():
+    dec = Decoder(MODEL, max_tokens=16)  # the full policy never evicts
+    dec.extend([list(range(10))])
+    with pytest.raises(ValueError, match=r"^max_new_tokens=8: sequence 0 would cache 7 more tokens"):
+        dec.generate(8)
+    assert len(dec.generate(7).tokens[0]) == 7  # 6 steps fit
