@@ -702,14 +702,19 @@ class PagedKVCache:
         self.budgets[:, :n] = plan.rows.budgets.clamp_min(1).to(self.device, torch.int32)
         for i, (a, b) in enumerate(self.layout.pairs):
             self._merge_pair(a, b, *(x.numpy() for x in plan.joint.row(i)))
+        groups = self._width_groups(range(self.n_layers))
         if plan.schedule.prefill_compress:
-            self._compress([l for l in range(self.n_layers) if self.layout.width[l] == 1])
+            self._compress(groups.get(1, []))
         budgets, n_sink, n_recent = (x.numpy() for x in plan.rows)  # [Lc, n] each
-        for w in (1, 2):  # upload the rows of decode-time eviction's calls (_compress) now, not mid-decode
-            ls = [l for l in range(self.n_layers) if self.layout.width[l] == w]
-            if ls:
-                self._op_rows(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls])
+        for ls in groups.values():  # upload decode-time eviction's rows (_compress) now, not mid-decode
+            self._op_rows(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls])
         self._state = "decode"
+
+    def _width_groups(self, layers) -> dict[int, list[int]]:
+        """``layers`` by storage width, one compaction call each: 1 plain layers, 2 merged pairs' regions (a
+        pair's second layer, width 0, stores nothing)."""
+        width = self.layout.width
+        return {w: ls for w in (1, 2) if (ls := [l for l in layers if width[l] == w])}
 
     def _compact(self, layers: list[int], seqs: list[int], budgets: np.ndarray, n_sink: np.ndarray,
                  n_recent: np.ndarray, extra: list[torch.Tensor] | None = None, *,
@@ -726,15 +731,15 @@ class PagedKVCache:
         use come from the host mirror, the index and budget tensors are uploaded once per distinct call
         (:meth:`_op_rows`), and the op skips its value checks (the plan checked the budgets).
         """
+        host = np.ix_(layers, seqs)
         ix, budgets_t, n_sink_t, n_recent_t = self._op_rows(layers, seqs, budgets, n_sink, n_recent)
-        cols = int(_ceil_div(self._lens[np.ix_(layers, seqs)].max(initial=0), self.page_size))
+        cols = int(_ceil_div(self._lens[host].max(initial=0), self.page_size))
         table = self.page_table[ix[0], ix[1], :cols].contiguous()  # [L, n, cols], a copy written back below
         lens = self.seq_lens[ix]
         op = topk_evict if in_place else topk_compact
         op(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1), lens.view(-1),
            budgets_t, n_sink_t, n_recent_t, self.free_pages, self.n_free, extra=extra or [], validate=False)
         self.page_table[ix[0], ix[1], :cols], self.seq_lens[ix] = table, lens
-        host = np.ix_(layers, seqs)
         old = self._lens[host]
         new = np.minimum(old, budgets)
         self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
@@ -750,7 +755,7 @@ class PagedKVCache:
                 self._op_rows_memo.clear()
             ix = (torch.tensor(layers, device=self.device)[:, None],
                   torch.tensor(seqs, device=self.device)[None])
-            dev = [torch.as_tensor(np.asarray(r)).to(self.device, torch.int32).flatten() for r in rows]
+            dev = [torch.as_tensor(r).to(self.device, torch.int32).flatten() for r in rows]
             self._op_rows_memo[key] = (ix, *dev)
         return self._op_rows_memo[key]
 
@@ -825,15 +830,11 @@ class PagedKVCache:
         n = self.batch_size
         assert self.plan is not None  # set by finish_prefill
         budgets, n_sink, n_recent = (x.numpy() for x in self.plan.rows)  # [Lc, n] each
-        width = self.layout.width
-        considered = range(self.n_layers) if layers is None else layers
-        over = [l for l in considered if width[l] and (self._lens[l, :n] > budgets[l]).any()]
-        for w in (1, 2):
-            if not any(width[l] == w for l in over):
+        for w, ls in self._width_groups(range(self.n_layers) if layers is None else layers).items():
+            if not (self._lens[ls, :n] > budgets[ls]).any():
                 continue
             # Every layer of this width, over budget or not (the op leaves the others as they are): one call
             # per width whose device rows finish_prefill uploaded (_op_rows), so no decode step uploads.
-            ls = [l for l in considered if width[l] == w]
             self._compact(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls],
                           extra=self._region_extra() if w == 2 else [],
                           in_place=in_place and w == 1 and not self.gumbel)
