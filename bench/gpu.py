@@ -2,6 +2,7 @@
 
     python bench/gpu.py --out DIR --pack OUT/gpu.tgz   # a CUDA machine: about 8.5 minutes (boxes: 480 s)
     python bench/gpu.py --out DIR --only generation,capacity   # a second, targeted run (their own boxes)
+    python bench/gpu.py --out DIR --only generation --runs 16:full,16:streaming   # a rerun after a fix
     python bench/gpu.py --out DIR --smoke              # every stage at tiny shapes on CPU (in the test suite)
 
 Needs only the project's tree and the machine's own packages (torch, triton, transformers, pytest; it puts
@@ -60,6 +61,7 @@ STAGES = ("env", "correctness", "kernels", "generation", "hf_static", "capacity"
 # capacity about 50 s for full and h2o.
 SHARES = {"env": 10, "correctness": 50, "kernels": 60, "generation": 250, "hf_static": 50, "capacity": 60}
 DEFAULT_BUDGET = sum(SHARES.values())  # 480 s: about 8.5 minutes with the processes' start-up
+RUNS_ENV = "KVPOLICIES_GPU_RUNS"  # --runs, handed to the generation stage's process
 KILL_GRACE_S = 10  # a stage still running this long after its box is killed
 SAVE_EVERY_S = 30  # results (and the --pack) rewritten this often while a stage runs
 
@@ -588,10 +590,28 @@ def _policy(name: str, budget: float):
     return compose(name) if name == "full" else compose(name, budget=budget)
 
 
-def generation_order(sh: Shapes) -> list[tuple[int, int, str]]:
-    """(batch, new tokens, policy) in the order the generation stage runs them: ``sh.gen_lead`` first, then
-    the other (batch, policy) pairs of ``sh.runs`` x ``sh.policies``, batch by batch."""
+def parse_runs(text: str, sh: Shapes) -> list[tuple[int, str]]:
+    """``--runs "16:full,16:streaming"`` as (batch, policy) pairs; each batch must be one of ``sh.runs``."""
+    from kvpolicies import compose
+
+    pairs = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        batch, _, policy = item.partition(":")
+        if not batch.isdigit() or int(batch) not in dict(sh.runs) or not policy:
+            raise ValueError(f"--runs: {item!r} must be BATCH:POLICY with BATCH one of "
+                             f"{sorted(dict(sh.runs))}, e.g. 16:streaming")
+        compose(policy)  # a bad spec fails here, not in the stage
+        pairs.append((int(batch), policy))
+    return pairs
+
+
+def generation_order(sh: Shapes, runs: list[tuple[int, str]] | None = None) -> list[tuple[int, int, str]]:
+    """(batch, new tokens, policy) in the order the generation stage runs them: ``runs`` (``--runs``) when
+    given, else ``sh.gen_lead`` first, then the other (batch, policy) pairs of ``sh.runs`` x ``sh.policies``,
+    batch by batch."""
     new = dict(sh.runs)
+    if runs:
+        return [(b, new[b], p) for b, p in runs]
     every = [(b, p) for b, _ in sh.runs for p in sh.policies]
     unknown = [x for x in sh.gen_lead if x not in every]
     if unknown or len(set(sh.gen_lead)) != len(sh.gen_lead):
@@ -657,13 +677,15 @@ def stage_generation(st: Stage) -> None:
     for name in ("cache_size_limit", "recompile_limit"):  # a recompile per policy must not fall back to eager
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    order = generation_order(sh)
+    runs = parse_runs(os.environ.get(RUNS_ENV, ""), sh)
+    order = generation_order(sh, runs)
     model, cfg = _model(st, sh.prompt_len + max(n for _, n in sh.runs) + 8)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     copy = st.copy_bandwidth()
     st.emit("model", config=cfg.__dict__, weight_bytes=weight_bytes, copy_gb_s=copy["gb_s"])
     st.emit("gen_plan", order=order)
-    _prefill_costs(st, model, cfg)
+    if not runs:  # a targeted rerun (--runs) measures only its decode runs
+        _prefill_costs(st, model, cfg)
 
     slowest: dict[str, float] = {}  # policy -> its slowest run so far, seconds
     for batch, new, name in order:
@@ -1158,6 +1180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     p.add_argument("--pack", default=None, type=Path,
                    help="a tar.gz of the whole --out directory, rewritten while each stage runs and after it")
+    p.add_argument("--runs", default=None,
+                   help="the generation stage runs only these BATCH:POLICY pairs, in this order (e.g. "
+                   "16:full,16:streaming; no prefill costs): a targeted rerun after a fix")
     p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # child process: one stage
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1172,6 +1197,13 @@ def main(argv: list[str] | None = None) -> int:
     boxes = stage_boxes(stages, args.budget or (600.0 if args.smoke else None))
     commit = args.commit or _commit()
     env = dict(os.environ)
+    env.pop(RUNS_ENV, None)
+    if args.runs:
+        try:
+            parse_runs(args.runs, SMOKE if args.smoke else REAL)
+        except ValueError as e:
+            p.error(str(e))
+        env[RUNS_ENV] = args.runs
     if args.smoke:
         env["TRITON_INTERPRET"] = "1"  # kernels on CPU tensors through the interpreter
         env["CUDA_VISIBLE_DEVICES"] = ""

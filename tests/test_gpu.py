@@ -158,3 +158,20 @@ def test_decode_step_bookkeeping_never_waits_for_the_device(policy):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert int(cache.seq_lens.max()) <= 128
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache"])
+def test_eviction_replayed_as_cuda_graphs_decodes_as_eager(policy):
+    """Decode-time eviction captured as CUDA graphs (kvmodels.replay) keeps exactly the tokens, and gives
+    exactly the logits, of the same eviction launched eagerly (tests/test_replay.py checks the keys on CPU)."""
+    from kvmodels.replay import Replays
+    from test_replay import decode_with_eviction
+
+    eager_logits, eager_contents, _ = decode_with_eviction(policy, Replays(enabled=False), device=DEVICE)
+    logits, contents, replays = decode_with_eviction(policy, None, device=DEVICE)  # the cache's own: on
+    assert replays.captures >= 1 and replays.replays >= 5
+    for a, b in zip(logits, eager_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(contents, eager_contents):
+        for name in ("k", "v", "pos", "score"):
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)

@@ -217,6 +217,21 @@ def test_generation_order_runs_the_lead_first():
         gpu.generation_order(dataclasses.replace(gpu.REAL, gen_lead=((8, "full"),)))
 
 
+def test_runs_pick_the_generation_runs():
+    """``--runs`` names (batch, policy) pairs run in its order; a batch outside the shapes' runs, a missing
+    policy or a bad policy spec is refused naming the item, before any stage starts."""
+    gpu = _gpu_module()
+    runs = gpu.parse_runs("16:streaming, 16:full,64:h2o+minicache", gpu.REAL)
+    assert runs == [(16, "streaming"), (16, "full"), (64, "h2o+minicache")]
+    assert gpu.generation_order(gpu.REAL, runs) == [(16, 256, "streaming"), (16, 256, "full"),
+                                                    (64, 512, "h2o+minicache")]
+    for bad in ("8:full", "16", "x:full", "16:nosuchpolicy"):
+        with pytest.raises((ValueError, KeyError), match="16|8|x|nosuchpolicy"):
+            gpu.parse_runs(bad, gpu.REAL)
+    with pytest.raises(SystemExit):
+        gpu.main(["--out", "/tmp/kvp-gpu-runs-test", "--runs", "8:full"])
+
+
 def test_skipped_generation_runs_are_not_measured():
     """A run the time box skipped still has its target row, 'not measured' (the stage records its plan)."""
     gpu = _gpu_module()

@@ -23,6 +23,7 @@ docs/contract.md §5 for the accounting.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -41,10 +42,27 @@ from kvkernels.score_update import (
 )
 from kvkernels.topk_compact import topk_compact, topk_evict
 from kvmodels.extend_attention import extend_attention
+from kvmodels.replay import Replays
 from kvpolicies.base import LayerStats, NewTokens
 from kvpolicies.plan import CompressionPlan
 
 _INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _op_rows_key(layers, seqs, *rows: np.ndarray) -> tuple:
+    return (tuple(layers), tuple(seqs), *(np.ascontiguousarray(r).tobytes() for r in rows))
+
+
+@dataclass(frozen=True)
+class _Compaction:
+    """One compaction call (:meth:`PagedKVCache._compaction`): ``device()`` does its tensor work (no host
+    sync), ``commit()`` updates the host mirror; ``key`` names the device work (same key, same launches on
+    the same tensors) and ``rows`` are the device rows it reads."""
+
+    key: tuple
+    rows: tuple
+    device: Callable[[], None]
+    commit: Callable[[], None]
 
 
 def _ceil_div(a, b):
@@ -288,6 +306,8 @@ class PagedKVCache:
 
         self.batch_size = 0
         self._state = "idle"
+        # Decode-time eviction as CUDA graphs (kvmodels.replay); eager elsewhere.
+        self._replays = Replays(enabled=self.device.type == "cuda")
         self._reset_pool()
 
     @property
@@ -331,6 +351,7 @@ class PagedKVCache:
         self._shared_scores: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> scores others reuse
         self.plan: CompressionPlan | None = None  # the batch's plan (finish_prefill)
         self._op_rows_memo: dict[tuple, tuple] = {}  # compaction calls' device rows (_op_rows)
+        self._replays.clear()
         self._peak_pages = 0
         self._full_peak_pages = 0
 
@@ -721,7 +742,15 @@ class PagedKVCache:
                  in_place: bool = False) -> None:
         """``topk_compact`` (or, ``in_place``, ``topk_evict``) storage layers ``layers`` x sequences ``seqs``
         in one op call, to host ``budgets [len(layers), len(seqs)]`` (with the forced counts beside them),
-        and update the host mirror without a sync.
+        and update the host mirror without a sync (:meth:`_compaction`, run now)."""
+        call = self._compaction(layers, seqs, budgets, n_sink, n_recent, extra, in_place=in_place)
+        call.device()
+        call.commit()
+
+    def _compaction(self, layers: list[int], seqs: list[int], budgets: np.ndarray, n_sink: np.ndarray,
+                    n_recent: np.ndarray, extra: list[torch.Tensor] | None = None, *,
+                    in_place: bool = False) -> _Compaction:
+        """One compaction call, split in its device work and its host mirror update.
 
         The pool is shared, so the rows' page tables stacked into ``[len(layers) * len(seqs), M]`` are one
         batch to the kernel (an eviction over 30 layers is one call, not 30); the free stack receives the
@@ -729,27 +758,37 @@ class PagedKVCache:
 
         Nothing here reads the device (a decode step evicts through this every step): the table columns in
         use come from the host mirror, the index and budget tensors are uploaded once per distinct call
-        (:meth:`_op_rows`), and the op skips its value checks (the plan checked the budgets).
+        (:meth:`_op_rows`), and the op skips its value checks (the plan checked the budgets). The device
+        work touches only static buffers and those rows, so the call's ``key`` names it for a CUDA graph.
         """
         host = np.ix_(layers, seqs)
-        ix, budgets_t, n_sink_t, n_recent_t = self._op_rows(layers, seqs, budgets, n_sink, n_recent)
+        rows = self._op_rows(layers, seqs, budgets, n_sink, n_recent)
+        ix, budgets_t, n_sink_t, n_recent_t = rows
         cols = int(_ceil_div(self._lens[host].max(initial=0), self.page_size))
-        table = self.page_table[ix[0], ix[1], :cols].contiguous()  # [L, n, cols], a copy written back below
-        lens = self.seq_lens[ix]
         op = topk_evict if in_place else topk_compact
-        op(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1), lens.view(-1),
-           budgets_t, n_sink_t, n_recent_t, self.free_pages, self.n_free, extra=extra or [], validate=False)
-        self.page_table[ix[0], ix[1], :cols], self.seq_lens[ix] = table, lens
-        old = self._lens[host]
-        new = np.minimum(old, budgets)
-        self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
-        self._lens[host] = new
+        extra = extra or []
+
+        def device() -> None:
+            table = self.page_table[ix[0], ix[1], :cols].contiguous()  # [L, n, cols], written back below
+            lens = self.seq_lens[ix]
+            op(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1), lens.view(-1),
+               budgets_t, n_sink_t, n_recent_t, self.free_pages, self.n_free, extra=extra, validate=False)
+            self.page_table[ix[0], ix[1], :cols], self.seq_lens[ix] = table, lens
+
+        def commit() -> None:
+            old = self._lens[host]
+            new = np.minimum(old, budgets)
+            self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
+            self._lens[host] = new
+
+        key = (_op_rows_key(layers, seqs, budgets, n_sink, n_recent), cols, in_place, len(extra))
+        return _Compaction(key, rows, device, commit)
 
     def _op_rows(self, layers: list[int], seqs: list[int], *rows: np.ndarray) -> tuple:
         """Device copies of a compaction call's index (``(layers [L, 1], seqs [1, n])``) and of its host rows
         ``[L, n]`` (flattened, int32), uploaded once per distinct call: an upload from host memory waits
         for the device, and decode-time eviction repeats the same call every step."""
-        key = (tuple(layers), tuple(seqs), *(r.tobytes() for r in rows))
+        key = _op_rows_key(layers, seqs, *rows)
         if key not in self._op_rows_memo:
             if len(self._op_rows_memo) > 64:  # prefill calls differ per prompt; keep the memo small
                 self._op_rows_memo.clear()
@@ -820,7 +859,13 @@ class PagedKVCache:
 
     def _compress(self, layers: list[int] | None = None, in_place: bool = False) -> None:
         """``topk_compact`` every storage layer (of ``layers``) holding more than its budget: one op call
-        per storage width (plain layers, merged regions).
+        per storage width (plain layers, merged regions)."""
+        for call in self._compress_calls(layers, in_place):
+            call.device()
+            call.commit()
+
+    def _compress_calls(self, layers: list[int] | None = None, in_place: bool = False) -> list[_Compaction]:
+        """The compaction calls :meth:`_compress` makes, not yet run.
 
         ``in_place`` (decode-time eviction): plain layers evict with ``topk_evict``, which keeps the same
         tokens but moves only the kept slots past the budget, not every kept token after an evicted one.
@@ -830,14 +875,16 @@ class PagedKVCache:
         n = self.batch_size
         assert self.plan is not None  # set by finish_prefill
         budgets, n_sink, n_recent = (x.numpy() for x in self.plan.rows)  # [Lc, n] each
+        calls = []
         for w, ls in self._width_groups(range(self.n_layers) if layers is None else layers).items():
             if not (self._lens[ls, :n] > budgets[ls]).any():
                 continue
             # Every layer of this width, over budget or not (the op leaves the others as they are): one call
             # per width whose device rows finish_prefill uploaded (_op_rows), so no decode step uploads.
-            self._compact(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls],
-                          extra=self._region_extra() if w == 2 else [],
-                          in_place=in_place and w == 1 and not self.gumbel)
+            calls.append(self._compaction(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls],
+                                          extra=self._region_extra() if w == 2 else [],
+                                          in_place=in_place and w == 1 and not self.gumbel))
+        return calls
 
     # ------------------------------------------------------------------ decode
     def prepare_decode(self, step: int) -> None:
@@ -1018,9 +1065,19 @@ class PagedKVCache:
                                f"step is {self._step}")
         assert self.plan is not None  # set by finish_prefill
         if self.plan.evicts_after(step):
-            if self.eviction.heads_share_selection:  # every slot holds one token in all heads of its layer
-                self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
-            self._compress(in_place=True)
+            share = self.eviction.heads_share_selection  # every slot holds one token in all heads of its layer
+            calls = self._compress_calls(in_place=True)
+
+            def evict() -> None:
+                if share:
+                    self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
+                for call in calls:
+                    call.device()
+
+            # The same calls every step at a steady width: on CUDA, one graph replay instead of ~50 launches.
+            self._replays.run((share, *(c.key for c in calls)), evict, keep=tuple(c.rows for c in calls))
+            for call in calls:
+                call.commit()
         self._step += 1
         self._state = "decode"
 
