@@ -63,6 +63,22 @@ def test_replays_run_eager_then_capture_then_replay():
     assert calls[-3:] == [0, 1, 2] and off.captures == 0
 
 
+def test_a_capture_that_fails_falls_back_to_eager_once(monkeypatch):
+    class Broken(FakeGraphs):
+        def capture(self, fn, pool):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    calls = []
+    r = Replays(enabled=True, graph_factory=Broken())
+    r.run("a", lambda: calls.append(1))
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        r.run("a", lambda: calls.append(2))
+    r.run("a", lambda: calls.append(3))
+    assert calls == [1, 2, 3] and not r.enabled and "not permitted" in r.failure
+    monkeypatch.setenv("KVPOLICIES_EVICTION_GRAPHS", "0")
+    assert not Replays(enabled=True).enabled
+
+
 def decode_with_eviction(policy: str, replays: Replays | None, steps: int = 24, device: str = "cpu"):
     """Logits per decode step and the kept tokens afterwards; ``replays``: the cache's (None: its own)."""
     torch.manual_seed(0)

@@ -14,6 +14,8 @@ static buffers, and index rows the caller hands over in ``keep`` so they outlive
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Callable, Hashable
 
 import torch
@@ -22,19 +24,22 @@ import torch
 class Replays:
     """Per key: eager on first sight, captured on the second, replayed after; eager where graphs are off.
 
-    ``enabled``: only for CUDA devices (elsewhere :meth:`run` just calls the function). ``limit``: the most
+    ``enabled``: only for CUDA devices (elsewhere :meth:`run` just calls the function); the environment
+    variable ``KVPOLICIES_EVICTION_GRAPHS=0`` turns graphs off everywhere (to compare, or to debug). A
+    capture that fails turns them off for this object, with one warning, and the work runs eagerly. ``limit``: the most
     graphs held (each keeps its scratch memory in a pool the graphs share); a key past it stays eager.
     ``graph_factory``: for tests, an object with ``capturing()`` and ``capture(fn, pool)``, which returns
     something with ``replay()`` and ``pool()``; the default uses ``torch.cuda.CUDAGraph``.
     """
 
     def __init__(self, enabled: bool, limit: int = 8, graph_factory=None):
-        self.enabled = enabled
+        self.enabled = enabled and os.environ.get("KVPOLICIES_EVICTION_GRAPHS", "1") != "0"
         self.limit = limit
         self._factory = graph_factory or _CudaGraphs()
         self._graphs: dict[Hashable, tuple[object, tuple]] = {}
         self._seen: set[Hashable] = set()
         self._pool = None
+        self.failure: str | None = None  # why capturing failed, if it did (graphs are then off)
         self.captures = 0  # graphs captured since the last clear (reported by tests and the bench)
         self.replays = 0
 
@@ -50,7 +55,15 @@ class Replays:
                 self._seen.add(key)
                 fn()
                 return
-            graph = self._factory.capture(fn, self._pool)
+            try:
+                graph = self._factory.capture(fn, self._pool)
+            except Exception as e:  # noqa: BLE001 - a capture that fails leaves eager launches, said once
+                self.enabled, self.failure = False, f"{type(e).__name__}: {e}"
+                warnings.warn(f"kvmodels: decode-time eviction could not be captured as a CUDA graph "
+                              f"({self.failure}); it runs eagerly from now on (slower, same tokens)",
+                              RuntimeWarning, stacklevel=2)
+                fn()
+                return
             if self._pool is None:
                 self._pool = graph.pool()
             entry = self._graphs[key] = (graph, tuple(keep))
