@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from devices import DEVICE
 from kvkernels.topk_compact import (
+    _evict_excess,
     topk_compact_ref,
     topk_evict,
     topk_evict_ref,
@@ -106,3 +107,76 @@ def test_errors_are_those_of_topk_compact():
     one = torch.tensor([1], dtype=torch.int32)
     with pytest.raises(ValueError, match="n_sink \\+ n_recent must be <= budgets"):
         topk_evict(*args, one, one, one, free, n_free)
+
+
+def _without_extra(pool: Pool) -> Pool:
+    out = pool.clone()
+    out.extra = []
+    return out
+
+
+def run_excess(before: Pool, budgets, n_sink, n_recent, max_excess: int | None) -> Pool:
+    """The selection kernel for rows a few tokens over budget: ``max_excess=None`` launches it directly
+    (whatever the excess), an int goes through the Triton launcher's choice."""
+    pool = before.clone(DEVICE)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    args = (pool.k, pool.v, pool.pos, pool.score, pool.tables[0], pool.lens[0], i32(budgets), i32(n_sink),
+            i32(n_recent), pool.free, pool.n_free)
+    if max_excess is None:
+        _evict_excess(*args)
+    else:
+        topk_evict_triton(*args, [], max_excess)
+    return pool.clone("cpu")
+
+
+@pytest.mark.interpret
+@given(case=scenarios(), seed=st.integers(0, 2**16), direct=st.booleans())
+def test_selection_kernel_equals_reference_bit_for_bit(case, seed, direct):
+    """The kernel that selects the evicted tokens (decode-time eviction, a few tokens over budget) leaves
+    every pool tensor, table, length and the free stack as the reference does, whatever the excess (direct
+    launch) and through the launcher given the excess as its bound; ties, infinities, NaN-free scores,
+    shuffled slots, sinks and windows from the scenarios."""
+    before, budgets, n_sink, n_recent = case
+    start = _without_extra(shuffled(before, seed))
+    ref = run_evict(topk_evict_ref, start, budgets, n_sink, n_recent)
+    excess = max([int(n) - b for n, b in zip(start.lens[0].tolist(), budgets)] + [1])
+    got = run_excess(start, budgets, n_sink, n_recent, None if direct else excess)
+    for x, y in zip(ref.pool_tensors(), got.pool_tensors()):
+        assert torch.equal(bits(x), bits(y))
+    assert all(torch.equal(x, y) for x, y in zip(ref.tables + ref.lens, got.tables + got.lens))
+    assert int(ref.n_free) == int(got.n_free)
+    assert torch.equal(ref.free[: int(ref.n_free)], got.free[: int(got.n_free)])
+
+
+@pytest.mark.interpret
+def test_selection_kernel_ranks_nan_lowest_and_keeps_it_raw():
+    """A NaN score is evicted first (ranks lowest); a kept NaN moves as the same bits."""
+    before, budgets, n_sink, n_recent = _one_row_pool()
+    before.score.view(-1)[3] = float("nan")
+    ref = run_evict(topk_evict_ref, before, budgets, n_sink, n_recent)
+    got = run_excess(before, budgets, n_sink, n_recent, None)
+    for x, y in zip(ref.pool_tensors(), got.pool_tensors()):
+        assert torch.equal(bits(x), bits(y))
+
+
+def _one_row_pool():
+    from test_topk_compact import build_pool
+
+    pool = build_pool(3, [[9], [0]], page_size=4, n_heads=1, dim=4, dtype=torch.float32, score_kind="float",
+                      spare_pages=1, with_extra=False)
+    return pool, [7], [1], [2]
+
+
+def test_max_excess_is_checked():
+    before, budgets, n_sink, n_recent = _one_row_pool()
+    pool = before.clone()
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    args = (pool.k, pool.v, pool.pos, pool.score, pool.tables[0], pool.lens[0], i32(budgets), i32(n_sink),
+            i32(n_recent), pool.free, pool.n_free)
+    with pytest.raises(ValueError, match="max_excess=1 but a row is 2 tokens over"):
+        topk_evict(*args, max_excess=1)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="max_excess must be a positive int"):
+            topk_evict(*args, max_excess=bad)
+    topk_evict(*args, max_excess=2)
+    assert pool.lens[0].tolist() == [7]

@@ -62,6 +62,83 @@ if HAS_TRITON:
             tl.store(x_ptr + dst[:, None] + w[None, :], vals, mask=mask)
 
 
+    @triton.jit
+    def _kth_smallest(key, valid, k, n):
+        """The ``k``-th smallest (0-based) of the distinct ``key`` values where ``valid``, by bisection over
+        the keys' range [0, 2**49): -1 when ``k < 0``, 2**62 when ``k >= n`` (so ``key < it`` is all)."""
+        lo = tl.full((), 0, tl.int64)
+        hi = tl.full((), (1 << 49) - 1, tl.int64)
+        for _ in range(49):
+            mid = (lo + hi) >> 1
+            enough = tl.sum((valid & (key <= mid)).to(tl.int32), axis=0) >= k + 1
+            hi = tl.where(enough, mid, hi)
+            lo = tl.where(enough, lo, mid + 1)
+        lo = tl.where(k < 0, -1, lo)
+        return tl.where(k >= n, 1 << 62, lo)
+
+    @triton.jit
+    def _evict_excess_kernel(
+        k_ptr, v_ptr, pos_ptr, score_ptr, table_ptr, lens_ptr, budgets_ptr, n_sink_ptr, n_recent_ptr,
+        stride_kp, stride_ks, stride_kh, stride_sp, stride_ss, stride_tb, width, head_dim,
+        PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """:func:`topk_evict` of one (sequence ``b``, KV head ``h``) row by selection instead of sorting: for
+        rows a few tokens over their budget (decode-time eviction), cost ``O(W * (excess + 100))``.
+
+        Ranks by the key ``(position, slot)`` (distinct, the reference's stable order): the sinks are the keys
+        below the ``n_sink``-th smallest, the recent window the keys from the ``(n - n_recent)``-th on (both
+        found by bisection). The evicted tokens are the non-forced ones picked lowest score first (NaN as
+        -inf; a tie evicts the later key first), one per round. Then the i-th evicted slot below the budget
+        takes the i-th kept slot at or past it, in slot order: K, V, position and score copied unchanged.
+        """
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n = tl.load(lens_ptr + b).to(tl.int64)
+        budget = tl.load(budgets_ptr + b).to(tl.int64)
+        if n > budget:
+            n_sink = tl.load(n_sink_ptr + b).to(tl.int64)
+            n_recent = tl.load(n_recent_ptr + b).to(tl.int64)
+            j = tl.arange(0, BLOCK_W).to(tl.int64)
+            valid = (j < n) & (j < width)
+            table_row = table_ptr + b * stride_tb
+            page = tl.load(table_row + j // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            slot = page * stride_sp + (j % PAGE_SIZE) * stride_ss + h  # per-slot tensors: [P, S, Hkv]
+            pos = tl.load(pos_ptr + slot, mask=valid, other=0).to(tl.int64)
+            score = tl.load(score_ptr + slot, mask=valid, other=0.0)
+            score = tl.where(score != score, float("-inf"), score)  # NaN ranks lowest
+            key = tl.where(valid, (pos + (1 << 31)) * (1 << 17) + j, 1 << 62)
+            first_recent = _kth_smallest(key, valid, n - n_recent, n)
+            forced = valid & ((key < _kth_smallest(key, valid, n_sink, n)) | (key >= first_recent))
+            normal = valid & ~forced
+            quota = tl.maximum(budget - n_sink - n_recent, 0)
+            n_evict = tl.maximum(tl.sum(normal.to(tl.int64), axis=0) - quota, 0)
+            evicted = j < 0  # all False
+            for _ in range(0, n_evict):
+                cand = normal & ~evicted
+                low = tl.min(tl.where(cand, score, float("inf")), axis=0)
+                last = tl.max(tl.where(cand & (score == low), key, -1), axis=0)
+                evicted = evicted | (key == last)
+            hole = evicted & (j < budget)
+            mover = valid & ~evicted & (j >= budget)
+            d_off = tl.arange(0, BLOCK_D)
+            d_mask = d_off < head_dim
+            for _ in range(0, tl.sum(hole.to(tl.int32), axis=0)):
+                dst = tl.min(tl.where(hole, j, BLOCK_W), axis=0)
+                src = tl.min(tl.where(mover, j, BLOCK_W), axis=0)
+                hole = hole & (j != dst)
+                mover = mover & (j != src)
+                src_page = tl.load(table_row + src // PAGE_SIZE).to(tl.int64)
+                dst_page = tl.load(table_row + dst // PAGE_SIZE).to(tl.int64)
+                src_kv = src_page * stride_kp + (src % PAGE_SIZE) * stride_ks + h * stride_kh + d_off
+                dst_kv = dst_page * stride_kp + (dst % PAGE_SIZE) * stride_ks + h * stride_kh + d_off
+                tl.store(k_ptr + dst_kv, tl.load(k_ptr + src_kv, mask=d_mask), mask=d_mask)
+                tl.store(v_ptr + dst_kv, tl.load(v_ptr + src_kv, mask=d_mask), mask=d_mask)
+                src_slot = src_page * stride_sp + (src % PAGE_SIZE) * stride_ss + h
+                dst_slot = dst_page * stride_sp + (dst % PAGE_SIZE) * stride_ss + h
+                tl.store(pos_ptr + dst_slot, tl.load(pos_ptr + src_slot))
+                tl.store(score_ptr + dst_slot, tl.load(score_ptr + src_slot))  # raw: NaN stays NaN
+
+
 def _ceil_div(a, b):
     return (a + b - 1) // b
 
@@ -499,20 +576,53 @@ def _pair_holes(holes: Tensor, movers: Tensor) -> Tensor:
     return torch.where(holes, paired, d).to(torch.int32).contiguous()
 
 
+# Rows at most this many tokens over their budget (the caller's bound, ``max_excess``) and at most this many
+# slots wide are evicted by selection (_evict_excess_kernel), not by the sort-based plan.
+EVICT_EXCESS_MAX = 16
+EVICT_EXCESS_WIDTH = 4096
+
+
+def _evict_excess(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
+                  seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor,
+                  n_free: Tensor) -> None:
+    """One :func:`_evict_excess_kernel` program per (sequence, KV head), then the page release."""
+    batch, cols = page_table.shape
+    num_pages, page_size, n_heads, head_dim = k_pages.shape
+    width = cols * page_size
+    block_w = max(16, triton.next_power_of_2(width))
+    launch(
+        _evict_excess_kernel, (batch, n_heads),
+        k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), slot_pos.stride(0), slot_pos.stride(1),
+        page_table.stride(0), width, head_dim,
+        PAGE_SIZE=page_size, BLOCK_W=block_w, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if block_w <= 1024 else 8,
+    )
+    new_lens = torch.where(seq_lens.long() > budgets.long(), budgets.long(), seq_lens.long())
+    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+
+
 def topk_evict_triton(
     k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
     seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
-    extra: list[Tensor] | tuple[Tensor, ...] = (),
+    extra: list[Tensor] | tuple[Tensor, ...] = (), max_excess: int = 0,
 ) -> None:
     """Triton launcher of :func:`topk_evict` (no input checks): the batched torch plan over the page table's
     whole width (so nothing reads a length back to the host: pass only the table columns in use, as the
     cache does), then one move kernel per pool tensor that copies each mover into its hole, then the same
     page release as :func:`topk_compact`. Holes lie below the budget and movers at or past it, so no slot is
-    both read and written."""
+    both read and written. With ``max_excess`` (rows at most that many tokens over budget) up to
+    :data:`EVICT_EXCESS_MAX`, no ``extra`` and rows up to :data:`EVICT_EXCESS_WIDTH` slots, one selection
+    kernel replaces the plan (same result)."""
     require_triton()
     batch = page_table.shape[0]
     num_pages, page_size, n_heads = k_pages.shape[:3]
     if batch == 0 or num_pages == 0 or page_table.shape[1] == 0:
+        return
+    if (0 < max_excess <= EVICT_EXCESS_MAX and not extra
+            and page_table.shape[1] * page_size <= EVICT_EXCESS_WIDTH):
+        _evict_excess(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
+                      free_pages, n_free)
         return
     holes, movers, new_lens = _plan_evict(slot_score, slot_pos, page_table.long(), seq_lens, budgets, n_sink,
                                           n_recent)
@@ -530,22 +640,26 @@ def topk_evict_triton(
 def _topk_evict_op(
     k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
     seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor, n_free: Tensor,
-    extra: list[Tensor],
+    extra: list[Tensor], max_excess: int,
 ) -> None:
-    impl = topk_evict_triton if use_triton(k_pages) else topk_evict_torch
-    impl(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent, free_pages,
-         n_free, extra)
+    if use_triton(k_pages):
+        topk_evict_triton(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink,
+                          n_recent, free_pages, n_free, extra, max_excess)
+    else:
+        topk_evict_torch(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink,
+                         n_recent, free_pages, n_free, extra)
 
 
 @_topk_evict_op.register_fake
 def _(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent, free_pages,
-      n_free, extra) -> None:
+      n_free, extra, max_excess) -> None:
     return None
 
 
 def topk_evict(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor, page_table: Tensor,
                seq_lens: Tensor, budgets: Tensor, n_sink: Tensor, n_recent: Tensor, free_pages: Tensor,
-               n_free: Tensor, extra: list[Tensor] | None = None, *, validate: bool = True) -> None:
+               n_free: Tensor, extra: list[Tensor] | None = None, *, validate: bool = True,
+               max_excess: int | None = None) -> None:
     """Keep the tokens :func:`topk_compact` keeps, moving only the kept slots past the budget.
 
     Attention does not depend on slot order (each slot stores its token's position), so decode-time
@@ -558,13 +672,29 @@ def topk_evict(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: T
     pages past ``ceil(budgets[b] / S)`` go onto the free stack as in :func:`topk_compact`. Evicting ``k``
     tokens moves at most ``k`` slots per (sequence, head). Slot order afterwards is not position order.
 
-    Parameters, errors: as :func:`topk_compact`.
+    Parameters, errors: as :func:`topk_compact`, and
+
+    max_excess : int, optional
+        A bound the caller knows (from its own bookkeeping, without reading the device) on
+        ``seq_lens - budgets`` over every row, e.g. 1 for eviction after every decode step. Up to
+        :data:`EVICT_EXCESS_MAX` it lets the Triton path select the few evicted tokens per row in one kernel
+        instead of sorting every row; the result is the same. A bound that does not hold is an error with
+        ``validate`` (else undefined).
     """
     extra = list(extra or [])
     _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
                   free_pages, n_free, extra, validate)
+    if max_excess is not None:
+        if not isinstance(max_excess, int) or isinstance(max_excess, bool) or max_excess < 1:
+            raise ValueError(f"max_excess must be a positive int (a bound on seq_lens - budgets) or None, got "
+                             f"{max_excess!r}")
+        if validate and not torch.compiler.is_compiling() and page_table.shape[0]:
+            over = int((seq_lens.long() - budgets.long()).max())
+            if over > max_excess:
+                raise ValueError(f"max_excess={max_excess} but a row is {over} tokens over its budget; pass "
+                                 f"max_excess >= {over} or None")
     torch.ops.kvkernels.topk_evict(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets,
-                                   n_sink, n_recent, free_pages, n_free, extra)
+                                   n_sink, n_recent, free_pages, n_free, extra, max_excess or 0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -581,12 +711,38 @@ COMPILE_AXES: dict[str, tuple] = {
 }
 
 
+# The selection kernel of decode-time eviction: K/V dtype and head dim, and the row width (its register tile).
+EXCESS_AXES: dict[str, tuple] = {
+    "dtype": FLOAT_DTYPES,
+    "head_dim": (64, 128, 96),
+    "width": (64, 1024, EVICT_EXCESS_WIDTH),
+}
+
+
 def compile_variants(full: bool = False):
-    """``(label, thunk)`` pairs: each thunk calls :func:`topk_compact_triton` on ``meta`` tensors with one
-    configuration of :data:`COMPILE_AXES` (a pairwise covering set, or all with ``full``)."""
+    """``(label, thunk)`` pairs: each thunk calls :func:`topk_compact_triton` (or, for the selection kernel,
+    :func:`topk_evict_triton` with ``max_excess=1``) on ``meta`` tensors with one configuration of
+    :data:`COMPILE_AXES` / :data:`EXCESS_AXES` (a pairwise covering set, or all with ``full``)."""
     for cfg in covering(COMPILE_AXES, full=full):
         label = "topk_compact " + " ".join(f"{k}={v}" for k, v in cfg.items())
         yield label, (lambda cfg=cfg: _meta_launch(**cfg))
+    for cfg in covering(EXCESS_AXES, full=full):
+        label = "topk_evict max_excess=1 " + " ".join(f"{k}={v}" for k, v in cfg.items())
+        yield label, (lambda cfg=cfg: _meta_launch_excess(**cfg))
+
+
+def _meta_launch_excess(dtype: torch.dtype, head_dim: int, width: int) -> None:
+    B, S, H = 3, 16, 8
+    M = width // S
+    P = B * M + 1
+    meta = torch.device("meta")
+
+    def t(*shape: int, dt: torch.dtype = torch.int32) -> Tensor:
+        return torch.empty(shape, dtype=dt, device=meta)
+
+    topk_evict_triton(t(P, S, H, head_dim, dt=dtype), t(P, S, H, head_dim, dt=dtype), t(P, S, H),
+                      t(P, S, H, dt=torch.float32), t(B, M), t(B), t(B), t(B), t(B), t(P + 1),
+                      t(1, dt=torch.int64), [], 1)
 
 
 def _meta_launch(dtype: torch.dtype, head_dim: int, n_kv_heads: int, minicache: bool) -> None:

@@ -765,14 +765,16 @@ class PagedKVCache:
         rows = self._op_rows(layers, seqs, budgets, n_sink, n_recent)
         ix, budgets_t, n_sink_t, n_recent_t = rows
         cols = int(_ceil_div(self._lens[host].max(initial=0), self.page_size))
-        op = topk_evict if in_place else topk_compact
         extra = extra or []
+        # Decode-time eviction is a few tokens over budget: the op then selects instead of sorting.
+        kw = {"max_excess": max(1, int((self._lens[host] - budgets).max(initial=1)))} if in_place else {}
+        op = topk_evict if in_place else topk_compact
 
         def device() -> None:
             table = self.page_table[ix[0], ix[1], :cols].contiguous()  # [L, n, cols], written back below
             lens = self.seq_lens[ix]
             op(self.k_pages, self.v_pages, self.slot_pos, self.slot_score, table.flatten(0, 1), lens.view(-1),
-               budgets_t, n_sink_t, n_recent_t, self.free_pages, self.n_free, extra=extra, validate=False)
+               budgets_t, n_sink_t, n_recent_t, self.free_pages, self.n_free, extra=extra, validate=False, **kw)
             self.page_table[ix[0], ix[1], :cols], self.seq_lens[ix] = table, lens
 
         def commit() -> None:
@@ -781,7 +783,7 @@ class PagedKVCache:
             self._free += int((_ceil_div(old, self.page_size) - _ceil_div(new, self.page_size)).sum())
             self._lens[host] = new
 
-        key = (_op_rows_key(layers, seqs, budgets, n_sink, n_recent), cols, in_place, len(extra))
+        key = (_op_rows_key(layers, seqs, budgets, n_sink, n_recent), cols, in_place, len(extra), *kw.values())
         return _Compaction(key, rows, device, commit)
 
     def _op_rows(self, layers: list[int], seqs: list[int], *rows: np.ndarray) -> tuple:
