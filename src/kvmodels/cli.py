@@ -7,6 +7,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 EXAMPLES = """\
@@ -19,6 +20,9 @@ examples:
       A cache of 64 tokens per layer (4 sinks + the 60 most recent), held there while decoding.
   kvgen --batch-file prompts.txt --policy h2o --budget 0.5
       One prompt per line, all decoded together in one batch.
+  kvgen --policy h2o --budget 0.5 --context story.txt --question "Who wrote the letter?" --question "When?"
+      Prefill and compress story.txt once, then answer each question from the compressed cache: a
+      follow-up prefills only its own tokens. --question - reads more questions from stdin, one a line.
   kvgen --model ~/models/Llama-3.2-1B-Instruct --compile --temperature 0.7 --seed 1 "Hi"
       A Hugging Face directory (config.json + *.safetensors) or a .gguf file; sampled output.
 
@@ -62,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read one prompt from FILE (the whole file, newlines kept)")
     p.add_argument("--batch-file", default=None, metavar="FILE",
                    help="read prompts from FILE, one per line, and decode them as one batch")
+    p.add_argument("--context", default=None, metavar="FILE",
+                   help="read a document from FILE, prefill and compress it once, then answer each "
+                        "--question from its compressed cache (one sequence; the summary after each answer "
+                        "says what the cache holds)")
+    p.add_argument("--question", action="append", default=None, metavar="TEXT",
+                   help="a question about --context; repeat it for several, answered in order on the same "
+                        "cache; '-' reads questions from stdin, one a line, until end of input")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples from softmax(logits / T)")
     p.add_argument("--seed", type=int, default=0,
@@ -174,16 +185,23 @@ def _summary(result: Any, policy: Any, path: str = "") -> str:
         lines.append(f"KV cache: {r.total_bytes * mib:.2f} MiB kept vs {r.full_cache_bytes * mib:.2f} MiB "
                      f"full ({ratio:.1%}; full = every prompt and generated token in every layer, at the "
                      f"cache's longest); peak {r.peak_bytes * mib:.2f} MiB")
-        if r.layer_budgets is not None:
-            for b in range(len(r.layer_budgets[0])):
-                budgets = " ".join(f"{row[b]:g}" for row in r.layer_budgets)
-                lines.append(f"layer budgets (sequence {b}){' per KV head, mean' if r.head_tokens else ''}: "
-                             f"{budgets}")
-        if r.head_tokens is not None:  # per-head budgets (adakv): each KV head's own count, per layer
-            for b in range(len(r.head_tokens[0])):
-                counts = " ".join("/".join(str(n) for n in layer[b]) for layer in r.head_tokens)
-                lines.append(f"tokens per KV head (sequence {b}, layer by layer): {counts}")
+        lines += _budget_lines(r)
     return "\n".join(lines)
+
+
+def _budget_lines(r: Any) -> list[str]:
+    """Each sequence's per-layer budgets (and per-KV-head counts under per-head budgets) of a cache report."""
+    lines = []
+    if r.layer_budgets is not None:
+        for b in range(len(r.layer_budgets[0])):
+            budgets = " ".join(f"{row[b]:g}" for row in r.layer_budgets)
+            lines.append(f"layer budgets (sequence {b}){' per KV head, mean' if r.head_tokens else ''}: "
+                         f"{budgets}")
+    if r.head_tokens is not None:  # per-head budgets (adakv): each KV head's own count, per layer
+        for b in range(len(r.head_tokens[0])):
+            counts = " ".join("/".join(str(n) for n in layer[b]) for layer in r.head_tokens)
+            lines.append(f"tokens per KV head (sequence {b}, layer by layer): {counts}")
+    return lines
 
 
 def _calibrated(policy: Any, model: Any) -> Any:
@@ -205,95 +223,330 @@ def _calibrated(policy: Any, model: Any) -> Any:
     return policy
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from kvmodels.generate import generate
-    from kvmodels.loading import TOKENIZER_ERROR, load_checkpoint
-    from kvpolicies import compose
-
+def _check_numbers(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     if args.page_size < 1:
         raise CliError(f"--page-size {args.page_size} must be >= 1")
     if args.temperature < 0:
         raise CliError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
-    prompts = _read_prompts(args)
+
+
+def _compose(args: argparse.Namespace) -> Any:
+    from kvpolicies import compose
+
     budget = _parse_budget(args.budget)
     try:
-        policy = compose(args.policy, evict_every=args.evict_every,
-                         **({} if budget is None else {"budget": budget}))
+        return compose(args.policy, evict_every=args.evict_every,
+                       **({} if budget is None else {"budget": budget}))
     except KeyError as e:  # unknown policy: the message carries kvpolicies' suggestion
         raise CliError(f"--policy: {e.args[0]}") from None
     except (ValueError, TypeError) as e:
         raise CliError(f"--policy/--budget: {e}") from None
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    t0 = time.perf_counter()
-    loaded = load_checkpoint(args.model, dtype=dtype, device=device)
-    load_s = time.perf_counter() - t0
-    note = conversion_note(loaded)
-    if note:
-        print(note, file=sys.stderr)
-    policy = _calibrated(policy, loaded.model)
-    tok = loaded.tokenizer
-    if tok is None:
-        why = loaded.directory / TOKENIZER_ERROR
-        reason = (f" (converting the GGUF's tokenizer failed: {why.read_text().strip()}; delete "
-                  f"{loaded.directory} to convert it again)" if why.exists() else "")
-        raise CliError(f"{loaded.directory} has no tokenizer.json{reason}; kvgen needs a checkpoint with a "
-                       "tokenizer")
-    chat = not args.no_chat and tok.chat_template is not None
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+
+class _Setup:
+    """The loaded model, its tokenizer, the calibrated policy, device and dtype, and the eos ids."""
+
+    def __init__(self, args: argparse.Namespace, policy: Any) -> None:
+        import torch
+
+        from kvmodels.loading import TOKENIZER_ERROR, load_checkpoint
+
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        t0 = time.perf_counter()
+        self.loaded = loaded = load_checkpoint(args.model, dtype=self.dtype, device=self.device)
+        self.load_s = time.perf_counter() - t0
+        note = conversion_note(loaded)
+        if note:
+            print(note, file=sys.stderr)
+        self.policy = _calibrated(policy, loaded.model)
+        tok = loaded.tokenizer
+        if tok is None:
+            why = loaded.directory / TOKENIZER_ERROR
+            reason = (f" (converting the GGUF's tokenizer failed: {why.read_text().strip()}; delete "
+                      f"{loaded.directory} to convert it again)" if why.exists() else "")
+            raise CliError(f"{loaded.directory} has no tokenizer.json{reason}; kvgen needs a checkpoint with "
+                           "a tokenizer")
+        self.tok = tok
+        self.chat = not args.no_chat and tok.chat_template is not None
+        self.eos = sorted(set(tok.eos_ids) | {i for i in [loaded.hf_config.get("eos_token_id")]
+                                              if isinstance(i, int)})
+
+    def path(self, compile_step: bool, why: str) -> str:
+        return (f"{self.device.type} {str(self.dtype).removeprefix('torch.')}, "
+                f"{'compiled' if compile_step else 'eager'} decode step ({why})")
+
+
+class _TextStream:
+    """Writes a sequence's tokens to stdout as text as they come, only complete characters."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.shown = tok, ""
+        self.tokens: list[int] = []
+
+    def __call__(self, b: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        # Print only complete characters: a token may end inside a multi-byte character.
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+
+def _prefill_progress(n_seqs: int, n_tokens: int) -> Any:
+    show = n_tokens >= 256
+
+    def on_prefill(b: int, done: int, total: int) -> None:
+        if show:
+            end = "\n" if (b == n_seqs - 1 and done == total) else ""
+            print(f"\rprefill: sequence {b + 1}/{n_seqs}, layer {done}/{total}", end=end, file=sys.stderr,
+                  flush=True)
+    return on_prefill
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmodels.generate import generate
+
+    if args.context is not None or args.question:
+        return run_questions(args)
+    _check_numbers(args)
+    prompts = _read_prompts(args)
+    s = _Setup(args, _compose(args))
+    tok, policy = s.tok, s.policy
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if s.chat else p for p in prompts]
     ids = [tok.encode(t) for t in texts]
-    limit = loaded.model.max_seq_len
+    limit = s.loaded.model.max_seq_len
     for i, p in enumerate(ids):
         if len(p) + args.max_new_tokens > limit:
             raise CliError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {args.max_new_tokens} "
                            f"that exceeds the model's context of {limit} tokens; shorten the prompt or lower "
                            "--max-new-tokens")
-    eos = sorted(set(tok.eos_ids) | {i for i in [loaded.hf_config.get("eos_token_id")] if isinstance(i, int)})
     err = sys.stderr
-    print(f"loaded {loaded.directory.name} in {load_s:.1f} s; {len(ids)} prompt(s), "
+    print(f"loaded {s.loaded.directory.name} in {s.load_s:.1f} s; {len(ids)} prompt(s), "
           f"{sum(map(len, ids))} tokens", file=err)
 
     single = len(ids) == 1
-    streamed: list[int] = []
-    shown = ""
-
-    def stream(b: int, token: int) -> None:
-        nonlocal shown
-        if not single:
-            return
-        streamed.append(token)
-        text = tok.decode(streamed, skip_special_tokens=True)
-        # Print only complete characters: a token may end inside a multi-byte character.
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-
-    show_progress = sum(map(len, ids)) >= 256
-
-    def on_prefill(b: int, done: int, total: int) -> None:
-        if show_progress:
-            end = "\n" if (b == len(ids) - 1 and done == total) else ""
-            print(f"\rprefill: sequence {b + 1}/{len(ids)}, layer {done}/{total}", end=end, file=err,
-                  flush=True)
-
-    compile_step, why = choose_compile(args.compile, device.type, len(ids) * args.max_new_tokens)
-    path = (f"{device.type} {str(dtype).removeprefix('torch.')}, "
-            f"{'compiled' if compile_step else 'eager'} decode step ({why})")
-    result = generate(loaded.model, ids, args.max_new_tokens, policy, temperature=args.temperature,
-                      seed=args.seed, eos_ids=eos, compile=compile_step, stream=stream,
-                      on_prefill=on_prefill, page_size=args.page_size)
+    stream = _TextStream(tok) if single else None
+    compile_step, why = choose_compile(args.compile, s.device.type, len(ids) * args.max_new_tokens)
+    result = generate(s.loaded.model, ids, args.max_new_tokens, policy, temperature=args.temperature,
+                      seed=args.seed, eos_ids=s.eos, compile=compile_step, stream=stream,
+                      on_prefill=_prefill_progress(len(ids), sum(map(len, ids))), page_size=args.page_size)
     if single:
         print()
     else:
         for b, toks in enumerate(result.tokens):
             print(f"[{b}] {prompts[b]}\n{tok.decode(toks, skip_special_tokens=True)}\n")
-    print(_summary(result, policy, path), file=err)
+    print(_summary(result, policy, s.path(compile_step, why)), file=err)
+    return 0
+
+
+# ------------------------------------------------------------------ several questions on one context
+
+@dataclass(frozen=True)
+class Turns:
+    """How the context and the questions are laid out as text around what the user wrote.
+
+    With a chat template, the context and question 1 share the first user turn (the context, a blank line,
+    the question), so the system prompt and the turn's opening come once, before the context, and the
+    template need not allow two user turns in a row; each follow-up is a user turn of its own after the
+    previous answer. Without one (``--no-chat``) each question is plain text after a blank line.
+    """
+
+    before_context: str  # the template's text before the context: system prompt, the user turn's opening
+    first: tuple[str, str]  # around question 1, inside the context's turn: (blank line, generation prompt)
+    follow: tuple[str, str]  # around a follow-up: (closing the answer + opening a user turn, gen prompt)
+
+    def question(self, k: int, text: str, fed: str = "") -> str:
+        """Question ``k``'s (from 0) text to prefill; ``fed``: what the previous answer's last token already
+        put in the cache (its end-of-turn token), dropped from the opening of a follow-up."""
+        before, after = self.first if k == 0 else self.follow
+        if k and fed and before.startswith(fed):
+            before = before[len(fed):]
+        return before + text + after
+
+
+PLAIN_TURNS = Turns("", ("\n\n", "\n"), ("\n\n", "\n"))
+_MARKS = ("KVGENMARKCONTEXT", "KVGENMARKQUESTIONONE", "KVGENMARKANSWER", "KVGENMARKQUESTIONTWO")
+
+
+def chat_turns(tok: Any) -> Turns:
+    """:class:`Turns` read off the tokenizer's chat template, by rendering one conversation with markers
+    (context + question 1; an answer; question 2) and checking that the two-turn rendering continues the
+    one-turn one, so what the cache holds is the template's rendering of the conversation so far."""
+    c, q1, a, q2 = _MARKS
+    first = [{"role": "user", "content": f"{c}\n\n{q1}"}]
+    bad = ("the model's chat template does not render a context and follow-up questions as one growing "
+           "conversation; pass --no-chat to feed them as plain text")
+    try:
+        one = tok.apply_chat_template(first)
+        two = tok.apply_chat_template(first + [{"role": "assistant", "content": a},
+                                               {"role": "user", "content": q2}])
+    except Exception as e:  # a template that raises (e.g. roles it does not take)
+        raise CliError(f"{bad} ({type(e).__name__}: {e})") from None
+    head, sep, gen = one.partition(f"{c}\n\n{q1}")
+    if not sep or not two.startswith(one) or any(m in head + gen for m in _MARKS):
+        raise CliError(bad)
+    answer, sep_a, rest = two[len(one):].partition(a)
+    opening, sep_q, after = rest.partition(q2)
+    if answer or not sep_a or not sep_q or any(m in opening + after for m in _MARKS):
+        raise CliError(bad)
+    return Turns(head, ("\n\n", gen), (opening, after))
+
+
+def _read_context(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The context's text and the questions given on the command line ('-' for stdin), checked."""
+    if args.context is None:
+        raise CliError("--question needs --context FILE, the document the questions are about (a one-off "
+                       "question goes in the prompt instead)")
+    others = [name for name, given in (("a prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                       ("--batch-file", args.batch_file)) if given]
+    if others:
+        raise CliError(f"--context takes its questions from --question, not from {' or '.join(others)}; pass "
+                       "each question as --question TEXT")
+    if not args.question:
+        raise CliError(f"--context {args.context} needs at least one --question TEXT (or --question - to "
+                       "read questions from stdin, one a line)")
+    for i, q in enumerate(args.question):
+        if not q.strip():
+            raise CliError(f"--question number {i + 1} is empty; pass the question's text")
+    if args.question.count("-") > 1:
+        raise CliError("--question - is given more than once; stdin can be read once")
+    try:
+        with open(args.context, encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError as e:
+        raise CliError(f"cannot read --context {args.context}: {e.strerror}; pass an existing text "
+                       "file") from None
+    if not text:
+        raise CliError(f"--context {args.context} is empty; write the document into it")
+    return text, list(args.question)
+
+
+def _questions(given: list[str], interactive: bool) -> Any:
+    """The questions in order, each with whether it came from stdin: each --question's text, or for '-' each
+    non-blank line of stdin (after a ``question>`` prompt on stderr when stdin is a terminal)."""
+    for q in given:
+        if q != "-":
+            yield q.strip(), False
+            continue
+        while True:
+            if interactive:
+                print("question> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:  # end of input
+                if interactive:
+                    print(file=sys.stderr)
+                break
+            if line.strip():
+                yield line.strip(), True
+
+
+def _check_continuable(model: Any, policy: Any) -> None:
+    """Refuse, before the context is prefilled, what the Decoder cannot extend after the prompt."""
+    if not getattr(model, "can_extend", False):
+        raise CliError(f"--model: {type(model).__name__} cannot continue a cached sequence, which --context "
+                       "with questions needs; use a Llama, GPT-J or MPT checkpoint")
+    if policy.merge.name != "none":
+        raise CliError(f"--policy {policy.label}: merging layers ({policy.merge.name}) cannot take questions "
+                       "after the compressed context; use a policy without a merge part with --context, or "
+                       "put the question in the prompt")
+    if policy.heads.per_head:
+        raise CliError(f"--policy {policy.label}: per-head budgets ({policy.heads.name}) cannot take "
+                       "questions after the compressed context; use a policy without a head part with "
+                       "--context, or put the question in the prompt")
+
+
+def _held(report: Any, seen: int) -> str:
+    """Tokens the cache's layers hold for sequence 0 out of the ``seen`` tokens of its context."""
+    counts = [row[0] for row in report.tokens_per_layer]
+    lo, hi = min(counts), max(counts)
+    held = f"{lo}" if lo == hi else f"{lo}-{hi} (mean {sum(counts) / len(counts):.0f})"
+    mib = 2.0 ** -20
+    ratio = report.total_bytes / report.full_cache_bytes if report.full_cache_bytes else float("nan")
+    return (f"held {held} of {seen} tokens per layer; KV {report.total_bytes * mib:.2f} MiB kept vs "
+            f"{report.full_cache_bytes * mib:.2f} MiB full ({ratio:.1%})")
+
+
+def run_questions(args: argparse.Namespace) -> int:
+    """``--context FILE --question TEXT ...``: the context prefilled and compressed once, then each question
+    extended into the compressed cache (:class:`kvmodels.decoder.Decoder`) and answered."""
+    import torch
+
+    from kvmodels.decoder import Decoder
+
+    _check_numbers(args)
+    context, given = _read_context(args)
+    policy = _compose(args)
+    s = _Setup(args, policy)
+    tok, policy, model, err = s.tok, s.policy, s.loaded.model, sys.stderr
+    _check_continuable(model, policy)
+    turns = chat_turns(tok) if s.chat else PLAIN_TURNS
+    ctx_ids = tok.encode(turns.before_context + context)
+    limit, n_new = model.max_seq_len, args.max_new_tokens
+    if len(ctx_ids) + n_new > limit:
+        raise CliError(f"--context {args.context} has {len(ctx_ids)} tokens; with --max-new-tokens {n_new} "
+                       f"that exceeds the model's context of {limit} tokens; shorten the document or lower "
+                       "--max-new-tokens")
+    print(f"loaded {s.loaded.directory.name} in {s.load_s:.1f} s; context {len(ctx_ids)} tokens"
+          f"{' (chat template)' if s.chat else ''}", file=err)
+    compile_step, why = choose_compile(args.compile, s.device.type, n_new * max(1, len(given)))
+    dec = Decoder(model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step)
+
+    def synced() -> float:
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
+        return time.perf_counter()
+
+    t0 = synced()
+    dec.extend([ctx_ids], max_new_tokens=n_new, on_prefill=_prefill_progress(1, len(ctx_ids)))
+    ctx_s = synced() - t0
+    first = dec.cache.report()
+    print(f"context: {len(ctx_ids)} tokens prefilled once in {ctx_s:.2f} s "
+          f"({len(ctx_ids) / ctx_s:.1f} tok/s), then compressed; {_held(first, dec.lengths[0])}; peak "
+          f"{first.peak_bytes * 2.0 ** -20:.2f} MiB", file=err)
+
+    interactive = sys.stdin.isatty()
+    per_question: list[int] = []
+    fed, result = "", None
+    for k, (question, typed) in enumerate(_questions(given, interactive)):
+        ids = tok.encode(turns.question(k, question, fed), add_special_tokens=False)
+        own = len(ids) + (dec.pending[0] is not None)  # the previous answer's last token is fed first
+        total = dec.lengths[0] + own + n_new
+        if total > limit:
+            raise CliError(f"--question number {k + 1}: the conversation would reach {total} tokens "
+                           f"({dec.lengths[0]} so far + {own} for the question + --max-new-tokens {n_new}), "
+                           f"past the model's context of {limit}; ask fewer or shorter questions or lower "
+                           "--max-new-tokens")
+        if not (interactive and typed):  # a question typed at a terminal is on the screen already
+            print(f"[{k + 1}] {question}", flush=True)
+        try:
+            dec.extend([ids], max_new_tokens=n_new)
+            result = dec.generate(n_new, temperature=args.temperature, eos_ids=s.eos, stream=_TextStream(tok))
+        except NotImplementedError as e:  # a refusal _check_continuable does not know of
+            raise CliError(f"--policy/--model: {e}") from None
+        print("\n", flush=True)
+        # the first generate's prefill also counts the context's extend; it is reported above
+        q_tokens = result.prefill_tokens - (len(ctx_ids) if k == 0 else 0)
+        q_s = result.prefill_s - (ctx_s if k == 0 else 0.0)
+        per_question.append(q_tokens)
+        answer = result.tokens[0]
+        fed = tok.decode(answer[-1:]) if result.finished_on_eos[0] else ""
+        print(f"question {k + 1}: prefill {q_tokens} tokens (this question's own; the context is not "
+              f"prefilled again) in {q_s:.2f} s; decode {result.decode_tokens} tokens in "
+              f"{result.decode_s:.2f} s ({result.decode_tok_s:.1f} tok/s); "
+              f"{_held(result.report, dec.lengths[0])}", file=err)
+    if result is None:
+        print("no questions were read from stdin", file=err)
+        return 0
+    lines = [f"policy {policy.label} (budget {policy.budget}); {s.path(compile_step, why)}",
+             f"{len(per_question)} question(s) on one context: its {len(ctx_ids)} tokens prefilled once; the "
+             f"questions prefilled {' + '.join(map(str, per_question))} tokens; peak KV "
+             f"{result.report.peak_bytes * 2.0 ** -20:.2f} MiB"]
+    lines += _budget_lines(result.report)
+    print("\n".join(lines), file=err)
     return 0
 
 
