@@ -399,10 +399,11 @@ def _decode_sweep(st: Stage, cfg: Any, pools: dict[str, dict[str, Any]], copy_gb
 
 def _compaction_records(st: Stage) -> None:
     """Prompt compaction (``topk_compact``) and one decode step's eviction (``topk_evict``, one token per
-    head) on the paged pool, against ``torch.topk`` + ``gather`` on dense tensors of the same tokens."""
+    head: the sort-based plan, and the selection kernel the cache uses with ``max_excess=1``) on the paged
+    pool, against ``torch.topk`` + ``gather`` on dense tensors of the same tokens."""
     batch, length, frac = st.shapes.compact
     budget = max(16, int(length * frac))
-    for op, fill in (("topk_compact", length), ("topk_evict", budget + 1)):
+    for op, fill in (("topk_compact", length), ("topk_evict", budget + 1), ("topk_evict max_excess=1", budget + 1)):
         try:
             _compaction(st, op, batch, length, fill, budget)
         except Exception:  # noqa: BLE001
@@ -426,6 +427,7 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
     pos = torch.arange(per_seq * page, dtype=torch.int32).view(per_seq, page, 1).repeat(batch, 1, hkv).to(dev)
     table = torch.randperm(n_pages, generator=gen).view(batch, per_seq).to(dev, torch.int32)
     fn = topk_compact if op == "topk_compact" else topk_evict
+    kw = {"max_excess": 1} if op.endswith("max_excess=1") else {}  # the selection kernel (the cache's case)
     counts = (i32(fill), i32(budget), i32(4), i32(min(16, budget // 4)))
 
     used = table[:, :math.ceil(fill / page)].contiguous()  # the columns in use, as the cache passes them
@@ -436,7 +438,7 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
                 torch.zeros(1, device=dev, dtype=torch.int64))
 
     # As the cache calls it every step: no eager value checks (each reads the device back).
-    s_op = st.mutating_seconds(setup, lambda a: fn(*a, validate=False))
+    s_op = st.mutating_seconds(setup, lambda a: fn(*a, validate=False, **kw))
     # Dense: the same tokens in logical order, [B, Hkv, fill, D]; keep `budget` per head.
     rows = table.long()
     dk = k[rows].reshape(batch, -1, hkv, d)[:, :fill].transpose(1, 2).contiguous()
