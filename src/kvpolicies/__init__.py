@@ -14,8 +14,17 @@ imported on first use, so ``transformers`` stays an optional extra.
 
 from __future__ import annotations
 
-from . import budget, eviction, heads, merge  # noqa: F401  (importing registers the built-in policies)
-from .base import BudgetPolicy, EvictionPolicy, HeadBudgetPolicy, LayerStats, MergePolicy, NewTokens, Policy
+from . import budget, eviction, heads, merge, precision  # noqa: F401  (importing registers the built-in policies)
+from .base import (
+    BudgetPolicy,
+    EvictionPolicy,
+    HeadBudgetPolicy,
+    LayerStats,
+    MergePolicy,
+    NewTokens,
+    Policy,
+    PrecisionPolicy,
+)
 from .compose import ComposedPolicy, compose
 from .plan import CompressionPlan, EvictionSchedule, LayerBudgets, MergeLayout
 from .registry import PolicyInfo, UnknownPolicyError, available, get_policy, register_policy
@@ -43,6 +52,7 @@ __all__ = [
     "MergePolicy",
     "NewTokens",
     "Policy",
+    "PrecisionPolicy",
     "PolicyInfo",
     "UnknownPolicyError",
     "available",

@@ -1,4 +1,4 @@
-"""The four policy roles and the statistics they read.
+"""The five policy roles and the statistics they read.
 
 A policy is a frozen dataclass: its fields are its parameters, validated in ``__post_init__`` with
 errors that name the parameter. Policies carry no tensors and no state; the cache
@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
-Role = Literal["eviction", "budget", "merge", "heads"]
-ROLES: tuple[Role, ...] = ("eviction", "budget", "merge", "heads")
+Role = Literal["eviction", "budget", "merge", "heads", "precision"]
+ROLES: tuple[Role, ...] = ("eviction", "budget", "merge", "heads", "precision")
 
 # Decode-time per-slot score updates the attention kernel can fuse (docs/contract.md §2.2).
 ScoreMode = Literal["none", "accumulate", "gumbel", "decay", "replace", "count_low"]
@@ -400,3 +400,56 @@ class HeadBudgetPolicy(Policy):
         most ``L``) and ``B`` for every head otherwise.
         """
         return torch.full((scores.shape[0],), int(budget), dtype=torch.int64)
+
+
+NATIVE_BITS = 16  # PrecisionPolicy.assign's code for a token stored unquantized, in the cache's dtype
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy(Policy):
+    """How many bits each token costs (KIVI, ZipCache, MiKV): the default, ``native``, stores every kept
+    token in the cache's dtype; the others store some or all tokens as ``kvkernels.quant`` rows (codes of
+    ``bits`` per channel plus a scale and a zero point per ``group`` channels), token-wise so that eviction
+    can still move or drop any slot on its own.
+
+    A precision policy decides per (KV head, token) of a layer, from the eviction policy's decision and its
+    prompt scores, how the token is stored (:meth:`assign`); storage adapters that hold quantized rows read
+    that decision. ``quantizes`` is False only for ``native``.
+    """
+
+    role: ClassVar[Role] = "precision"
+    quantizes: ClassVar[bool] = True
+
+    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        """Bits per token ``[Hkv, L]`` int64 of one layer of one sequence, tokens in position order: 0 for a
+        token not stored, :data:`NATIVE_BITS` for one stored unquantized, else 2, 4 or 8.
+
+        ``kept [Hkv, L]`` bool is the eviction policy's decision (True = kept); ``scores [Hkv, L]`` float32
+        its prompt scores (accumulated attention where it has them; None for selections without scores).
+        """
+        return torch.where(kept, NATIVE_BITS, 0).to(torch.int64)
+
+    needs_scores: ClassVar[bool] = False  # assign ranks by the eviction policy's prompt scores
+
+    def group_size(self) -> int:
+        """Channels per scale / zero point of the quantized rows (0: nothing quantized)."""
+        return 0
+
+    def formats(self) -> tuple[int, ...]:
+        """The bit widths :meth:`assign` can return besides 0 (each needs its own row format)."""
+        return (NATIVE_BITS,)
+
+
+def token_bytes(bits: torch.Tensor, head_dim: int, group: int, dtype_bytes: int,
+                param_bytes: int = 2) -> int:
+    """Bytes of K and V of the tokens in ``bits`` (:meth:`PrecisionPolicy.assign`'s output): a native
+    token ``2 * head_dim * dtype_bytes``, a quantized one twice its packed row (codes plus a scale and a zero
+    point per group, ``param_bytes`` each), a dropped one nothing."""
+    total = 0
+    for b in bits.unique().tolist():
+        n = int((bits == b).sum())
+        if b == 0:
+            continue
+        per = head_dim * dtype_bytes if b == NATIVE_BITS else head_dim * b // 8 + 2 * (head_dim // group) * param_bytes
+        total += 2 * n * per
+    return total

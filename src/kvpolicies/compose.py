@@ -34,14 +34,16 @@ from .base import (
     MergePolicy,
     ModelProbe,
     Policy,
+    PrecisionPolicy,
 )
 from .budget._rounding import cap_budgets
 from .plan import CompressionPlan, EvictionSchedule, LayerBudgets, MergeLayout
 from .registry import _REGISTRY, available, get_policy
 
 # Roles left out of a composition get these; their names are omitted from ``ComposedPolicy.name``.
-DEFAULTS = {"eviction": "full", "budget": "uniform", "merge": "none", "heads": "even"}
-_NAME_ORDER = ("budget", "eviction", "heads", "merge")  # canonical order of names: "squeeze+snapkv+adakv"
+DEFAULTS = {"eviction": "full", "budget": "uniform", "merge": "none", "heads": "even", "precision": "native"}
+# Canonical order of names: "squeeze+snapkv+adakv", "snapkv+kivi".
+_NAME_ORDER = ("budget", "eviction", "heads", "merge", "precision")
 _OPTIONS = ("budget", "evict_every", "seed", "min_tokens")  # compose's keywords that are not policy names
 MIN_TOKENS = 4  # default floor of every layer's budget: StreamingLLM's four attention sinks
 
@@ -92,12 +94,15 @@ class ComposedPolicy:
     seed: int = 0
     min_tokens: int = MIN_TOKENS
     heads: HeadBudgetPolicy = None  # type: ignore[assignment]  # None: ``even``, set in __post_init__
+    precision: PrecisionPolicy = None  # type: ignore[assignment]  # None: ``native``, set in __post_init__
 
     def __post_init__(self) -> None:
         if self.heads is None:
             object.__setattr__(self, "heads", get_policy(DEFAULTS["heads"])())
+        if self.precision is None:
+            object.__setattr__(self, "precision", get_policy(DEFAULTS["precision"])())
         roles = (("eviction", EvictionPolicy), ("budget_policy", BudgetPolicy), ("merge", MergePolicy),
-                 ("heads", HeadBudgetPolicy))
+                 ("heads", HeadBudgetPolicy), ("precision", PrecisionPolicy))
         for attr, base in roles:
             if not isinstance(getattr(self, attr), base):
                 raise TypeError(f"{attr} must be a {base.__name__}, got {getattr(self, attr)!r}")
@@ -111,6 +116,15 @@ class ComposedPolicy:
                              f"add one, e.g. compose({name!r}, 'h2o')")
         if self.heads.per_head:
             self._check_per_head()
+        ev, prec = self.eviction, self.precision
+        if prec.needs_scores and ev.prefill_mode is None and not ev.scores_tokens:
+            raise ValueError(f"precision policy {prec.name!r} ranks tokens by their attention scores, and "
+                             f"eviction policy {ev.name!r} scores no prompt; compose it with a scorer, e.g. "
+                             f"compose('h2o', {prec.name!r}, budget=1.0) to quantize without evicting")
+        if prec.quantizes and self.merge.name != DEFAULTS["merge"]:
+            raise ValueError(f"precision policy {prec.name!r} cannot be composed with merge policy "
+                             f"{self.merge.name!r}: a merged region stores magnitudes and directions, not "
+                             "quantized rows")
 
     def _check_per_head(self) -> None:
         """Per-head budgets split a layer's budget by the prompt scores of its heads (HeadBudgetPolicy)."""
@@ -144,15 +158,15 @@ class ComposedPolicy:
 
     # -- naming and serialisation -------------------------------------------------------------------------
     def policies(self) -> dict[str, Policy]:
-        """The role policies by role, in canonical order (budget, eviction, heads, merge)."""
+        """The role policies by role, in canonical order (budget, eviction, heads, merge, precision)."""
         by_role: dict[str, Policy] = {"budget": self.budget_policy, "eviction": self.eviction,
-                                      "merge": self.merge, "heads": self.heads}
+                                      "merge": self.merge, "heads": self.heads, "precision": self.precision}
         return {role: by_role[role] for role in _NAME_ORDER}
 
     @property
     def name(self) -> str:
-        """Canonical name: non-default policies joined by ``+`` (budget, eviction, heads, merge), or
-        ``"full"``."""
+        """Canonical name: non-default policies joined by ``+`` (budget, eviction, heads, merge, precision),
+        or ``"full"``."""
         parts = [p.name for role, p in self.policies().items() if p.name != DEFAULTS[role]]
         return "+".join(parts) or DEFAULTS["eviction"]
 
@@ -552,6 +566,7 @@ def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
     built = {role: _make(*chosen.get(role, (DEFAULTS[role], {}))) for role in ROLES}
     return ComposedPolicy(eviction=built["eviction"], budget_policy=built["budget"],  # type: ignore[arg-type]
                           merge=built["merge"], heads=built["heads"],  # type: ignore[arg-type]
+                          precision=built["precision"],  # type: ignore[arg-type]
                           budget=settings.get("budget", 1.0),  # type: ignore[arg-type]
                           evict_every=settings.get("evict_every", 1),
                           seed=settings.get("seed", 0), min_tokens=settings.get("min_tokens", MIN_TOKENS))

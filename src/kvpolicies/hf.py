@@ -522,6 +522,12 @@ class PolicyCache(Cache):
                 f"token count, so it cannot hold head-budget policy {policy.heads.name!r}; run it on a "
                 "kvmodels model (kvmodels.generate), whose HeadPagedKVCache gives each head its own pages"
             )
+        if policy.precision.quantizes:
+            raise ValueError(
+                f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens as quantized "
+                "rows, which the transformers bridge does not hold yet (it stores the cache's dtype); drop "
+                f"{policy.precision.name!r} from the composition (issue 36 tracks quantized storage)"
+            )
         self._family = _install(model)
         n = len(self._family.layers)
         super().__init__(layers=[PolicyLayer(self, i) for i in range(n)])

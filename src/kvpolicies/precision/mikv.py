@@ -1,0 +1,45 @@
+"""MiKV (Yang et al., 2024, "No Token Left Behind: Reliable KV Cache Compression via Importance-Aware Mixed
+Precision Quantization").
+
+The tokens the eviction policy keeps are stored at ``high`` bits (16: unquantized, the cache's dtype), and
+the tokens it would evict are **kept** at ``low`` bits instead of dropped, so nothing the model may need again
+is lost, at a fraction of its bytes. ``compose("h2o", "mikv", budget=0.2)``: a fifth of the tokens in full
+precision, the rest at 2 bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import NATIVE_BITS, PrecisionPolicy
+from ..registry import register_policy
+from ._checks import check_bits, check_group
+
+
+@register_policy("mikv", role="precision")
+@dataclass(frozen=True)
+class MiKV(PrecisionPolicy):
+    """MiKV: kept tokens at `high` bits (16 = the cache's dtype), the evicted ones kept at `low` bits."""
+
+    high: int = NATIVE_BITS
+    low: int = 2
+    group: int = 32
+
+    def __post_init__(self) -> None:
+        check_bits(self.name, "high", self.high, native=True)
+        check_bits(self.name, "low", self.low)
+        if self.low >= self.high:
+            raise ValueError(f"{self.name}: low={self.low} must be below high={self.high} (bits of the evicted "
+                             "and the kept tokens)")
+        check_group(self.name, self.group)
+
+    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        return torch.where(kept, self.high, self.low).to(torch.int64)
+
+    def group_size(self) -> int:
+        return self.group
+
+    def formats(self) -> tuple[int, ...]:
+        return (self.low, self.high)

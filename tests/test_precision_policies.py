@@ -1,0 +1,121 @@
+"""The precision role (issue 36): KIVI, ZipCache and MiKV as policies composed by name beside eviction,
+budget, heads and merge; each decides per (KV head, token) how many bits a token costs, checked against a
+loop written for clarity; byte accounting agrees with kvkernels.quant's packed rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvkernels.quant import bytes_per_row
+from kvpolicies import available, compose
+from kvpolicies.base import NATIVE_BITS, token_bytes
+from kvpolicies.precision import Kivi, MiKV, Native, ZipCache
+
+
+def test_registered_and_composed_by_name():
+    assert {r.name for r in available("precision")} == {"native", "kivi", "zipcache", "mikv"}
+    p = compose("snapkv", "kivi", budget=0.2)
+    assert p.name == "snapkv+kivi" and isinstance(p.precision, Kivi)
+    assert compose("kivi", "squeeze", "h2o", budget=0.2).name == "squeeze+h2o+kivi"  # precision last
+    assert compose("h2o", budget=0.2).precision == Native() and compose("h2o", budget=0.2).name == "h2o"
+    for spec in [("snapkv", "kivi(bits=2, group=32, residual=64)"), ("h2o", "zipcache(high=8, low=4, salient=0.25)"),
+                 ("h2o", "mikv(high=8, low=2)"), ("full", "kivi")]:
+        p = compose(*spec, budget=0.5)
+        assert compose(p.spec()) == p and compose(p.to_json()) == p and compose(p.label, budget=0.5) == p
+    assert compose("kivi").name == "kivi"  # quantization alone, every token kept
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("kivi(bits=3)", "bits=3 must be one of 2, 4, 8"),
+    ("kivi(group=24)", "group=24 must be a power of two"),
+    ("kivi(residual=-1)", "residual"),
+    ("zipcache(high=2, low=4)", "low=4 must be below high=2"),
+    ("zipcache(salient=1.5)", "salient"),
+    ("mikv(low=16)", "low=16 must be one of 2, 4, 8"),
+    ("mikv(high=5)", "high=5 must be one of 2, 4, 8, 16"),
+])
+def test_bad_parameters_name_themselves(spec, match):
+    with pytest.raises(ValueError, match=match):
+        compose("h2o", spec)
+
+
+def test_refused_compositions_say_what_to_use():
+    with pytest.raises(ValueError, match="zipcache.*scores no prompt.*compose\\('h2o', 'zipcache'"):
+        compose("streaming", "zipcache", budget=0.2)
+    with pytest.raises(ValueError, match="cannot be composed with merge policy 'minicache'"):
+        compose("h2o", "minicache", "kivi", budget=0.2)
+    with pytest.raises(ValueError, match="both precision policies"):
+        compose("kivi", "mikv")
+
+
+def assign_loop(policy, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    """Per head, per token, as the papers describe it."""
+    H, L = kept.shape
+    out = torch.zeros(H, L, dtype=torch.int64)
+    for h in range(H):
+        kept_idx = [i for i in range(L) if kept[h, i]]
+        if isinstance(policy, Native):
+            for i in kept_idx:
+                out[h, i] = NATIVE_BITS
+        elif isinstance(policy, Kivi):
+            for i in kept_idx:
+                out[h, i] = NATIVE_BITS if i >= L - policy.residual else policy.bits
+        elif isinstance(policy, MiKV):
+            for i in range(L):
+                out[h, i] = policy.high if kept[h, i] else policy.low
+        else:  # ZipCache: saliency = score / (queries that see the token); ties to the earlier token
+            sal = {i: float(scores[h, i]) / (L - i) for i in kept_idx}
+            ranked = sorted(kept_idx, key=lambda i: (-sal[i], i))
+            n_high = math.ceil(len(kept_idx) * policy.salient - 1e-9)
+            for r, i in enumerate(ranked):
+                out[h, i] = policy.high if r < n_high else policy.low
+    return out
+
+
+POLICIES = [Native(), Kivi(), Kivi(bits=2, residual=3), Kivi(residual=0), MiKV(), MiKV(high=4, low=2),
+            ZipCache(), ZipCache(high=16, low=4, salient=0.25), ZipCache(salient=0.0), ZipCache(salient=1.0)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.name}{p.params()}")
+@given(H=st.integers(1, 3), L=st.integers(0, 20), seed=st.integers(0, 2**16), ties=st.booleans())
+def test_assign_equals_the_loop(policy, H, L, seed, ties):
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.rand(H, L, generator=g) < 0.6
+    scores = torch.randint(0, 3, (H, L), generator=g).float() if ties else torch.rand(H, L, generator=g)
+    got = policy.assign(kept, scores)
+    assert got.dtype == torch.int64 and got.shape == (H, L)
+    assert torch.equal(got, assign_loop(policy, kept, scores))
+    if not isinstance(policy, MiKV):
+        assert bool((got[~kept] == 0).all())  # only MiKV keeps what eviction drops
+
+
+def test_token_bytes_match_the_packed_rows():
+    D, G = 64, 32
+    bits = torch.tensor([[NATIVE_BITS, 4, 2, 0, 2], [8, 8, 0, 0, NATIVE_BITS]])
+    want = 2 * (2 * D * 2 + bytes_per_row(D, 4, G) + 2 * bytes_per_row(D, 2, G) + 2 * bytes_per_row(D, 8, G))
+    assert token_bytes(bits, D, G, dtype_bytes=2) == want
+    # A fifth of the tokens at 4 bits costs about 5% of the fp16 cache (the issue's arithmetic), with params.
+    L = 1000
+    kept = torch.arange(L)[None] % 5 == 0
+    frac = token_bytes(Kivi(bits=4, residual=0).assign(kept, None), 128, 32, 2) / (2 * L * 128 * 2)
+    assert 0.05 < frac < 0.07
+
+
+def test_zipcache_needs_scores_at_assign():
+    with pytest.raises(ValueError, match="ranks tokens by their attention scores"):
+        ZipCache().assign(torch.ones(1, 4, dtype=torch.bool), None)
+
+
+def test_the_transformers_bridge_refuses_quantized_storage_by_name():
+    pytest.importorskip("transformers")
+    from test_hf_bridge import model_of  # the bridge tests' tiny models
+
+    from kvpolicies.hf import PolicyCache
+
+    with pytest.raises(ValueError, match="precision policy 'kivi' stores tokens as quantized rows"):
+        PolicyCache(compose("snapkv", "kivi", budget=0.2), model_of("llama"))
