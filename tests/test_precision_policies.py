@@ -119,3 +119,14 @@ def test_the_transformers_bridge_refuses_quantized_storage_by_name():
 
     with pytest.raises(ValueError, match="precision policy 'kivi' stores tokens as quantized rows"):
         PolicyCache(compose("snapkv", "kivi", budget=0.2), model_of("llama"))
+
+
+def test_the_paged_cache_refuses_quantized_storage_by_name():
+    from kvmodels.decoder import Decoder
+    from kvmodels.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=31, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=32,
+                              max_seq_len=64)).eval()
+    with pytest.raises(ValueError, match="precision policy 'zipcache' stores tokens as quantized rows"):
+        Decoder(model, compose("h2o", "zipcache", budget=0.5))
+    Decoder(model, compose("h2o", budget=0.5))  # native precision: fine

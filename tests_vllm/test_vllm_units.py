@@ -19,6 +19,7 @@ from kvpolicies.vllm import PolicySpecError, parse, prompt_budget
     ("adakv+snapkv", "head budgets 'adakv'"),
     ("minicache", "layer merging 'minicache'"),
     ("chunkkv(reuse=2)", "reuses an earlier layer's scores"),
+    ("snapkv+kivi", "quantized storage 'kivi'"),
 ])
 def test_bad_spec_is_one_line(raw, part):
     with pytest.raises(PolicySpecError) as err:

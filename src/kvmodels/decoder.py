@@ -90,6 +90,11 @@ class Decoder:
             from kvpolicies import compose
 
             policy = compose("full")
+        precision = getattr(policy, "precision", None)
+        if precision is not None and precision.quantizes:
+            raise ValueError(f"policy {policy.name!r}: precision policy {precision.name!r} stores tokens as "
+                             "quantized rows, which the paged cache does not hold yet (issue 36); drop "
+                             f"{precision.name!r} from the composition")
         self.model, self.policy = model, policy
         param = next(iter(model.parameters()))
         self.device, self.dtype = param.device, param.dtype

@@ -47,8 +47,8 @@ def parse(raw: str) -> ComposedPolicy:
 def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
     """Refuse, in one line, what this slice of the plugin does not apply: a budget policy other than
     ``uniform`` (vLLM's one block table per KV-cache group holds every layer at one length), per-head budgets,
-    layer merging, eviction that scores decode steps (h2o, tova, ...), open score rules that read queries, and
-    ChunkKV's layer-wise index reuse."""
+    layer merging, eviction that scores decode steps (h2o, tova, ...), open score rules that read queries,
+    ChunkKV's layer-wise index reuse, and quantized precision (kivi, zipcache, mikv)."""
     ev = policy.eviction
     problems = []
     if policy.budget_policy.name != "uniform":
@@ -63,6 +63,8 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
         problems.append(f"eviction {ev.name!r} reads queries in its token_scores")
     if ev.score_source_layer(1) != 1:
         problems.append(f"eviction {ev.name!r} reuses an earlier layer's scores")
+    if policy.precision.quantizes:
+        problems.append(f"quantized storage {policy.precision.name!r}")
     if problems:
         raise PolicySpecError(f"{ENV}={raw or policy.name!r}: the vLLM plugin does not apply "
                               f"{'; '.join(problems)} yet; use full, window, streaming, knorm, snapkv or "
