@@ -105,8 +105,8 @@ def check_invariants(cache: PagedKVCache, *, evict_bound: bool = True) -> None:
     """Host mirror = device state; every page owned once; reported bytes = pages held; budget bounds."""
     S, n = cache.page_size, cache.batch_size
     lens = cache.seq_lens.cpu().numpy()
-    assert (lens == cache._lens).all(), (lens, cache._lens)
-    assert int(cache.n_free) == cache._free
+    assert (lens == cache.host.lens).all(), (lens, cache.host.lens)
+    assert int(cache.n_free) == cache.pool.free
     owners = []
     for l in range(cache.n_layers):
         for b in range(cache.max_batch):
@@ -211,7 +211,7 @@ def test_invariants_under_eviction(shape, eviction, budget_policy, evict_every, 
             cache.finish_sequence(0)
             check_invariants(cache)
     for b in range(len(prompt_lens)):
-        if cache._active[b]:
+        if cache.host.active[b]:
             cache.finish_sequence(b)
     check_invariants(cache)
     assert int(cache.n_free) == cache.num_pages
@@ -262,7 +262,7 @@ def test_out_of_pages_raises_before_writing():
     with pytest.raises(RuntimeError, match="cache out of pages: decode step 0 needs 2 more pages but only 0"):
         cache.prepare_decode(0)
     assert torch.equal(before[0], cache.page_table) and torch.equal(before[1], cache.free_pages)
-    assert before[2] == int(cache.n_free) == cache._free == 0
+    assert before[2] == int(cache.n_free) == cache.pool.free == 0
 
 
 def test_bad_arguments_name_the_argument():
@@ -353,7 +353,7 @@ def test_noise_helpers_are_what_the_cache_draws():
     assert cache._noise_seed == noise_seed(7, 3) != noise_seed(3, 7)
     run.prefill(cache)
     cache.prepare_decode(0)
-    width = int(cache._lens.max())
+    width = int(cache.host.lens.max())
     # The cache draws on its device with a generator of that device (CUDA and CPU streams differ).
     gen = torch.Generator(device=cache.device).manual_seed(noise_seed(7, 3))
     want = draw_gumbel_(torch.empty(2, 2, 2, width, device=cache.device), gen)

@@ -31,14 +31,14 @@ def test_decode_steps_reuse_the_rows_finish_prefill_uploaded(policy):
         for b, p in enumerate(prompts):
             model.prefill(torch.tensor(p), cache, b, last_only=True)
         cache.finish_prefill()
-        uploaded = dict(cache._op_rows_memo)
+        uploaded = dict(cache.compactor.memo)
         positions = torch.tensor([len(p) for p in prompts])
         for t in range(20):
             cache.prepare_decode(t)
             model.decode_step(torch.tensor([5, 6]), positions + t, cache)
             cache.after_step(t)
-    assert cache._op_rows_memo.keys() == uploaded.keys()
+    assert cache.compactor.memo.keys() == uploaded.keys()
     budgets = cache.plan.rows.budgets  # [Lc, n]
-    lens = torch.as_tensor(cache._lens[:, :2])
+    lens = torch.as_tensor(cache.host.lens[:, :2])
     stored = [l for l in range(layout.n_layers) if cache.layout.width[l]]  # a merged pair's second layer: 0
     assert (lens[stored] == budgets[stored]).all()  # every step evicted back down to the budget

@@ -209,16 +209,16 @@ def test_every_eviction_policy_runs_with_minicache(eviction):
             check_invariants(cache)
             for a, b in cache.merged_pairs:
                 for seq in range(len(prompt_lens)):
-                    if cache._active[seq]:
+                    if cache.host.active[seq]:
                         check_region(run, cache, seq, t, a, b)
             if t == 1:
                 cache.finish_sequence(0)
                 check_invariants(cache)
         for seq in range(len(prompt_lens)):
-            if cache._active[seq]:
+            if cache.host.active[seq]:
                 cache.finish_sequence(seq)
         check_invariants(cache)
-        assert int(cache.n_free) == cache._free == cache.num_pages
+        assert int(cache.n_free) == cache.pool.free == cache.num_pages
 
     check()
 

@@ -132,7 +132,7 @@ class Recorder:
 
         def on_append(l, k, v, positions, q=None):
             for b in range(len(positions)):
-                if cache._active[b]:
+                if cache.host.active[b]:
                     self.store(l, b, k[b:b + 1], v[b:b + 1], positions[b:b + 1])
             return append(l, k, v, positions, q=q)
 

@@ -81,7 +81,7 @@ def teacher_forced(model, seqs: list[torch.Tensor], prompt_lens: list[int], poli
         cache.finish_prefill()
         for step in range(n_new):
             for b, (s, L) in enumerate(zip(seqs, prompt_lens)):
-                if L + step == len(s) and cache._active[b]:
+                if L + step == len(s) and cache.host.active[b]:
                     cache.finish_sequence(b)
             cache.prepare_decode(step)
             if before_step is not None:

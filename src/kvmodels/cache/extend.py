@@ -1,0 +1,286 @@
+"""Continuing a sequence on a paged cache: ``pause`` between turns, ``begin_extend`` / ``extend_attend`` /
+``end_extend`` to take more tokens after the prompt (a chunked prefill, a follow-up turn), ``restart_decode``
+for the next generation (``kvmodels.decoder.Decoder`` drives these).
+
+:class:`ExtendSteps` is one part of :class:`kvmodels.cache.PagedKVCache` (a mixin over the cache's pool,
+tables and host mirror).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvkernels import check_shape, check_tensor
+from kvmodels.extend_attention import extend_attention
+
+from .pool import ceil_div
+from .rows import INT_DTYPES, check_sequence
+
+
+@dataclass
+class Extension:
+    """An extension in progress (:meth:`ExtendSteps.begin_extend`): sequence ``b`` takes ``n`` tokens."""
+
+    b: int
+    n: int
+    budget_len: int  # the length the sequence's budget is a fraction of afterwards
+    done: np.ndarray  # [Lc] bool, the layers extended so far
+
+
+class ExtendSteps:
+    """Pause, extension and restart of the sequences of a started batch."""
+
+    # A sequence between decode steps (or between turns, paused) takes more tokens: begin_extend, then the
+    # model runs them through every layer (extend_attend), then end_extend re-plans and compresses it.
+    # restart_decode starts the next generation. Together they are a chunked prefill and a follow-up turn.
+    def pause(self, b: int) -> None:
+        """Take sequence ``b`` out of the decode steps, keeping its pages (``finish_sequence`` returns
+        them): it appends nothing, its kept tokens get no score update (the decode attention reads none of
+        them), and :meth:`begin_extend` takes it back."""
+        if self._state != "decode":
+            raise RuntimeError(f"pause called in state {self._state!r}; call it between decode steps")
+        for row in self.rows.rows(check_sequence(b, self.n_sequences)):
+            if not self.host.active[row]:
+                raise ValueError(f"sequence {b} is not decoding (finished or paused already)")
+            self.active[row] = False
+            self.host.active[row] = False
+            self.host.parked[row] = True
+
+    def check_extendable(self) -> None:
+        """Raise ``NotImplementedError`` when this cache's policy cannot take tokens after the prompt (a
+        merge policy, per-head budgets); :meth:`begin_extend` checks it, callers may check it up front."""
+        if self.layout.pairs:
+            raise NotImplementedError(f"extending a sequence with merge policy {self.layout.merge_name!r} is "
+                                      "not supported (a merged region cannot take prefill tokens); use a "
+                                      "policy without merging")
+        self.rows.check_extendable(self.policy)
+
+    def slots_held(self, b: int) -> int:
+        """The most slots any cache layer holds for sequence ``b`` now (host mirror, no sync)."""
+        return int(self.host.lens[:, b].max(initial=0))
+
+    def decode_room(self, b: int) -> int:
+        """Decode steps sequence ``b`` can take before one of its storage layers (a merged region takes two
+        slots a step) runs out of the slots ``max_tokens`` gives it, evicting nothing (host mirror)."""
+        room = [(self.max_pages * self.page_size - int(self.host.lens[l, b])) // w
+                for l, w in enumerate(self.layout.width) if w]
+        return min(room)
+
+    @property
+    def slots_per_layer(self) -> int:
+        """The most slots one layer may hold for one sequence (``max_tokens`` rounded up to whole pages)."""
+        return self.max_pages * self.page_size // self.layout.max_width
+
+    def begin_extend(self, b: int, n: int, *, budget_len: int | None = None,
+                     max_new_tokens: int | None = None) -> None:
+        """Let sequence ``b`` (between decode steps, or paused) take ``n`` more tokens.
+
+        The model then runs the ``n`` tokens through every cache layer at their true positions (the
+        sequence's tokens seen so far, onward), calling :meth:`extend_attend` (and :meth:`observe`) per
+        layer; :meth:`end_extend` re-plans the sequence and compresses it to its budgets. Checked here,
+        before anything is written: the slots a layer may hold (``max_tokens``) and the pool's free pages.
+
+        Parameters
+        ----------
+        budget_len:
+            The length the sequence's budget is a fraction of afterwards (docs/contract.md §4); default:
+            every token it has seen, these included. A chunked prefill passes the whole prompt's length.
+        max_new_tokens:
+            The planning horizon: the plan caps each layer's budget at the context plus this many decode
+            steps (the next generation's length); default: the current one (``start``'s or
+            :meth:`restart_decode`'s).
+        """
+        if self._state != "decode":
+            raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
+                               "finish_prefill(), between decode steps")
+        self.check_extendable()
+        check_sequence(b, self.batch_size)
+        if not self.host.holding()[b]:
+            raise ValueError(f"sequence {b} is finished (its pages went back to the pool); it cannot be "
+                             "extended")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n={n!r} must be a positive int (the tokens to add)")
+        seen = int(self.host.seen[b]) + n
+        budget_len = seen if budget_len is None else int(budget_len)
+        if budget_len < seen:
+            raise ValueError(f"budget_len={budget_len} is less than the {seen} tokens sequence {b} will have "
+                             "seen; pass at least that")
+        if max_new_tokens is not None:
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+                raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+            self.max_new_tokens = max_new_tokens
+        S, capacity = self.page_size, self.max_pages * self.page_size
+        lens = self.host.lens[:, b]
+        if (lens + n > capacity).any():
+            l = int(np.argmax(lens + n > capacity))
+            raise ValueError(f"sequence {b} holds {lens[l]} tokens in layer {l}; {n} more make "
+                             f"{lens[l] + n}, past the {capacity} slots per layer of max_tokens="
+                             f"{self.max_tokens}; extend in smaller chunks (chunk=) or build the cache with "
+                             "a larger max_tokens")
+        need = int((ceil_div(lens + n, S) - ceil_div(lens, S)).sum())
+        if need > self.pool.free:
+            raise self.pool.out_of_pages(need, f"extension of sequence {b} by {n} tokens")
+        self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool))
+        self._state = "extend"
+
+    def extend_attend(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor, *, scale: float,
+                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """The extension's attention in cache layer ``l``: its ``n`` tokens over sequence ``b``'s kept tokens
+        and themselves (causal among them); their K/V are appended after the kept ones, and the policy's
+        scores come from the same probabilities (``kvmodels.extend_attention``, a torch implementation).
+
+        How the scores carry over (the prefill scorer's rules, docs/contract.md §2.3, over kept + new):
+
+        * a policy that scores every query row (``h2o``, ``a2sf``, ``keyformer``, ``scissorhands``): the
+          extension's rows continue the kept tokens' scores as decode steps would (accumulated, decayed,
+          counted); new tokens start from 0;
+        * window votes (``snapkv``, ``chunkkv``: the last ``window`` rows; ``tova``: the last row): the kept
+          tokens' scores are replaced by this extension's votes, post-processed (pooling, chunk sums, the
+          heads' mean) over the kept and new tokens in position order, as a prompt's would be;
+        * an open score rule (``knorm``): each new token's own score, the kept ones unchanged; no score mode:
+          nothing (new tokens 0). ChunkKV's layer-wise index reuse does not apply: every layer scores itself.
+
+        Parameters
+        ----------
+        q:
+            ``[n, Hq, D]`` queries (after RoPE).
+        k, v:
+            ``[n, Hkv, D]`` keys (after RoPE) and values, ``dtype`` of the cache.
+        positions:
+            ``[n]`` int, the tokens' absolute positions (the sequence's tokens seen so far, onward).
+        scale, alibi_slopes:
+            Logit scale and optional ``[Hq]`` float32 ALiBi slopes.
+
+        Returns
+        -------
+        ``[n, Hq, D]`` attention output in ``q``'s dtype.
+        """
+        ext = self._extension
+        if self._state != "extend" or ext is None:
+            raise RuntimeError(f"extend_attend called in state {self._state!r}; call begin_extend(b, n) "
+                               "first")
+        self._check_layer(l)
+        if b != ext.b:
+            raise ValueError(f"sequence b={b!r} is not the one being extended ({ext.b})")
+        if ext.done[l]:
+            raise RuntimeError(f"layer {l} of sequence {b} is already extended; call end_extend({b})")
+        n, H, D, S, dev = ext.n, self.n_kv_heads, self.head_dim, self.page_size, self.device
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t, ndim=3, dtypes=(self.dtype,), device=dev)
+        check_shape("q", q, [n, self.n_q_heads, D], "n x n_q_heads x head_dim")
+        check_shape("k", k, [n, H, D], "n x n_kv_heads x head_dim")
+        check_shape("v", v, [n, H, D], "n x n_kv_heads x head_dim")
+        check_tensor("positions", positions, ndim=1, dtypes=INT_DTYPES, device=dev)
+        check_shape("positions", positions, [n], "n (the tokens begin_extend announced)")
+
+        # The kept tokens in slot order, then per KV head in position order (pooling reads neighbours).
+        m = int(self.host.lens[l, b])
+        table = self.page_table[l, b, :ceil_div(m, S)].to(torch.int64)
+        slots = torch.arange(m, device=dev)
+        page, offset = table[slots // S], slots % S  # [m] each
+        kept_score = self.slot_score[page, offset]  # [m, Hkv]
+        order = torch.sort(self.slot_pos[page, offset].long(), dim=0, stable=True).indices  # [m, Hkv]
+
+        def by_position(pool: torch.Tensor) -> torch.Tensor:  # [m, Hkv, ...] in position order per head
+            x = pool[page, offset]
+            return x.gather(0, order.view(m, H, *[1] * (x.dim() - 2)).expand_as(x))
+
+        ev, mode = self.eviction, self.eviction.prefill_mode
+        window = ev.prefill_window(n) if mode is not None else 0
+        kwargs = ev.prefill_kwargs(n) if mode is not None else {}
+        decay = float(kwargs.get("decay", 1.0))
+        out, scores = extend_attention(
+            q, k, v, positions, by_position(self.k_pages), by_position(self.v_pages),
+            by_position(self.slot_pos), scale=scale, alibi_slopes=alibi_slopes, mode=mode, window=window,
+            decay=decay, seed=self.prefill_seed(l, b), temperature=float(kwargs.get("temperature", 1.0)))
+        if scores is not None:
+            if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
+                scores = ev.postprocess_prefill_scores(scores)
+            else:  # every row scores: the rows continue the kept tokens' scores, as decode steps would
+                old = kept_score.gather(0, order).t()  # [Hkv, m]
+                if mode == "decay":
+                    old = old * decay**n
+                scores = torch.cat([old + scores[:, :m], scores[:, m:]], dim=1)
+            kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
+            self.slot_score[page, offset] = kept  # back in slot order
+            new_scores = scores[:, m:].t()  # [n, Hkv]
+        elif ev.scores_tokens:  # an open rule: each token's score from what its step provides
+            new_scores = self._token_scores(q, k, v, positions, check=True)
+        else:
+            new_scores = torch.zeros(n, H, dtype=torch.float32, device=dev)
+
+        # Append after the kept slots, popping the pages the extension opens (begin_extend counted them).
+        held, total = ceil_div(m, S), ceil_div(m + n, S)
+        if total > held:
+            self.page_table[l, b, held:total] = self.pool.take(total - held)
+        slots = torch.arange(m, m + n, device=dev)
+        page, offset = self.page_table[l, b, :total].to(torch.int64)[slots // S], slots % S
+        self.k_pages[page, offset] = k
+        self.v_pages[page, offset] = v
+        self.slot_pos[page, offset] = positions.to(torch.int32)[:, None].expand(n, H)
+        self.slot_score[page, offset] = new_scores.to(torch.float32)
+        self.seq_lens[l, b] = m + n
+        self.host.lens[l, b] = m + n
+        ext.done[l] = True
+        self.host.track_peak(self.page_size)
+        return out
+
+    def end_extend(self, b: int) -> None:
+        """Finish sequence ``b``'s extension: re-plan the batch (``b``'s budget from ``budget_len``, its
+        layer budgets capped at its context plus the planning horizon) and compress every layer over budget
+        (the policy's ``prefill_compress``), returning pages. The sequence decodes at the next step."""
+        ext = self._extension
+        if self._state != "extend" or ext is None or b != ext.b:
+            raise RuntimeError(f"end_extend({b!r}) must follow begin_extend({b!r}) and extend_attend on "
+                               "every layer")
+        if not ext.done.all():
+            l = int(np.argmin(ext.done))
+            raise RuntimeError(f"layer {l} of sequence {b} was not extended; call extend_attend for every "
+                               "cache layer")
+        self.host.seen[b] += ext.n
+        self.prompt_lens[b] = ext.budget_len
+        self.budget_tokens[b] = self.policy.checked_budget_tokens(torch.tensor([ext.budget_len]))[0]
+        self.active[b] = True
+        self.host.active[b] = True
+        self.host.parked[b] = False
+        self._extension = None
+        self._state = "decode"
+        self._replan()
+
+    def restart_decode(self, max_new_tokens: int) -> None:
+        """Start the next generation of the batch: ``max_new_tokens`` decode steps from step 0 (Keyformer's
+        temperature schedule restarts). When the horizon changes, the plan is remade with it (each layer's
+        budget capped at its context plus ``max_new_tokens``) and layers over their new budget are
+        compressed now."""
+        if self._state != "decode":
+            raise RuntimeError(f"restart_decode called in state {self._state!r}; call it between decode "
+                               "steps")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        self._step = 0
+        if max_new_tokens == self.max_new_tokens and self.plan is not None:
+            return
+        self.max_new_tokens = max_new_tokens
+        self._replan()
+
+    def _replan(self) -> None:
+        """The batch's plan from the sequences' current lengths, budgets and horizon (``self.plan``), and,
+        with the policy's ``prefill_compress``, every layer over its budget compressed now. A
+        sequence's capacity counts every token it has seen (a generation adds to its context), its budget the
+        length it was last given (``budget_len``). Layers may be out of position order after decode-time
+        eviction: ``topk_evict`` ranks by stored positions (Keyformer's layers stay in order: its decode
+        noise is indexed by slot, and ``_compress`` keeps them on ``topk_compact``)."""
+        n = self.batch_size
+        for b in np.flatnonzero(self.host.holding()[:n]):
+            self.prompt_lens[b] = max(self.prompt_lens[b], int(self.host.seen[b]))
+        self.plan = self._plan(list(range(n)))
+        self.budgets[:, :n] = self.plan.rows.budgets.clamp_min(1).to(self.device, torch.int32)
+        if self.plan.schedule.prefill_compress:
+            if self.eviction.heads_share_selection:  # as after_step: one ranking for the layer's heads
+                self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
+            self._compress(in_place=True)
+
