@@ -130,3 +130,8 @@ def test_the_paged_cache_refuses_quantized_storage_by_name():
     with pytest.raises(ValueError, match="precision policy 'zipcache' stores tokens as quantized rows"):
         Decoder(model, compose("h2o", "zipcache", budget=0.5))
     Decoder(model, compose("h2o", budget=0.5))  # native precision: fine
+    from kvmodels.cache import PagedKVCache
+
+    with pytest.raises(ValueError, match="precision policy 'mikv' stores tokens as quantized rows"):
+        PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=8, n_q_heads=2, max_batch=1, max_tokens=16,
+                     policy=compose("h2o", "mikv", budget=0.5))

@@ -116,6 +116,10 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         if rows not in ROW_LAYOUTS:
             raise ValueError(f"rows={rows!r} is not a row layout; use one of {sorted(ROW_LAYOUTS)}")
         ROW_LAYOUTS[rows].check_policy(policy)
+        if policy.precision.quantizes:
+            raise ValueError(f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens "
+                             "as quantized rows, which the paged cache does not hold yet (issue 36); drop "
+                             f"{policy.precision.name!r} from the composition")
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                             ("n_q_heads", n_q_heads), ("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("page_size", page_size)):
