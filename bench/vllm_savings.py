@@ -63,11 +63,10 @@ def max_new(setting: dict) -> int:
 
 
 def max_model_len(setting: dict) -> int:
-    """The longest request plus one block: the plugin's worker keeps the blocks the scheduler freed in its
-    block table (it skips them), so a compressed request can need one table column more than its length;
-    at ``max_model_len = L + G`` a request preempted and recomputed after compression overflowed it
-    (docs/vllm.md, "Not yet"). The spare column does not change the pool."""
-    return setting["L"] + max_new(setting) + setting["block_size"]
+    """The longest request exactly, ``L + G`` (the plugin's worker cuts the blocks compaction emptied out of
+    its block table, so a compressed request, preempted and recomputed or not, fits the table vLLM sizes
+    for ``max_model_len``: tests_vllm/test_vllm_preemption.py)."""
+    return setting["L"] + max_new(setting)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ policy (``KVPOLICIES_VLLM_POLICY``) is fixed for the process's life.
 
 ``JOB.json``: ``{"model": DIR, "prompts": [[ids], ...], "max_tokens": n, "engine": {LLM kwargs}}``.
 ``OUT.json``: ``{"tokens": [[ids], ...], "steps": [...], "block_size": bs, "num_blocks": n, "seconds": t}``;
-each step lists the free blocks and, per running request, ``[prompt_len, num_computed_tokens, blocks held]``.
+each step lists the free blocks and, per running request, ``[prompt_len, num_computed_tokens, blocks held]``;
+``"preempted"``: how many times each preempted request was preempted.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main(job_path: str, out_path: str) -> None:
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     tokens: dict[str, list[int]] = {}
     steps = []
+    preempted: dict[str, int] = {}  # request id -> times preempted
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -42,10 +44,14 @@ def main(job_path: str, out_path: str) -> None:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
         held = {rid: [req.num_prompt_tokens, req.num_computed_tokens, len(manager.req_to_blocks.get(rid, []))]
                 for rid, req in scheduler.requests.items()}
+        for rid, req in scheduler.requests.items():
+            if req.num_preemptions:
+                preempted[rid] = max(preempted.get(rid, 0), req.num_preemptions)
         steps.append({"free": kv.block_pool.get_num_free_blocks(), "requests": held})
     result = {
         "tokens": [tokens[str(i)] for i in range(len(job["prompts"]))],
         "steps": steps,
+        "preempted": preempted,
         "block_size": manager.block_size,
         "num_blocks": kv.block_pool.num_gpu_blocks,
         "manager": type(manager).__name__,

@@ -14,14 +14,18 @@ run:
 3. selects and compacts with ``kvkernels.topk_compact``, the op every cache of the library compacts with
    (each KV head a one-page sequence, as the transformers bridge lays a layer out): per KV head the forced
    sinks and recent tokens plus the top scores, ``kept`` tokens in original order, bit-identical;
-4. writes them to slots ``[0, kept)`` (any tokens after the prompt in the same step -- a preempted request
-   recomputing its output -- follow at ``kept``).
+4. writes them to slots ``[0, kept)``; any tokens after the prompt in the same step (a preempted request
+   recomputing its generated tokens) follow at ``kept``, and their attention is run again over the
+   compacted slots (kept tokens, then theirs), replacing the first pass's output, which had attended to the
+   whole prompt: so they hold the keys and values an uninterrupted decode would have given them.
 
-From the next step on the request is *compacted*: ``d = L - kept`` fewer slots. The metadata builder then
-hands the stock CPU kernel seq_len ``- d``, writes the token at position ``p`` to slot ``p - d``, and skips in
-the block table the blocks the scheduler freed (:mod:`kvpolicies.vllm.manager` frees those past
-``cdiv(c - d, bs)``, ``c`` the tokens cached at compaction; the worker's table only grows, so the freed ids
-stay in it and are jumped over). Positions are untouched: RoPE was applied before caching, so a kept key
+In that step the builder also cuts the request's row of the worker's block table (and the runner's
+per-request block list) to its first ``cdiv(c - d, bs)`` blocks (``c``: the tokens cached after the step,
+``d = L - kept``): the ones :mod:`kvpolicies.vllm.manager` keeps when it frees the rest at its next
+scheduling of the request. The scheduler's new blocks are then appended right after them, so both sides
+hold the same list and a row never needs more than ``cdiv(max_model_len, bs)`` columns. From the next step
+on the request is *compacted*: the builder hands the stock CPU kernel seq_len ``- d`` and writes the token at
+position ``p`` to slot ``p - d``. Positions are untouched: RoPE was applied before caching, so a kept key
 keeps its original rotation wherever it is stored, and the attention kernel needs no positions.
 
 ``kept`` comes from ``ComposedPolicy.plan`` (:func:`kvpolicies.vllm.config.prompt_budget`), as on the
@@ -57,13 +61,10 @@ _RUNNER: Any = None
 
 @dataclass(frozen=True)
 class Compacted:
-    """A request whose prompt was compressed: ``dropped`` slots fewer from then on; the worker's table
-    keeps its first ``kept_blocks`` blocks, and ``held_blocks`` is how many it held at compaction (the ones
-    in between were freed by the scheduler)."""
+    """A request whose prompt was compressed: ``dropped`` slots fewer from then on. Its row of the worker's
+    block table holds exactly the scheduler's blocks (the ones compaction emptied were cut out of it)."""
 
     dropped: int
-    kept_blocks: int
-    held_blocks: int
 
 
 #: Compacted requests of this worker, by request id.
@@ -99,8 +100,9 @@ class Compaction:
 
 class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
     """``CPU_ATTN``'s builder, plus: compacted requests read ``seq_len - dropped`` slots through their
-    remaining blocks and write new tokens ``dropped`` slots earlier; requests whose prompt completes in this
-    step are listed for compaction (``metadata.kvp_compactions``)."""
+    blocks and write new tokens ``dropped`` slots earlier; requests whose prompt completes in this step are
+    listed for compaction (``metadata.kvp_compactions``), their block-table rows cut to the blocks the
+    scheduler keeps, and the tokens past their prompt given a second attention (``metadata.kvp_redo``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -131,6 +133,7 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         new_slots: torch.Tensor | None = None
         jobs: list[Compaction] = []
         stash: list[tuple[str, int, int, int]] = []  # (request, first row, first position, rows)
+        cuts: list[tuple[int, str, int]] = []  # (row, request, blocks kept) of this step's compactions
         for r in range(n):
             rid = batch.req_ids[r]
             L, c = int(batch.num_prompt_tokens[r]), int(batch.num_computed_tokens_cpu[r])
@@ -140,11 +143,9 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
                 del _COMPACTED[rid]
                 done = None
             if done is not None:
-                if new_table is None or new_lens is None or new_slots is None:
-                    new_table, new_lens, new_slots = table.clone(), seq_lens.clone(), slots.clone()
-                row = torch.cat([table[r, :done.kept_blocks], table[r, done.held_blocks:int(held[r])]])
-                new_table[r].zero_()
-                new_table[r, :row.numel()] = row
+                if new_lens is None or new_slots is None:
+                    new_lens, new_slots = seq_lens.clone(), slots.clone()
+                row = table[r, :int(held[r])]  # the scheduler's blocks: the kept slots, then the new ones
                 new_lens[r] -= done.dropped
                 pos = cm.positions[qsl[r]:qsl[r + 1]].to(torch.int64) - done.dropped  # logical slots
                 new_slots[qsl[r]:qsl[r + 1]] = (row[pos // bs].to(torch.int64) * bs + pos % bs).to(
@@ -161,15 +162,69 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
                 if kept < L:
                     blocks = table[r, :int(held[r])].to(torch.int64).clone()
                     jobs.append(Compaction(rid, qsl[r], c, c + q, L, kept, n_sink, n_recent, blocks))
-                    _COMPACTED[rid] = Compacted(L - kept, cdiv(c + q - (L - kept), bs), int(held[r]))
-        if new_table is not None:
-            cm = dataclasses.replace(cm, block_table_tensor=new_table, seq_lens=new_lens,
-                                     slot_mapping=new_slots)
+                    _COMPACTED[rid] = Compacted(L - kept)
+                    cuts.append((r, rid, cdiv(c + q - (L - kept), bs)))
+        if cuts:
+            # This step still reads the whole prompt; from the next one on the request's row holds only the
+            # blocks the scheduler keeps (it frees the rest when it next schedules the request), so new
+            # blocks are appended right after them and the row never outgrows cdiv(max_model_len, bs).
+            new_table = table.clone()  # ``table`` is a view of the batch's block table on CPU
+            for r, rid, keep in cuts:
+                cut_block_table_row(runner, r, rid, keep)
+        redo = self._redo_metadata(cm, jobs, fast_build)
+        if new_table is not None or new_lens is not None:
+            cm = dataclasses.replace(cm, block_table_tensor=table if new_table is None else new_table,
+                                     seq_lens=seq_lens if new_lens is None else new_lens,
+                                     slot_mapping=slots if new_slots is None else new_slots)
         meta = super().build(common_prefix_len, cm, fast_build)
         meta.kvp_compactions = jobs
         meta.kvp_window_queries = stash
         meta.kvp_slot_mapping = new_slots
+        meta.kvp_redo = redo
         return meta
+
+    def _redo_metadata(self, cm: Any, jobs: list[Compaction], fast_build: bool) -> tuple[torch.Tensor, Any] | None:
+        """For requests whose step goes past their prompt (a preempted request recomputing its generated
+        tokens too): the rows of those tokens ``[n]`` and the metadata of a second attention over each
+        request's compacted slots (``kept`` tokens, then these), which replaces their first outputs.
+        Without it they would have attended to the whole prompt, which no uninterrupted decode does."""
+        parts = [j for j in jobs if j.total > j.prompt_len]
+        if not parts:
+            return None
+        rows, starts, lens, table_rows = [], [0], [], []
+        width = cm.block_table_tensor.shape[1]
+        for j in parts:
+            first = j.start + j.prompt_len - j.computed
+            extra = j.total - j.prompt_len
+            rows.append(torch.arange(first, first + extra))
+            starts.append(starts[-1] + extra)
+            lens.append(j.kept + extra)
+            row = torch.zeros(width, dtype=cm.block_table_tensor.dtype)
+            row[:j.blocks.numel()] = j.blocks.to(row.dtype)
+            table_rows.append(row)
+        idx = torch.cat(rows)
+        qsl = torch.tensor(starts, dtype=cm.query_start_loc.dtype)
+        sub = dataclasses.replace(
+            cm, query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+            seq_lens=torch.tensor(lens, dtype=cm.seq_lens.dtype), num_reqs=len(parts),
+            num_actual_tokens=idx.numel(), max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_seq_len=max(lens), block_table_tensor=torch.stack(table_rows),
+            slot_mapping=cm.slot_mapping[idx], positions=None if cm.positions is None else cm.positions[idx])
+        return idx, super().build(0, sub, fast_build)
+
+
+def cut_block_table_row(runner: Any, r: int, request: str, keep: int) -> None:
+    """Cut the worker's record of ``request``'s blocks (row ``r`` of the batch's block table, and the
+    runner's per-request list it is rebuilt from when the request rejoins the batch) to its first ``keep``
+    blocks: the ones the scheduler keeps after compaction."""
+    bt = runner.input_batch.block_table[0]
+    held = int(bt.num_blocks_per_row[r])
+    if held > keep:
+        bt.block_table.np[r, keep:held] = 0
+        bt.num_blocks_per_row[r] = keep
+    state = runner.requests.get(request)
+    if state is not None and state.block_ids and len(state.block_ids[0]) > keep:
+        state.block_ids = (list(state.block_ids[0][:keep]), *state.block_ids[1:])
 
 
 class CompressingImpl(CPUAttentionBackendImpl):
@@ -200,6 +255,13 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 kept = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier)
                 if RECORD_KEPT:
                     KEPT[job.request, layer.layer_name] = kept
+        redo = getattr(attn_metadata, "kvp_redo", None)
+        if redo is not None:  # tokens past a prompt in its compaction step: attend to the kept tokens only
+            idx, meta = redo
+            again = output.new_empty((idx.numel(), *output.shape[1:]))
+            super().forward(layer, query[idx].contiguous(), key[idx].contiguous(), value[idx].contiguous(),
+                            kv_cache, meta, again, *args, **kwargs)
+            output[idx] = again
         return out
 
 

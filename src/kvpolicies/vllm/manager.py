@@ -9,8 +9,9 @@ preempted request recomputes its output too) and sizes every later allocation fo
 Freed blocks go back to the block pool at once, so they serve other requests from the next step on.
 
 Both sides derive ``kept`` from the prompt length alone (:func:`kvpolicies.vllm.config.prompt_budget`), and
-the workers keep the table they were sent up to block ``cdiv(c - d, bs)`` and skip the freed ones after it
-(``vllm.backend``), so both sides agree on every request's blocks without a message between them.
+the workers cut their block table to its first ``cdiv(c - d, bs)`` blocks in the compaction step
+(``vllm.backend``), before any block allocated after it is appended, so both sides hold the same blocks of
+every request without a message between them.
 """
 
 from __future__ import annotations
