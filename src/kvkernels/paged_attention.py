@@ -197,20 +197,12 @@ if HAS_TRITON:
                     gm_i = gm_new
 
         if ONE_SPLIT:
-            # The whole sequence was this program's: its (max, sum) are final, so it normalises and scores
-            # itself, with no partials written and no second launch.
+            # The whole sequence was this program's and nothing is scored (the launcher picks this only
+            # without a score update): its (max, sum) are final, so it normalises itself, with no partials
+            # written and no second launch.
             inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # 0 for an empty sequence
             tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
                      (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-            if SCORE_MODE != 0:
-                inv_gl = inv_l
-                if GUMBEL:
-                    inv_gl = tl.where(gl_i > 0, 1.0 / tl.where(gl_i > 0, gl_i, 1.0), 0.0)
-                n_valid = tl.sum(n_vis, axis=0)
-                _update_scores(logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok,
-                               b, kvh, start, end, m_i, inv_l, gm_i, inv_gl, tau,
-                               1.0 / tl.maximum(n_valid, 1).to(tl.float32), decay, mask_bit, max_pages,
-                               noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
         else:
             stat = q_rows * num_splits + split  # [BLOCK_G] index into [B, Hq, splits]
             tl.store(m_ptr + stat, m_i, mask=g_ok)
@@ -281,7 +273,7 @@ if HAS_TRITON:
     def _decode_reduce_kernel(
         out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr, noise_ptr, temp_ptr,
         score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr,
-        mask_bit, decay, max_pages, noise_len, logits_len, num_splits, chunk,
+        mask_bit, decay, max_pages, noise_len, logits_len, num_splits, score_chunk,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
         SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_TEMP: tl.constexpr,
@@ -319,12 +311,17 @@ if HAS_TRITON:
                 n_valid = tl.sum(tl.load(nvis_ptr + (b * HKV + kvh) * num_splits + offs_s,
                                          mask=offs_s < num_splits, other=0), axis=0)
                 threshold = 1.0 / tl.maximum(n_valid, 1).to(tl.float32)
+            # The grid's third axis covers the sequence in chunks of score_chunk slots, independently of the
+            # attention's splits: many short programs, not one serial sweep per (sequence, KV head).
             seq_len = tl.load(seq_lens_ptr + b)
-            start = split * chunk
-            end = tl.minimum(start + chunk, seq_len)
+            start = split * score_chunk
+            end = tl.minimum(start + score_chunk, seq_len)
             _update_scores(logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b,
                            kvh, start, end, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit,
                            max_pages, noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
+
+
+SCORE_CHUNK = 256  # slots per program of the score update (rounded down to a multiple of the tile)
 
 
 def _pick_num_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
@@ -361,7 +358,11 @@ def paged_decode_attention_triton(
     mode_id = _MODE_IDS[score_mode]
     keep_logits = mode_id != 0 and score is not None
     gumbel = mode_id == _MODE_IDS["gumbel"]
-    one_split = num_splits == 1  # one program per (sequence, KV head) finishes alone: no partials, one launch
+    # One program per (sequence, KV head) finishes alone, no partials and one launch, when nothing is scored.
+    # A score update always runs in the second kernel, over many short chunks of slots (SCORE_CHUNK) in
+    # parallel: as one sweep at the end of each (sequence, KV head) program it was a serial, latency-bound
+    # loop (+56% on the decode at batch 8 and 64 on an H200, bench/results/nvidia-h200-2026-11-26).
+    one_split = num_splits == 1 and not keep_logits
     dev, f32 = q.device, torch.float32
     out = torch.empty_like(q)
     dummy = torch.empty(1, device=dev, dtype=f32)  # stands in for absent tensors; constexpr flags keep the
@@ -402,11 +403,13 @@ def paged_decode_attention_triton(
     )
     if one_split:
         return out
+    score_chunk = max(block_n, SCORE_CHUNK // block_n * block_n)
+    n_update = max(num_splits, math.ceil(max_len / score_chunk)) if keep_logits else num_splits
     launch(
-        _decode_reduce_kernel, grid,
+        _decode_reduce_kernel, (batch, n_kv_heads, n_update),
         out, m, l, acc, gm, gl, nvis, logits, noise, opt(temperature),
         opt(score) if keep_logits else dummy, page_table, seq_lens, opt(slot_mask),
-        int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
+        int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, score_chunk,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id if keep_logits else 0,
         HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, num_warps=cfg.num_warps, **consts,
     )
