@@ -10,6 +10,7 @@ Run each from the repository root as a module; their JSON-lines records are in `
     python -m experiments.key_digits_kept --context 4096 --seed 2 --budget 0.2 POLICY ...
     python -m experiments.adakv_imbalance --context 1024 --n 24
     python -m experiments.adakv_retrieval --context 1024 --n 24
+    python -m experiments.chunked_prefill --contexts 1024 --n 24 --chunk-n 8   # chunked prefill vs once
 
 Like ``evals``, this is research code beside the library: it imports ``kvkernels``, ``kvpolicies``,
 ``kvmodels`` and ``evals``; the library never imports it, and it is not part of the installed wheel.
