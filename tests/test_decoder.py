@@ -238,6 +238,17 @@ def test_chunked_peak_follows_budget_plus_chunk(length, chunk, budget, page_size
     assert chunked.tokens_per_layer == whole.tokens_per_layer == ((budget_tokens,),) * Lc
 
 
+def test_a_chunk_past_the_prompt_length_minus_the_budget_is_not_refused():
+    """generate sizes max_tokens to the prompt plus the new tokens; a layer never holds more than the tokens
+    it has seen, so budget + chunk above max_tokens is no reason to refuse (it was: found by the chunked
+    prefill study, experiments/chunked_prefill.py)."""
+    prompt = [(3 * i + 2) % V for i in range(40)]
+    policy = compose("h2o", budget=0.5)  # 20 tokens + a 32-token chunk > max_tokens = 40 + 2
+    res = generate(MODEL, [prompt], 2, policy, chunk=32)
+    assert len(res.tokens[0]) == 2
+    assert res.report.tokens_per_layer == ((20,),) * MODEL.n_cache_layers  # h2o evicts back to its budget
+
+
 def test_a_pool_for_budget_plus_chunk_runs_a_prompt_that_does_not_fit_whole():
     prompt = [(5 * i + 1) % V for i in range(80)]
     policy = compose("streaming", budget=12)

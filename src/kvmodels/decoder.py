@@ -230,7 +230,8 @@ class Decoder:
                                  "(chunk=) or raise max_tokens")
             if chunk is not None and compresses and len(toks) > chunk:
                 budget = int(policy.budget_tokens(torch.tensor([before + len(toks)]))[0])
-                if budget + chunk > capacity:
+                # A layer holds its budget plus one chunk, and never more than the tokens it has seen.
+                if min(budget + chunk, before + len(toks)) > capacity:
                     raise ValueError(f"chunk={chunk}: each layer holds its budget ({budget} tokens) plus one "
                                      f"chunk, more than max_tokens={self.max_tokens}; lower chunk or raise "
                                      "max_tokens")
