@@ -285,7 +285,7 @@ def test_a_split_that_breaks_the_contract_is_refused(clean_registry):
 
         per_head = True
 
-        def split(self, scores, budget, n_forced):
+        def split(self, scores, budget, n_forced, *, layer=None):
             out = torch.zeros(scores.shape[0], dtype=torch.int64)
             out[0] = scores.shape[0] * budget
             return out

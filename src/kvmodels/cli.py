@@ -215,7 +215,7 @@ def _calibrated(policy: Any, model: Any) -> Any:
     try:
         policy, notes = policy.calibrate(ModelProbe(model))
     except ValueError as e:
-        name = policy.budget_policy.name
+        name = policy.budget_policy.name if policy.budget_policy.needs_calibration else policy.heads.name
         raise CliError(f"--policy {name}: {e}; give its measured parameters instead, e.g. "
                        f"{name}(weights=(...))") from None
     for note in notes:

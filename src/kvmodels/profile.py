@@ -107,6 +107,17 @@ def retrieval_profile(model: Any, *, floor: float = 0.25, **kwargs: Any) -> tupl
     return tuple(round(float(floor + s), 4) for s in strongest)
 
 
+def retrieval_head_weights(model: Any, **kwargs: Any) -> tuple[tuple[float, ...], ...]:
+    """Per cache layer, one retrieval score per KV head for the ``duo`` head-budget policy: the strongest
+    echo or induction score (:func:`retrieval_scores`, which takes ``kwargs``) of the head's group of query
+    heads, rounded to 4 decimals."""
+    echo, induction = retrieval_scores(model, **kwargs)
+    strongest = torch.maximum(echo, induction)                          # [n_cache_layers, Hq]
+    n_kv = model.cache_layout().n_kv_heads
+    per_kv = strongest.view(strongest.shape[0], n_kv, -1).amax(dim=2)   # query heads grouped by KV head
+    return tuple(tuple(round(float(x), 4) for x in row) for row in per_kv)
+
+
 class ModelProbe:
     """What budget policies may measure on a kvmodels model (``kvpolicies.base.ModelProbe``), for
     ``ComposedPolicy.calibrate``: ``compose("profile+snapkv").calibrate(ModelProbe(model))`` measures the
@@ -117,9 +128,16 @@ class ModelProbe:
     def __init__(self, model: Any) -> None:
         self.model = model
         self._profile: tuple[float, ...] | None = None
+        self._heads: tuple[tuple[float, ...], ...] | None = None
 
     def retrieval_profile(self) -> tuple[float, ...]:
         """:func:`retrieval_profile` with its defaults."""
         if self._profile is None:
             self._profile = retrieval_profile(self.model)
         return self._profile
+
+    def retrieval_heads(self) -> tuple[tuple[float, ...], ...]:
+        """:func:`retrieval_head_weights` with its defaults."""
+        if self._heads is None:
+            self._heads = retrieval_head_weights(self.model)
+        return self._heads

@@ -180,6 +180,11 @@ class ModelProbe(Protocol):
         """Per-cache-layer weights from the model's echo and induction heads (RazorAttention)."""
         ...
 
+    def retrieval_heads(self) -> tuple[tuple[float, ...], ...]:
+        """Per cache layer, one retrieval score per KV head: its query heads' strongest echo or induction
+        score (RazorAttention), for the ``duo`` head-budget policy."""
+        ...
+
 
 @dataclass(frozen=True)
 class NewTokens:
@@ -382,7 +387,18 @@ class HeadBudgetPolicy(Policy):
     role: ClassVar[Role] = "heads"
     per_head: ClassVar[bool] = False
 
-    def split(self, scores: torch.Tensor, budget: int, n_forced: tuple[int, int]) -> torch.Tensor:
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether :meth:`calibrate` has something to measure (e.g. ``duo`` without weights)."""
+        return False
+
+    def calibrate(self, probe: ModelProbe) -> tuple[HeadBudgetPolicy, str | None]:
+        """This policy fitted to a model through ``probe``, and a line saying what was measured (``None``
+        when nothing was); as :meth:`BudgetPolicy.calibrate`. The default changes nothing."""
+        return self, None
+
+    def split(self, scores: torch.Tensor, budget: int, n_forced: tuple[int, int], *,
+              layer: int | None = None) -> torch.Tensor:
         """Per-head budgets ``[Hkv]`` int64 of one layer of one sequence.
 
         Parameters
@@ -395,6 +411,9 @@ class HeadBudgetPolicy(Policy):
         n_forced:
             ``(n_sink, n_recent)`` the eviction policy forces in every head at budget ``B``: the first
             ``n_sink`` and the last ``n_recent`` tokens.
+        layer:
+            The cache layer's index (``ComposedPolicy.plan`` passes it), for a policy that treats layers
+            differently (``duo``); ``None`` when the caller has none (the others ignore it).
 
         Returns budgets that sum to ``Hkv * B`` when ``L > B`` (each at least ``n_sink + n_recent`` and 1, at
         most ``L``) and ``B`` for every head otherwise.

@@ -145,16 +145,18 @@ class ComposedPolicy:
     # -- calibration --------------------------------------------------------------------------------------
     @property
     def needs_calibration(self) -> bool:
-        """Whether a role policy measures something on the model first (``profile`` without weights)."""
-        return self.budget_policy.needs_calibration
+        """Whether a role policy measures something on the model first (``profile`` or ``duo`` without
+        weights)."""
+        return self.budget_policy.needs_calibration or self.heads.needs_calibration
 
     def calibrate(self, probe: ModelProbe) -> tuple[ComposedPolicy, list[str]]:
         """This policy fitted to one model through ``probe`` (``kvmodels.profile.ModelProbe``): each role
         policy's :meth:`~kvpolicies.base.BudgetPolicy.calibrate`, and one ``"<name>: <what was measured>"``
         line per policy that measured something. Unchanged (and no lines) when nothing needs it."""
         budget_policy, note = self.budget_policy.calibrate(probe)
-        notes = [f"{budget_policy.name}: {note}"] if note else []
-        return dataclasses.replace(self, budget_policy=budget_policy), notes
+        heads, head_note = self.heads.calibrate(probe)
+        notes = [f"{p.name}: {n}" for p, n in ((budget_policy, note), (heads, head_note)) if n]
+        return dataclasses.replace(self, budget_policy=budget_policy, heads=heads), notes
 
     # -- naming and serialisation -------------------------------------------------------------------------
     def policies(self) -> dict[str, Policy]:
@@ -377,19 +379,22 @@ class ComposedPolicy:
                 budget, n_sink, n_recent = (int(x[l, j]) for x in layers)
                 H, L = scores.shape
                 if L > budget and self.eviction.prefill_compress:
-                    row.append(self.head_budgets(scores, budget, n_sink, n_recent))
+                    row.append(self.head_budgets(scores, budget, n_sink, n_recent, layer=l))
                 else:
                     row.append(torch.full((H,), budget, dtype=torch.int64))
             rows.append(torch.stack(row))
         return torch.stack(rows)  # [Lc, B, Hkv]
 
-    def head_budgets(self, scores: torch.Tensor, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, budget: int, n_sink: int, n_recent: int, *,
+                     layer: int | None = None) -> torch.Tensor:
         """``[Hkv]`` int64 budgets of the KV heads of one layer of one sequence, from the head-budget policy
-        (``heads.split``) given the layer's ``[Hkv, L]`` prompt scores, its budget ``B`` and its forced
-        counts (``plan.layers``); checked: each head keeps its forced tokens (and at least one), and when the
-        layer is compressed (``L > B``) the heads hold ``Hkv * B`` tokens, none more than ``L``."""
+        (``heads.split``) given the layer's ``[Hkv, L]`` prompt scores, its budget ``B``, its forced
+        counts (``plan.layers``) and its index ``layer`` (``duo`` needs it); checked: each head keeps its
+        forced tokens (and at least one), and when the layer is compressed (``L > B``) the heads hold
+        ``Hkv * B`` tokens, none more than ``L``."""
         H, L = scores.shape
-        out = torch.as_tensor(self.heads.split(scores, int(budget), (int(n_sink), int(n_recent))))
+        out = torch.as_tensor(self.heads.split(scores, int(budget), (int(n_sink), int(n_recent)),
+                                               layer=layer))
         out = out.to(torch.int64).cpu()
         ok = out.shape == (H,) and bool((out >= max(1, n_sink + n_recent)).all())
         if ok and L > budget:

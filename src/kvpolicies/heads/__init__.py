@@ -1,6 +1,7 @@
 """Built-in head-budget policies; each module registers one policy."""
 
 from .adakv import AdaKV
+from .duo import Duo
 from .even import Even
 
-__all__ = ["AdaKV", "Even"]
+__all__ = ["AdaKV", "Duo", "Even"]

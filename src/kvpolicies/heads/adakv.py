@@ -36,7 +36,8 @@ class AdaKV(HeadBudgetPolicy):
         check_number(self.name, "alpha", self.alpha)
         check_range(self.name, "alpha", self.alpha, 0.0, 1.0)
 
-    def split(self, scores: torch.Tensor, budget: int, n_forced: tuple[int, int]) -> torch.Tensor:
+    def split(self, scores: torch.Tensor, budget: int, n_forced: tuple[int, int], *,
+              layer: int | None = None) -> torch.Tensor:
         H, L = scores.shape
         if L <= budget:
             return torch.full((H,), int(budget), dtype=torch.int64)

@@ -1,0 +1,209 @@
+"""The ``duo`` head-budget policy (retrieval heads keep up to the whole prompt, the others their sinks and
+window): its split against a loop written for clarity, the sums and floors ``ComposedPolicy.head_budgets``
+checks, parameter errors, calibration, the compose round trip, and a run through ``kvmodels.Decoder`` on a
+tiny Llama whose retrieval heads really hold more tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmodels.decoder import Decoder
+from kvpolicies import compose
+from kvpolicies.heads import Duo
+from test_generate import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def reference_split(weights, fraction, layer, H, L, budget, n_forced):
+    """The split handed out one token at a time: every head starts at its floor; each further token goes to
+    the retrieval head with the fewest tokens (the lower head on a tie) that is below L, else to such a
+    streaming head. Retrieval heads: the ceil(fraction * n) highest weights, ties to the earlier layer and
+    the lower head."""
+    if L <= budget:
+        return [budget] * H
+    flat = [(-w, l, h) for l, row in enumerate(weights) for h, w in enumerate(row)]
+    n = math.ceil(fraction * len(flat) - 1e-9)
+    chosen = {(l, h) for _, l, h in sorted(flat)[:n]}
+    retrieval = [(layer, h) in chosen for h in range(H)]
+    if all(retrieval) or not any(retrieval):
+        return [budget] * H
+    floor = min(L, max(sum(n_forced), 1))
+    out = [floor] * H
+    for _ in range(H * budget - H * floor):
+        for group in (True, False):
+            open_ = [h for h in range(H) if retrieval[h] == group and out[h] < L]
+            if open_:
+                h = min(open_, key=lambda h: (out[h], h))
+                out[h] += 1
+                break
+    return out
+
+
+@st.composite
+def cases(draw):
+    H = draw(st.integers(1, 4))
+    n_layers = draw(st.integers(1, 3))
+    weights = [[draw(st.sampled_from([0.0, 0.5, 1.0, 0.25])) for _ in range(H)] for _ in range(n_layers)]
+    L = draw(st.integers(1, 40))
+    budget = draw(st.integers(1, 44))
+    n_sink = draw(st.integers(0, budget))
+    n_recent = draw(st.integers(0, budget - n_sink))
+    fraction = draw(st.sampled_from([0.0, 0.1, 0.25, 1 / 3, 0.5, 0.75, 1.0]))
+    layer = draw(st.integers(0, n_layers - 1))
+    return H, weights, L, budget, (n_sink, n_recent), fraction, layer
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=cases())
+def test_split_matches_the_reference_loop(case):
+    H, weights, L, budget, forced, fraction, layer = case
+    duo = Duo(weights=weights, fraction=fraction)
+    got = duo.split(torch.rand(H, L), budget, forced, layer=layer)
+    assert got.dtype == torch.int64 and got.shape == (H,)
+    assert got.tolist() == reference_split(weights, fraction, layer, H, L, budget, forced)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=cases())
+def test_sums_and_floors_as_compose_checks(case):
+    H, weights, L, budget, (n_sink, n_recent), fraction, layer = case
+    policy = compose("snapkv", ("duo", {"weights": weights, "fraction": fraction}))
+    got = policy.head_budgets(torch.rand(H, L), budget, n_sink, n_recent, layer=layer)  # raises if off
+    assert bool((got >= max(1, n_sink + n_recent)).all())
+    if L > budget:
+        assert int(got.sum()) == H * budget and bool((got <= L).all())
+        retrieval = Duo(weights=weights, fraction=fraction).retrieval_heads()[layer]
+        if 0 < int(retrieval.sum()) < H:  # every retrieval head holds at least as much as any other head
+            assert int(got[retrieval].min()) >= int(got[~retrieval].max())
+    else:
+        assert got.tolist() == [budget] * H
+
+
+def test_retrieval_heads_keep_everything_when_the_budget_allows():
+    duo = Duo(weights=((0.9, 0.1, 0.2, 0.05),), fraction=0.25)  # one retrieval head: head 0
+    assert duo.retrieval_heads().tolist() == [[True, False, False, False]]
+    assert duo.split(torch.rand(4, 100), 40, (4, 8), layer=0).tolist() == [100, 20, 20, 20]
+    assert duo.split(torch.rand(4, 100), 20, (4, 8), layer=0).tolist() == [44, 12, 12, 12]
+    # the scores play no part: only the heads' identity and the layer's budget do
+    assert duo.split(torch.zeros(4, 100), 20, (4, 8), layer=0).tolist() == [44, 12, 12, 12]
+
+
+def test_model_wide_fraction_with_ties():
+    duo = Duo(weights=((1.0, 0.0), (1.0, 1.0)), fraction=0.5)  # 2 of 4 heads; the tie goes to layer 0
+    assert duo.retrieval_heads().tolist() == [[True, False], [True, False]]
+    assert Duo(weights=((1.0, 0.0),), fraction=0.0).retrieval_heads().sum() == 0
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"weights": 3}, "parameter weights"),
+    ({"weights": ((1.0, "a"),)}, r"parameter weights\[0\]\[1\]"),
+    ({"weights": ((1.0, -1.0),)}, r"parameter weights\[0\]\[1\]"),
+    ({"weights": ((1.0, math.nan),)}, r"parameter weights\[0\]\[1\]"),
+    ({"weights": ((1.0, 2.0), (1.0,))}, r"parameter weights\[1\]"),
+    ({"weights": ((),)}, r"parameter weights\[0\]"),
+    ({"fraction": 1.5}, "fraction"),
+    ({"fraction": -0.1}, "fraction"),
+])
+def test_parameter_errors_name_the_parameter(params, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        compose("snapkv", ("duo", params))
+    with pytest.raises(TypeError, match="fraction"):
+        Duo(fraction="a")
+
+
+def test_split_errors_name_what_is_missing():
+    duo = Duo(weights=((1.0, 0.0), (0.0, 1.0)))
+    with pytest.raises(ValueError, match="layer"):
+        duo.split(torch.rand(2, 10), 4, (0, 2))
+    with pytest.raises(ValueError, match="weights has 2 cache layers"):
+        duo.split(torch.rand(2, 10), 4, (0, 2), layer=2)
+    with pytest.raises(ValueError, match="weights has 2 KV heads"):
+        duo.split(torch.rand(3, 10), 4, (0, 2), layer=0)
+    with pytest.raises(ValueError, match="parameter weights is empty"):
+        Duo().split(torch.rand(2, 10), 4, (0, 2), layer=0)
+    # a layer the prompt fits in needs nothing from the weights
+    assert Duo().split(torch.rand(2, 3), 4, (0, 2), layer=0).tolist() == [4, 4]
+
+
+def test_compose_round_trip():
+    policy = compose("profile(weights=(1.0, 2.0))", "snapkv(window=4)",
+                     ("duo", {"weights": [[0.5, 0.1], [0.2, 0.9]], "fraction": 0.5}), budget=0.3)
+    assert policy.name == "profile+snapkv+duo"
+    assert isinstance(policy.heads, Duo) and policy.heads.weights == ((0.5, 0.1), (0.2, 0.9))
+    assert compose(policy.spec()) == policy
+    assert compose(policy.to_json()) == policy
+    assert compose(policy.label, budget=0.3) == policy
+    assert hash(compose(policy.spec())) == hash(policy)
+
+
+def test_composition_needs_a_per_head_scorer():
+    with pytest.raises(ValueError, match="per_head"):
+        compose("snapkv(per_head=False)", "duo")
+    with pytest.raises(ValueError, match="scores no prompt"):
+        compose("streaming", "duo")
+
+
+class _Probe:
+    name = "fake probe"
+
+    def __init__(self):
+        self.calls = 0
+
+    def retrieval_profile(self):
+        return (1.0, 1.0)
+
+    def retrieval_heads(self):
+        self.calls += 1
+        return ((0.1, 0.9), (0.3, 0.2))
+
+
+def test_calibration_measures_the_weights_once():
+    policy = compose("snapkv", "duo", budget=0.5)
+    assert policy.needs_calibration
+    probe = _Probe()
+    fitted, notes = policy.calibrate(probe)
+    assert probe.calls == 1 and not fitted.needs_calibration
+    assert fitted.heads.weights == ((0.1, 0.9), (0.3, 0.2))
+    assert len(notes) == 1 and notes[0].startswith("duo: ") and "1 of 4 KV heads" in notes[0]
+    again, notes = fitted.calibrate(probe)
+    assert again == fitted and notes == [] and probe.calls == 1
+    both, notes = compose("profile", "snapkv", "duo", budget=0.5).calibrate(_Probe())
+    assert [n.split(":")[0] for n in notes] == ["profile", "duo"] and both.budget_policy.weights == (1.0, 1.0)
+
+
+def test_kvmodels_probe_measures_per_kv_head_weights():
+    from kvmodels.profile import ModelProbe, retrieval_head_weights, retrieval_scores
+
+    model = tiny_llama(n_layers=2, n_heads=4, n_kv_heads=2)
+    w = retrieval_head_weights(model, length=10, trials=1)
+    assert len(w) == 2 and all(len(row) == 2 for row in w)
+    echo, induction = retrieval_scores(model, length=10, trials=1)
+    strongest = torch.maximum(echo, induction).view(2, 2, 2).amax(dim=2)
+    assert w == tuple(tuple(round(float(x), 4) for x in row) for row in strongest)
+    fitted, _ = compose("snapkv", "duo").calibrate(ModelProbe(model))
+    assert len(fitted.heads.weights) == 2
+
+
+def test_decoder_gives_retrieval_heads_more_tokens():
+    model = tiny_llama(n_layers=2, n_heads=4, n_kv_heads=2)
+    weights = ((1.0, 0.0), (0.0, 0.0))  # layer 0's head 0 retrieves; fraction 0.25 picks only it
+    policy = compose("snapkv(window=4)", ("duo", {"weights": weights}), budget=0.25)
+    prompt = [int(x) for x in torch.randint(0, 50, (40,), generator=torch.Generator().manual_seed(1))]
+    dec = Decoder(model, policy, page_size=4)
+    dec.extend([prompt])
+    assert dec.cache.rows.name == "heads"
+    rep = dec.cache.report()
+    # budget 10 per head of a 40-token layer: layer 0's retrieval head takes 20 - 4, the other its window
+    assert rep.head_tokens[0][0] == (16, 4)
+    assert rep.head_tokens[1][0] == (10, 10)  # no retrieval head in layer 1: an even split
+    out = dec.generate(3, final=True)
+    assert len(out.tokens[0]) == 3
+    even = Decoder(model, compose("snapkv(window=4)", budget=0.25), page_size=4)
+    even.extend([prompt])
+    assert sum(rep.head_tokens[0][0]) == 2 * even.cache.report().tokens_per_layer[0][0]
