@@ -111,7 +111,8 @@ STUDIES = sorted(m.name for m in pkgutil.iter_modules(experiments.__path__))
 
 def test_the_studies_are_all_here():
     assert STUDIES == ["adakv_imbalance", "adakv_retrieval", "chunked_prefill", "key_digits_kept",
-                       "passkey_layer_ablation", "passkey_margins", "passkey_profile", "passkey_variants"]
+                       "passkey_layer_ablation", "passkey_margins", "passkey_profile", "passkey_variants",
+                       "question_agnostic"]
 
 
 @pytest.mark.parametrize("name", STUDIES)

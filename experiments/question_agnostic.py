@@ -1,0 +1,264 @@
+"""Passkey with the question asked after compression (question-agnostic), issue 37 item 4.
+
+Each passkey prompt of the evaluation harness (``evals.tasks.passkey_samples``: SmolLM2's chat template,
+instruction, prose with the needle, the question "What is the pass key?", the answer prefix "The pass key
+is") is cut before the question. The context (everything before it) is prefilled into a
+``kvmodels.Decoder`` and compressed to the budget knowing nothing of the question; then the question (and
+the rest of the prompt) is fed and ``--new`` tokens are generated greedily. A key counts when the first
+number of the answer is the key (``evals.tasks.exact_match``).
+
+How the question is fed (``protocol`` in each record):
+
+* ``feed`` (every config): the question's tokens go through decode steps, teacher-forced, each attending to
+  the compressed context and the question's tokens before it; nothing is evicted after the context's
+  compression (``evict_every`` is set past the question and the answer). Per-head caches (``adakv``,
+  ``duo``) cannot take an ``extend`` after the prompt yet (``HeadRows.check_extendable``), so this is
+  the one protocol every config can run, and the table compares configs on it.
+* ``extend`` (configs without head budgets): ``Decoder.extend([question])`` then ``Decoder.generate``: the
+  question is prefilled into the compressed cache and the sequence is compressed again to the budget of
+  everything seen (the question's window votes re-rank the kept tokens), the Decoder's own path.
+
+One JSON line per (config, budget, protocol), appended to ``--out``; a rerun skips the lines already there.
+``--report`` prints the table (answers out of N per config and budget) and runs nothing.
+
+Run: ``python -m experiments.question_agnostic --out experiments/results/question-agnostic.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The eviction every scored config uses: SnapKV per head (the head-budget policies need per-head scores).
+SNAPKV = "snapkv(window=16, chunk=5)"
+# config name -> policy text ({snapkv} filled in); "profile" and "duo" get this model's measured weights.
+CONFIGS: dict[str, str] = {
+    "full": "full",
+    "streaming": "streaming",
+    "snapkv": "{snapkv}",
+    "profile+snapkv": "profile+{snapkv}",
+    "snapkv+duo": "{snapkv}+duo",
+    "profile+snapkv+duo": "profile+{snapkv}+duo",
+}
+EVICT_EVERY = 64  # past the question and the answer: the feed protocol evicts nothing after the context
+
+
+def split_question(tokenizer: Any, prompt: Sequence[int], question: str) -> tuple[list[int], list[int]]:
+    """``prompt`` cut before the last occurrence of `` question``: ``(context, rest)`` token ids whose
+    concatenation is ``prompt``. Found on token boundaries: the shortest suffix that decodes to text
+    starting with the question."""
+    prompt = [int(t) for t in prompt]
+    for cut in range(len(prompt) - 1, 0, -1):
+        if tokenizer.decode(prompt[cut:]).lstrip().startswith(question):
+            return prompt[:cut], prompt[cut:]
+    raise ValueError(f"the prompt does not hold the question {question!r}")
+
+
+def answer_feed(model: Any, policy: Any, context: list[int], rest: list[int], new: int) -> list[int]:
+    """Protocol ``feed``: ``context`` prefilled and compressed by a Decoder, then ``rest`` teacher-forced
+    through decode steps, then ``new`` greedy tokens; the generated ids."""
+    from kvmodels.decoder import Decoder
+
+    steps = len(rest) + new - 1
+    if policy.evict_every <= steps:
+        raise ValueError(f"policy evicts every {policy.evict_every} decode steps; the question and the "
+                         f"answer take {steps}: compose it with evict_every > {steps}")
+    dec = Decoder(model, policy)
+    dec.extend([context], max_new_tokens=steps + 1)
+    cache, device = dec.cache, dec.device
+    out: list[int] = []
+    with torch.no_grad():
+        cache.restart_decode(steps + 1)
+        token, position = rest[0], dec.lengths[0]
+        for step in range(steps):
+            cache.prepare_decode(step)
+            logits = model.decode_step(torch.tensor([token], device=device),
+                                       torch.tensor([position], device=device), cache)
+            cache.after_step(step)
+            position += 1
+            if step + 1 < len(rest):
+                token = rest[step + 1]
+            else:
+                token = int(logits[0].argmax())
+                out.append(token)
+    return out  # the predictions of steps len(rest) - 1 onward: `new` tokens
+
+
+def answer_extend(model: Any, policy: Any, context: list[int], rest: list[int], new: int) -> list[int]:
+    """Protocol ``extend``: ``Decoder.extend([context])``, ``extend([rest])``, ``generate(new)``."""
+    from kvmodels.decoder import Decoder
+
+    dec = Decoder(model, policy)
+    dec.extend([context])
+    dec.extend([rest], max_new_tokens=new)
+    return dec.generate(new, final=True).tokens[0]
+
+
+def head_tokens(model: Any, policy: Any, context: list[int]) -> Any:
+    """The cache report's ``head_tokens`` after the context's compression (per-head policies), else None."""
+    from kvmodels.decoder import Decoder
+
+    dec = Decoder(model, policy)
+    dec.extend([context])
+    return dec.cache.report().head_tokens
+
+
+class ReplayedContext:
+    """A model whose first prefill of a sequence (the context) is replayed from ``replay``
+    (``evals.tasks.PrefillReplay``, identical to the model's own), and whose later ones (``start > 0``, an
+    extension) and decode steps are the model's: the contexts are prefilled once for every config."""
+
+    can_extend = True
+
+    def __init__(self, model: Any, replay: Any) -> None:
+        self.model, self.replay = model, replay
+        self.n_cache_layers, self.max_seq_len = model.n_cache_layers, model.max_seq_len
+
+    def cache_layout(self) -> Any:
+        return self.model.cache_layout()
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        return self.model.decode_step(tokens, positions, cache)
+
+    def prefill(self, tokens: torch.Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
+                on_layer: Any = None) -> torch.Tensor:
+        if start == 0:
+            return self.replay.prefill(tokens, cache, b, last_only=last_only, on_layer=on_layer)
+        return self.model.prefill(tokens, cache, b, start=start, last_only=last_only, on_layer=on_layer)
+
+
+def build_policies(names: Sequence[str], budgets: Sequence[float], model: Any, snapkv: str = SNAPKV,
+                   fraction: float = 0.25) -> dict[tuple[str, float], Any]:
+    """The composed policy of each (config, budget); ``profile`` and ``duo`` weights measured on ``model``
+    once (``kvmodels.profile``)."""
+    from kvmodels.profile import retrieval_head_weights, retrieval_profile
+    from kvpolicies import compose
+
+    out: dict[tuple[str, float], Any] = {}
+    weights: dict[str, Any] = {}
+    for name in names:
+        if name not in CONFIGS:
+            raise SystemExit(f"--configs: unknown config {name!r}; known: {list(CONFIGS)}")
+        text = CONFIGS[name].format(snapkv=snapkv)
+        params: dict[str, Any] = {}
+        if "profile" in name.split("+"):
+            if "profile" not in weights:
+                weights["profile"] = retrieval_profile(model)
+            params["profile"] = {"weights": weights["profile"]}
+        if "duo" in name.split("+"):
+            if "duo" not in weights:
+                weights["duo"] = retrieval_head_weights(model)
+            params["duo"] = {"weights": weights["duo"], "fraction": fraction}
+        for budget in [1.0] if name == "full" else budgets:
+            out[(name, budget)] = compose(text, budget=budget, evict_every=EVICT_EVERY, **params)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=1024, help="tokens per prompt (about)")
+    p.add_argument("--n", type=int, default=24, help="prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budgets", default="0.2,0.5")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated names of {list(CONFIGS)}")
+    p.add_argument("--protocols", default="feed,extend", help="feed and/or extend (extend: configs without "
+                   "head budgets only)")
+    p.add_argument("--new", type=int, default=10, help="tokens generated after the question")
+    p.add_argument("--fraction", type=float, default=0.25, help="duo's share of retrieval heads")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2)")
+    p.add_argument("--out", default="experiments/results/question-agnostic.jsonl")
+    p.add_argument("--report", action="store_true", help="print the recorded table and run nothing")
+    args = p.parse_args(argv)
+    from evals.sweep import append_record, device_name, read_records
+
+    out = Path(args.out)
+    if args.report:
+        print(table(read_records(out)))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from evals.sweep import Runner
+    from evals.tasks import PASSKEY_QUESTION, exact_match
+
+    runner = Runner(args.model, seed=args.seed)
+    model, tok = runner.model, runner.tokenizer
+    samples = runner.samples("passkey", args.context, args.n)
+    pieces = [split_question(tok, s.prompt, PASSKEY_QUESTION) for s in samples]
+    names = args.configs.split(",")
+    budgets = [float(b) for b in args.budgets.split(",")]
+    protocols = args.protocols.split(",")
+    done = {r["key"] for r in read_records(out)}
+    t0 = time.perf_counter()
+    policies = build_policies(names, budgets, model, fraction=args.fraction)
+    calibration_s = time.perf_counter() - t0
+    runs = {}  # key -> (name, budget, protocol, policy) still to run
+    for (name, budget), policy in policies.items():
+        for protocol in protocols:
+            if protocol not in ("feed", "extend"):
+                raise SystemExit(f"--protocols: unknown protocol {protocol!r}; choose feed or extend")
+            if protocol == "extend" and policy.heads.per_head:
+                continue
+            key = (f"passkey-qa|{runner.model_name}|ctx={args.context}|n={args.n}|seed={args.seed}|{name}|"
+                   f"{budget:g}|{protocol}|new={args.new}")
+            if key not in done:
+                runs[key] = (name, budget, protocol, policy)
+    if runs:  # every context prefilled once, replayed for every config
+        runner.replay.record([c for c, _ in pieces])
+        print(f"{len(pieces)} contexts prefilled ({time.perf_counter() - t0:.0f} s)", flush=True)
+    replayed = ReplayedContext(model, runner.replay)
+    for key, (name, budget, protocol, policy) in runs.items():  # in --configs order, a record each
+        answer = answer_feed if protocol == "feed" else answer_extend
+        t = time.perf_counter()
+        outputs = [tok.decode(answer(replayed, policy, c, r, args.new)) for c, r in pieces]
+        seconds = time.perf_counter() - t
+        right = [exact_match(o, s.answer) for o, s in zip(outputs, samples, strict=True)]
+        record = {"key": key, "task": "passkey", "setting": "question asked after compression",
+                  "config": name, "protocol": protocol, "policy": policy.label, "budget": budget,
+                  "evict_every": policy.evict_every,
+                  "context": args.context, "n": args.n, "seed": args.seed, "new_tokens": args.new,
+                  "context_tokens": [len(c) for c, _ in pieces],
+                  "question_tokens": [len(r) for _, r in pieces], "correct": sum(right),
+                  "right": right, "answers": [s.answer for s in samples], "outputs": outputs,
+                  "seconds": round(seconds, 1), "calibration_s": round(calibration_s, 1),
+                  "model": runner.model_name, "device": device_name(), "torch": torch.__version__}
+        if policy.heads.per_head:  # each KV head's tokens after the first context's compression
+            ht = head_tokens(replayed, policy, pieces[0][0])
+            record["head_tokens_first_prompt"] = [list(layer[0]) for layer in ht]
+        append_record(out, record)
+        print(f"{name:22s} {budget:4.2f} {protocol:6s} {sum(right)}/{args.n} ({seconds:.0f} s)", flush=True)
+    return 0
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Markdown: answers out of N, one row per config, one column per (budget, protocol)."""
+    if not records:
+        return "(no records)"
+    cols = sorted({(r["budget"], r["protocol"]) for r in records if r["config"] != "full"},
+                  key=lambda c: (c[1] != "feed", c[0]))
+    rows: dict[str, dict[Any, str]] = {}
+    for r in records:
+        cell = f"{r['correct']}/{r['n']}"
+        keys = cols if r["config"] == "full" else [(r["budget"], r["protocol"])]
+        for k in keys:
+            if r["config"] != "full" or k[1] == r["protocol"]:
+                rows.setdefault(r["config"], {})[k] = cell
+    order = [c for c in CONFIGS if c in rows]
+    head = "| config | " + " | ".join(f"{b:g}, {p}" for b, p in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 1)]
+    for name in order:
+        lines.append(f"| {name} | " + " | ".join(rows[name].get(c, "—") for c in cols) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""experiments/question_agnostic.py at a tiny setting: the question fed after the context's compression
+(both protocols) equals one-shot greedy decoding under the full cache, replayed contexts change nothing,
+head-budget configs run through the feed protocol, and the script's pieces (question split, table, entry
+point) work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evals.tasks import PrefillReplay
+from experiments import question_agnostic as qa
+from kvmodels.generate import generate
+from kvpolicies import compose
+from test_generate import V, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = tiny_llama(n_layers=2, n_heads=4, n_kv_heads=2)
+G = torch.Generator().manual_seed(3)
+CONTEXT = [int(x) for x in torch.randint(0, V, (30,), generator=G)]
+REST = [int(x) for x in torch.randint(0, V, (5,), generator=G)]
+
+
+def test_full_cache_answers_as_one_shot_greedy():
+    want = generate(MODEL, [CONTEXT + REST], 4).tokens[0]
+    policy = compose("full", evict_every=qa.EVICT_EVERY)
+    assert qa.answer_feed(MODEL, policy, CONTEXT, REST, 4) == want
+    assert qa.answer_extend(MODEL, policy, CONTEXT, REST, 4) == want
+
+
+def test_replayed_contexts_change_nothing():
+    replay = PrefillReplay(MODEL)
+    replay.record([CONTEXT])
+    model = qa.ReplayedContext(MODEL, replay)
+    for text in ("snapkv(window=4)", "streaming"):
+        policy = compose(text, budget=0.5, evict_every=qa.EVICT_EVERY)
+        assert (qa.answer_feed(model, policy, CONTEXT, REST, 3)
+                == qa.answer_feed(MODEL, policy, CONTEXT, REST, 3))
+        assert (qa.answer_extend(model, policy, CONTEXT, REST, 3)
+                == qa.answer_extend(MODEL, policy, CONTEXT, REST, 3))
+
+
+def test_head_budget_configs_run_through_the_feed_protocol():
+    policies = qa.build_policies(["snapkv+duo", "profile+snapkv+duo", "full"], [0.3], MODEL,
+                                 snapkv="snapkv(window=4)")
+    assert set(policies) == {("snapkv+duo", 0.3), ("profile+snapkv+duo", 0.3), ("full", 1.0)}
+    policy = policies[("profile+snapkv+duo", 0.3)]
+    assert policy.heads.per_head and len(policy.heads.weights) == 2 and len(policy.budget_policy.weights) == 2
+    out = qa.answer_feed(MODEL, policy, CONTEXT, REST, 3)
+    assert len(out) == 3
+    ht = qa.head_tokens(MODEL, policy, CONTEXT)
+    assert len(ht) == 2 and all(len(layer[0]) == 2 for layer in ht)
+    with pytest.raises(ValueError, match="evict_every"):
+        qa.answer_feed(MODEL, compose("streaming", budget=0.5), CONTEXT, REST, 3)
+
+
+class _Tok:
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i) if i < 26 else " " for i in ids)
+
+
+def test_split_question_and_table(tmp_path):
+    prompt = [0, 1, 2, 30, 3, 4, 5, 6]  # "abc" + " " + "defg"
+    assert qa.split_question(_Tok(), prompt, "def") == ([0, 1, 2, 30], [3, 4, 5, 6])  # the shortest suffix
+    with pytest.raises(ValueError, match="question"):
+        qa.split_question(_Tok(), prompt, "xyz")
+    records = [{"config": "full", "budget": 1.0, "protocol": "feed", "correct": 5, "n": 6},
+               {"config": "snapkv", "budget": 0.5, "protocol": "feed", "correct": 2, "n": 6},
+               {"config": "snapkv+duo", "budget": 0.2, "protocol": "feed", "correct": 1, "n": 6}]
+    text = qa.table(records)
+    assert text.splitlines()[0] == "| config | 0.2, feed | 0.5, feed |"
+    assert "| full | 5/6 | 5/6 |" in text and "| snapkv | — | 2/6 |" in text
+    from evals.sweep import append_record
+
+    out = tmp_path / "r.jsonl"
+    for r in records:
+        append_record(out, r)
+    assert qa.main(["--report", "--out", str(out)]) == 0
+    with pytest.raises(SystemExit) as e:
+        qa.main(["--help"])
+    assert e.value.code == 0
