@@ -245,6 +245,9 @@ class _Probe:
         self.calls += 1
         return self.weights
 
+    def retrieval_heads(self):  # the protocol's other measurement (the duo head policy); no budget policy asks
+        raise AssertionError("a budget policy asked for per-head retrieval scores")
+
 
 def test_calibration_hook_measures_profile_weights_once_and_nothing_else():
     """``profile`` without weights calibrates through the probe (weights and a line saying so); with weights,
