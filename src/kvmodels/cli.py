@@ -523,14 +523,15 @@ def run_questions(args: argparse.Namespace) -> int:
         if not (interactive and typed):  # a question typed at a terminal is on the screen already
             print(f"[{k + 1}] {question}", flush=True)
         try:
+            t_q = synced()
             dec.extend([ids], max_new_tokens=n_new)
+            q_s = synced() - t_q  # this question's own prefill, timed here (the context's was above)
             result = dec.generate(n_new, temperature=args.temperature, eos_ids=s.eos, stream=_TextStream(tok))
         except NotImplementedError as e:  # a refusal _check_continuable does not know of
             raise CliError(f"--policy/--model: {e}") from None
         print("\n", flush=True)
         # the first generate's prefill also counts the context's extend; it is reported above
         q_tokens = result.prefill_tokens - (len(ctx_ids) if k == 0 else 0)
-        q_s = result.prefill_s - (ctx_s if k == 0 else 0.0)
         per_question.append(q_tokens)
         answer = result.tokens[0]
         fed = tok.decode(answer[-1:]) if result.finished_on_eos[0] else ""
