@@ -23,7 +23,8 @@ def test_registered_and_composed_by_name():
     assert p.name == "snapkv+kivi" and isinstance(p.precision, Kivi)
     assert compose("kivi", "squeeze", "h2o", budget=0.2).name == "squeeze+h2o+kivi"  # precision last
     assert compose("h2o", budget=0.2).precision == Native() and compose("h2o", budget=0.2).name == "h2o"
-    for spec in [("snapkv", "kivi(bits=2, group=32, residual=64)"), ("h2o", "zipcache(high=8, low=4, salient=0.25)"),
+    for spec in [("snapkv", "kivi(bits=2, group=32, residual=64)"),
+                 ("h2o", "zipcache(high=8, low=4, salient=0.25)"),
                  ("h2o", "mikv(high=8, low=2)"), ("full", "kivi")]:
         p = compose(*spec, budget=0.5)
         assert compose(p.spec()) == p and compose(p.to_json()) == p and compose(p.label, budget=0.5) == p
@@ -113,9 +114,8 @@ def test_zipcache_needs_scores_at_assign():
 
 def test_the_transformers_bridge_refuses_quantized_storage_by_name():
     pytest.importorskip("transformers")
-    from test_hf_bridge import model_of  # the bridge tests' tiny models
-
     from kvpolicies.hf import PolicyCache
+    from test_hf_bridge import model_of  # the bridge tests' tiny models
 
     with pytest.raises(ValueError, match="precision policy 'kivi' stores tokens as quantized rows"):
         PolicyCache(compose("snapkv", "kivi", budget=0.2), model_of("llama"))

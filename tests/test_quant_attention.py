@@ -31,8 +31,9 @@ def cases(draw):
     n_kv = draw(st.sampled_from([1, 2]))
     gqa = draw(st.sampled_from([1, 2, 3, 4]))
     D = draw(st.sampled_from([16, 32, 64]))
-    k_fmt = QuantFormat(draw(st.sampled_from([2, 4, 8])), draw(st.sampled_from([g for g in (8, 16, 32) if D % g == 0])))
-    v_fmt = QuantFormat(draw(st.sampled_from([2, 4, 8])), draw(st.sampled_from([g for g in (8, 16, 32) if D % g == 0])))
+    groups = [g for g in (8, 16, 32) if D % g == 0]
+    bits = st.sampled_from([2, 4, 8])
+    k_fmt, v_fmt = (QuantFormat(draw(bits), draw(st.sampled_from(groups))) for _ in "kv")
     edge = [0, 1, S - 1, S, S + 1, 2 * S + 1]
     lens = draw(st.lists(st.one_of(st.sampled_from(edge), st.integers(0, 3 * S + 2)), min_size=1, max_size=3))
     lens = [max(0, n) for n in lens]

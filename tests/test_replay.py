@@ -115,7 +115,8 @@ def decode_with_eviction(policy: str, replays: Replays | None, steps: int = 24, 
 @pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache"])
 def test_replayed_eviction_decodes_as_eager_eviction(policy):
     eager_logits, eager_contents, _ = decode_with_eviction(policy, Replays(enabled=False))
-    logits, contents, replays = decode_with_eviction(policy, Replays(enabled=True, graph_factory=FakeGraphs()))
+    replaying = Replays(enabled=True, graph_factory=FakeGraphs())
+    logits, contents, replays = decode_with_eviction(policy, replaying)
     assert replays.captures >= 1 and replays.replays >= 5  # the steady width replays
     for a, b in zip(logits, eager_logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

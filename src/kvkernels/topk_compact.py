@@ -686,8 +686,8 @@ def topk_evict(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: T
                   free_pages, n_free, extra, validate)
     if max_excess is not None:
         if not isinstance(max_excess, int) or isinstance(max_excess, bool) or max_excess < 1:
-            raise ValueError(f"max_excess must be a positive int (a bound on seq_lens - budgets) or None, got "
-                             f"{max_excess!r}")
+            raise ValueError(f"max_excess must be a positive int (a bound on seq_lens - budgets) or None, "
+                             f"got {max_excess!r}")
         if validate and not torch.compiler.is_compiling() and page_table.shape[0]:
             over = int((seq_lens.long() - budgets.long()).max())
             if over > max_excess:

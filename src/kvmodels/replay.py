@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -26,10 +26,11 @@ class Replays:
 
     ``enabled``: only for CUDA devices (elsewhere :meth:`run` just calls the function); the environment
     variable ``KVPOLICIES_EVICTION_GRAPHS=0`` turns graphs off everywhere (to compare, or to debug). A
-    capture that fails turns them off for this object, with one warning, and the work runs eagerly. ``limit``: the most
-    graphs held (each keeps its scratch memory in a pool the graphs share); a key past it stays eager.
-    ``graph_factory``: for tests, an object with ``capturing()`` and ``capture(fn, pool)``, which returns
-    something with ``replay()`` and ``pool()``; the default uses ``torch.cuda.CUDAGraph``.
+    capture that fails turns them off for this object, with one warning, and the work runs eagerly.
+    ``limit``: the most graphs held (each keeps its scratch memory in a pool the graphs share); a key past
+    it stays eager. ``graph_factory``: for tests, an object with ``capturing()`` and ``capture(fn,
+    pool)``, which returns something with ``replay()`` and ``pool()``; the default uses
+    ``torch.cuda.CUDAGraph``.
     """
 
     def __init__(self, enabled: bool, limit: int = 8, graph_factory=None):

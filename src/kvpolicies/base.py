@@ -460,15 +460,17 @@ class PrecisionPolicy(Policy):
 
 
 def token_bytes(bits: torch.Tensor, head_dim: int, group: int, dtype_bytes: int,
-                param_bytes: int = 2) -> int:
+                param_dtype: torch.dtype = torch.float16) -> int:
     """Bytes of K and V of the tokens in ``bits`` (:meth:`PrecisionPolicy.assign`'s output): a native
-    token ``2 * head_dim * dtype_bytes``, a quantized one twice its packed row (codes plus a scale and a zero
-    point per group, ``param_bytes`` each), a dropped one nothing."""
+    token ``2 * head_dim * dtype_bytes``, a quantized one twice its packed row
+    (``kvkernels.quant.bytes_per_row``: codes plus a scale and a zero point per group), a dropped one
+    nothing."""
+    from kvkernels.quant import bytes_per_row
+
     total = 0
     for b in bits.unique().tolist():
-        n = int((bits == b).sum())
         if b == 0:
             continue
-        per = head_dim * dtype_bytes if b == NATIVE_BITS else head_dim * b // 8 + 2 * (head_dim // group) * param_bytes
-        total += 2 * n * per
+        per = head_dim * dtype_bytes if b == NATIVE_BITS else bytes_per_row(head_dim, b, group, param_dtype)
+        total += 2 * int((bits == b).sum()) * per
     return total

@@ -524,9 +524,10 @@ class PolicyCache(Cache):
             )
         if policy.precision.quantizes:
             raise ValueError(
-                f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens as quantized "
-                "rows, which the transformers bridge does not hold yet (it stores the cache's dtype); drop "
-                f"{policy.precision.name!r} from the composition (issue 36 tracks quantized storage)"
+                f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens as "
+                "quantized rows, which the transformers bridge does not hold yet (it stores the cache's "
+                f"dtype); drop {policy.precision.name!r} from the composition (issue 36 tracks quantized "
+                "storage)"
             )
         self._family = _install(model)
         n = len(self._family.layers)

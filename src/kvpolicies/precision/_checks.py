@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..base import NATIVE_BITS, check_int
+from kvkernels.quant import BITS as QUANT_BITS
 
-QUANT_BITS = (2, 4, 8)  # kvkernels.quant.BITS
+from ..base import NATIVE_BITS, check_int
 
 
 def check_bits(policy: str, name: str, value: object, *, native: bool = False) -> None:
@@ -19,5 +19,5 @@ def check_bits(policy: str, name: str, value: object, *, native: bool = False) -
 def check_group(policy: str, group: object) -> None:
     check_int(policy, "group", group, 1)
     if group & (group - 1):  # type: ignore[operator]
-        raise ValueError(f"{policy}: group={group!r} must be a power of two (channels per scale and zero point; "
-                         "it must divide the model's head dim)")
+        raise ValueError(f"{policy}: group={group!r} must be a power of two (channels per scale and zero "
+                         "point; it must divide the model's head dim)")

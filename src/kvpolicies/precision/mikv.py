@@ -31,8 +31,8 @@ class MiKV(PrecisionPolicy):
         check_bits(self.name, "high", self.high, native=True)
         check_bits(self.name, "low", self.low)
         if self.low >= self.high:
-            raise ValueError(f"{self.name}: low={self.low} must be below high={self.high} (bits of the evicted "
-                             "and the kept tokens)")
+            raise ValueError(f"{self.name}: low={self.low} must be below high={self.high} (bits of the "
+                             "evicted and the kept tokens)")
         check_group(self.name, self.group)
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ._checks import check_bits, check_group
 @register_policy("zipcache", role="precision")
 @dataclass(frozen=True)
 class ZipCache(PrecisionPolicy):
-    """ZipCache: the `salient` fraction of kept tokens by normalized attention at `high` bits, the rest at `low`."""
+    """ZipCache: the `salient` share of kept tokens (normalized attention) at `high` bits, the rest `low`."""
 
     high: int = 4
     low: int = 2
