@@ -25,7 +25,7 @@ N_LAYERS = 2  # layer 0 is compacted, layer 1 shares the pool and must stay unto
 class Pool:
     """A pool with ``N_LAYERS`` cache layers whose pages are scattered in random order."""
 
-    k: torch.Tensor  # [P, S, Hkv, D]
+    k: torch.Tensor  # [P, S, Hkv, D] float, or [P, S, Hkv, W] uint8 packed rows
     v: torch.Tensor
     pos: torch.Tensor  # [P, S, Hkv] int32: the logical index, so kept positions name the kept tokens
     score: torch.Tensor  # [P, S, Hkv] f32
@@ -64,8 +64,12 @@ def build_pool(seed: int, lens: list[list[int]], *, page_size: int, n_heads: int
     max_pages = max([1] + [p for layer in need for p in layer]) + 1  # one unused column, like a real cache
     num_pages = sum(map(sum, need)) + spare_pages
     shape = (num_pages, page_size, n_heads)
-    k = torch.randn(*shape, dim, generator=g).to(dtype)
-    v = torch.randn(*shape, dim, generator=g).to(dtype)
+    if dtype == torch.uint8:  # packed rows (a quantized pool): random bytes, ``dim`` of them per row
+        k = torch.randint(0, 256, (*shape, dim), generator=g, dtype=torch.uint8)
+        v = torch.randint(0, 256, (*shape, dim), generator=g, dtype=torch.uint8)
+    else:
+        k = torch.randn(*shape, dim, generator=g).to(dtype)
+        v = torch.randn(*shape, dim, generator=g).to(dtype)
     if score_kind == "ties":
         score = torch.randint(0, 3, shape, generator=g).float()
     elif score_kind == "inf":
@@ -107,7 +111,9 @@ def oracle_kept(scores: list[float], budget: int, n_sink: int, n_recent: int) ->
 
 
 @st.composite
-def scenarios(draw):
+def scenarios(draw, packed: bool = False):
+    """A pool, budgets, sinks and recent windows; ``packed``: K/V as uint8 packed rows of 24 or 40 bytes (head
+    dim 64 at 2 or 4 bits, group 32: neither a power of two)."""
     page_size = draw(st.sampled_from([1, 2, 4, 5]))
     n_heads = draw(st.integers(1, 3))
     batch = draw(st.integers(1, 3))
@@ -122,8 +128,8 @@ def scenarios(draw):
         n_sink.append(sink)
         n_recent.append(draw(st.integers(0, budget - sink)))
     pool = build_pool(draw(st.integers(0, 2**16)), lens, page_size=page_size, n_heads=n_heads,
-                      dim=draw(st.sampled_from([1, 4, 8])),
-                      dtype=draw(st.sampled_from([torch.float32, torch.float16])),
+                      dim=draw(st.sampled_from([24, 40] if packed else [1, 4, 8])),
+                      dtype=torch.uint8 if packed else draw(st.sampled_from([torch.float32, torch.float16])),
                       score_kind=draw(st.sampled_from(["ties", "float", "inf"])),
                       spare_pages=draw(st.integers(0, 3)), with_extra=draw(st.booleans()))
     return pool, budgets, n_sink, n_recent
@@ -203,6 +209,35 @@ def test_fast_paths_equal_reference_everywhere(impl, case):
         assert torch.equal(bits(x_ref), bits(x_tri))
 
 
+def as_float_view(pool: Pool) -> Pool:
+    """The pool with its uint8 packed K/V rows seen as float16 (two bytes each): the same bytes, the float
+    payload the ops moved before pools held packed rows."""
+    out = pool.clone()
+    out.k, out.v = out.k.view(torch.float16), out.v.view(torch.float16)
+    return out
+
+
+def assert_same_bytes(a: Pool, b: Pool) -> None:
+    """Every pool tensor, table and length, and the free stack, bit-identical (the stack's sink aside)."""
+    for x, y in zip(a.pool_tensors() + a.tables + a.lens + [a.n_free, a.free[:-1]],
+                    b.pool_tensors() + b.tables + b.lens + [b.n_free, b.free[:-1]]):
+        assert torch.equal(bits(x), bits(y))
+
+
+@pytest.mark.parametrize("impl", list(IMPLS.values()), ids=list(IMPLS))
+@given(case=scenarios(packed=True))
+def test_packed_uint8_rows_move_as_their_bytes_as_floats_do(impl, case):
+    """uint8 packed K/V rows (random bytes, 24 or 40 wide) end up exactly where the same bytes end up when
+    the pool holds them as float16 rows, and as the reference moves them; ragged lengths from 0, page
+    boundaries, ties, extras."""
+    before, budgets, n_sink, n_recent = case
+    got = run(impl, before, budgets, n_sink, n_recent)
+    assert got.k.dtype == torch.uint8 and got.k.shape == before.k.shape
+    assert_same_bytes(got, run(impl, as_float_view(before), budgets, n_sink, n_recent))
+    if impl is not topk_compact_ref:
+        assert_same_bytes(got, run(topk_compact_ref, before, budgets, n_sink, n_recent))
+
+
 def test_nan_scores_rank_lowest():
     pool = build_pool(0, [[6], [0]], page_size=4, n_heads=1, dim=2, dtype=torch.float32, score_kind="float",
                       spare_pages=0, with_extra=False)
@@ -234,6 +269,11 @@ def _small_args(batch: int = 2):
     (dict(slot_pos=torch.zeros(1, 1, 1, dtype=torch.int32)), ValueError, "slot_pos must have shape"),
     (dict(slot_score=torch.zeros(4, 4, 2, dtype=torch.float16)), TypeError, "slot_score has dtype float16"),
     (dict(v_pages=torch.zeros(4, 4, 2, 4, device="meta")), ValueError, "v_pages is on meta"),
+    (dict(v_pages=torch.zeros(4, 4, 2, 16, dtype=torch.uint8)), TypeError,
+     "v_pages has dtype uint8 but k_pages has dtype float32"),
+    (dict(k_pages=torch.zeros(4, 4, 2, 16, dtype=torch.uint8)), TypeError,
+     "v_pages has dtype float32 but k_pages has dtype uint8"),
+    (dict(k_pages=torch.zeros(4, 4, 2, 4, dtype=torch.int32)), TypeError, "k_pages has dtype int32.*uint8"),
     (dict(k_pages=torch.zeros(4, 4, 4, 2).transpose(2, 3)), ValueError, "k_pages must be contiguous"),
     (dict(free_pages=torch.zeros(4, dtype=torch.int32)), ValueError, "free_pages must have shape"),
     (dict(n_free=torch.zeros(1, dtype=torch.int32)), TypeError, "n_free has dtype int32"),
@@ -253,6 +293,14 @@ def test_bad_input_raises_before_writing(change, error, match):
     for name, value in snapshot.items():
         if name not in change:
             assert torch.equal(args[name], value), f"{name} was written before the error"
+
+
+def test_packed_k_and_v_of_different_widths_are_refused():
+    args = _small_args()
+    args["k_pages"] = torch.zeros(4, 4, 2, 40, dtype=torch.uint8, device=DEVICE)
+    args["v_pages"] = torch.zeros(4, 4, 2, 24, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="v_pages must have shape \\[4, 4, 2, 40\\] \\(same as k_pages\\)"):
+        topk_compact(**args)
 
 
 def test_compiles_without_graph_breaks():

@@ -21,7 +21,7 @@ from kvkernels.topk_compact import (
     topk_evict_torch,
     topk_evict_triton,
 )
-from test_topk_compact import Pool, bits, run, scenarios
+from test_topk_compact import Pool, as_float_view, assert_same_bytes, bits, run, scenarios
 
 
 def shuffled(pool: Pool, seed: int) -> Pool:
@@ -99,6 +99,24 @@ def test_fast_paths_equal_reference_bit_for_bit(impl, case, seed):
     assert torch.equal(ref.free[: int(ref.n_free)], got.free[: int(got.n_free)])
 
 
+EVICT_IMPLS = {"ref": topk_evict_ref, "torch": topk_evict_torch, "op": topk_evict,
+               "triton": pytest.param(topk_evict_triton, marks=pytest.mark.interpret)}
+
+
+@pytest.mark.parametrize("impl", list(EVICT_IMPLS.values()), ids=list(EVICT_IMPLS))
+@given(case=scenarios(packed=True), seed=st.integers(0, 2**16))
+def test_packed_uint8_rows_move_as_their_bytes_as_floats_do(impl, case, seed):
+    """uint8 packed K/V rows (random bytes, 24 or 40 wide) on shuffled rows end up exactly where the same
+    bytes end up as float16 rows, and where the reference puts them."""
+    before, budgets, n_sink, n_recent = case
+    start = shuffled(before, seed)
+    got = run_evict(impl, start, budgets, n_sink, n_recent)
+    assert got.k.dtype == torch.uint8 and got.k.shape == before.k.shape
+    assert_same_bytes(got, run_evict(impl, as_float_view(start), budgets, n_sink, n_recent))
+    if impl is not topk_evict_ref:
+        assert_same_bytes(got, run_evict(topk_evict_ref, start, budgets, n_sink, n_recent))
+
+
 def test_errors_are_those_of_topk_compact():
     k = torch.zeros(2, 4, 1, 2)
     args = [k, k.clone(), torch.zeros(2, 4, 1, dtype=torch.int32), torch.zeros(2, 4, 1),
@@ -107,6 +125,9 @@ def test_errors_are_those_of_topk_compact():
     one = torch.tensor([1], dtype=torch.int32)
     with pytest.raises(ValueError, match="n_sink \\+ n_recent must be <= budgets"):
         topk_evict(*args, one, one, one, free, n_free)
+    args[0] = torch.zeros(2, 4, 1, 40, dtype=torch.uint8)  # packed K, float V
+    with pytest.raises(TypeError, match="v_pages has dtype float32 but k_pages has dtype uint8"):
+        topk_evict(*args, 2 * one, one, one, free, n_free)
 
 
 def _without_extra(pool: Pool) -> Pool:
@@ -146,6 +167,17 @@ def test_selection_kernel_equals_reference_bit_for_bit(case, seed, direct):
     assert all(torch.equal(x, y) for x, y in zip(ref.tables + ref.lens, got.tables + got.lens))
     assert int(ref.n_free) == int(got.n_free)
     assert torch.equal(ref.free[: int(ref.n_free)], got.free[: int(got.n_free)])
+
+
+@pytest.mark.interpret
+@given(case=scenarios(packed=True), seed=st.integers(0, 2**16), direct=st.booleans())
+def test_selection_kernel_moves_packed_uint8_rows_as_the_reference(case, seed, direct):
+    """The selection kernel with uint8 packed K/V rows (24 or 40 bytes: a masked, non-power-of-two row)."""
+    before, budgets, n_sink, n_recent = case
+    start = _without_extra(shuffled(before, seed))
+    ref = run_evict(topk_evict_ref, start, budgets, n_sink, n_recent)
+    excess = max([int(n) - b for n, b in zip(start.lens[0].tolist(), budgets)] + [1])
+    assert_same_bytes(ref, run_excess(start, budgets, n_sink, n_recent, None if direct else excess))
 
 
 @pytest.mark.interpret

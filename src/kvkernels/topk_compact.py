@@ -5,9 +5,11 @@ always, the rest by descending score, ties to the lower slot -- move them to the
 order, and push the pages past ``ceil(budget / S)`` onto the free stack.
 
 The Triton launcher plans the move with torch on the device (one stable sort per row, no host sync) and
-moves the bytes with one Triton kernel per pool tensor; page release is a masked scatter into the free
-stack whose index ``P`` is a write sink, so every shape is static. On CPU the op runs the same plan in
-batched torch (:func:`topk_compact_torch`); :func:`topk_compact_ref` loops per (sequence, head) as the oracle.
+moves the bytes with one Triton kernel per pool tensor (pure loads and stores masked to the row width, so
+K/V rows may be floats or uint8 packed rows of any width: a quantized pool's codes, scales and zero points,
+issue 36); page release is a masked scatter into the free stack whose index ``P`` is a write sink, so every
+shape is static. On CPU the op runs the same plan in batched torch (:func:`topk_compact_torch`);
+:func:`topk_compact_ref` loops per (sequence, head) as the oracle.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ if HAS_TRITON:
     @triton.jit
     def _evict_excess_kernel(
         k_ptr, v_ptr, pos_ptr, score_ptr, table_ptr, lens_ptr, budgets_ptr, n_sink_ptr, n_recent_ptr,
-        stride_kp, stride_ks, stride_kh, stride_sp, stride_ss, stride_tb, width, head_dim,
+        stride_kp, stride_ks, stride_kh, stride_sp, stride_ss, stride_tb, width, kv_width,
         PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """:func:`topk_evict` of one (sequence ``b``, KV head ``h``) row by selection instead of sorting: for
@@ -89,7 +91,8 @@ if HAS_TRITON:
         below the ``n_sink``-th smallest, the recent window the keys from the ``(n - n_recent)``-th on (both
         found by bisection). The evicted tokens are the non-forced ones picked lowest score first (NaN as
         -inf; a tie evicts the later key first), one per round. Then the i-th evicted slot below the budget
-        takes the i-th kept slot at or past it, in slot order: K, V, position and score copied unchanged.
+        takes the i-th kept slot at or past it, in slot order: K, V, position and score copied unchanged (K/V
+        rows of ``kv_width`` elements, floats or packed uint8 bytes alike: loads and stores only, masked).
         """
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -121,7 +124,7 @@ if HAS_TRITON:
             hole = evicted & (j < budget)
             mover = valid & ~evicted & (j >= budget)
             d_off = tl.arange(0, BLOCK_D)
-            d_mask = d_off < head_dim
+            d_mask = d_off < kv_width
             for _ in range(0, tl.sum(hole.to(tl.int32), axis=0)):
                 dst = tl.min(tl.where(hole, j, BLOCK_W), axis=0)
                 src = tl.min(tl.where(mover, j, BLOCK_W), axis=0)
@@ -287,7 +290,8 @@ def _move_slots(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: 
     slot ``src_map[b, h, d]``'s values."""
     num_pages, page_size, n_heads = k_pages.shape[:3]
     for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
-        x4 = x.view(num_pages, page_size, n_heads, -1)  # [P, S, Hkv, W]: W = D for K/V, 1 per-slot tensors
+        # [P, S, Hkv, W]: W = D for float K/V, the packed row's bytes for uint8 K/V, 1 for per-slot tensors
+        x4 = x.view(num_pages, page_size, n_heads, -1)
         width = x4.shape[3]
         block_w = min(triton.next_power_of_2(width), 64)
         grid = (page_table.shape[0] * n_heads, triton.cdiv(width, block_w))
@@ -334,7 +338,7 @@ def topk_compact_torch(
     src_row = (table[b_idx, j_idx // page_size] * page_size + j_idx % page_size) * n_heads + h_idx  # [N]
     dst_row = (table[b_idx, d_idx // page_size] * page_size + d_idx % page_size) * n_heads + h_idx  # [N]
     for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
-        rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]; D = 1 for per-slot tensors
+        rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]: D bytes packed, 1 per-slot
         # Gather into a temporary first, so sources that an earlier destination overwrites are still read.
         rows.index_copy_(0, dst_row, rows.index_select(0, src_row))
     _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
@@ -366,14 +370,21 @@ def _(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_s
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# K/V storage: floats, or uint8 packed rows (a quantized pool: codes + scale and zero point bytes, any width).
+KV_DTYPES = (*FLOAT_DTYPES, torch.uint8)
 
 
 def _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
                   free_pages, n_free, extra, validate: bool = True) -> None:
-    check_tensor("k_pages", k_pages, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_tensor("k_pages", k_pages, ndim=4, dtypes=KV_DTYPES, contiguous=True)
     dev = k_pages.device
     num_pages, page_size, n_heads, _ = k_pages.shape
-    check_tensor("v_pages", v_pages, dtypes=(k_pages.dtype,), device=dev, contiguous=True)
+    check_tensor("v_pages", v_pages)
+    if v_pages.dtype != k_pages.dtype:
+        name = lambda t: str(t.dtype).replace("torch.", "")  # noqa: E731
+        raise TypeError(f"v_pages has dtype {name(v_pages)} but k_pages has dtype {name(k_pages)}; K and V "
+                        f"must be stored alike (both the same float dtype, or both uint8 packed rows)")
+    check_tensor("v_pages", v_pages, device=dev, contiguous=True)
     check_shape("v_pages", v_pages, k_pages.shape, "same as k_pages")
     slot_shape = (num_pages, page_size, n_heads)
     check_tensor("slot_pos", slot_pos, dtypes=(torch.int32,), device=dev, contiguous=True)
@@ -426,8 +437,10 @@ def topk_compact(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score:
 
     Parameters
     ----------
-    k_pages, v_pages : Tensor ``[P, S, Hkv, D]`` float32 / float16 / bfloat16
-        The paged pool (mutated).
+    k_pages, v_pages : Tensor ``[P, S, Hkv, D]`` float32 / float16 / bfloat16, or ``[P, S, Hkv, W]`` uint8
+        The paged pool (mutated), K and V of one dtype and shape. uint8 holds one packed row of ``W`` bytes
+        per (slot, KV head), any width (a quantized pool: codes plus scale and zero point bytes); rows
+        move as raw bytes, never read as numbers.
     slot_pos : Tensor ``[P, S, Hkv]`` int32
         Original token position per slot (mutated).
     slot_score : Tensor ``[P, S, Hkv]`` float32
@@ -559,7 +572,7 @@ def topk_evict_torch(
     src_row = (table[b_idx, j_idx // page_size] * page_size + j_idx % page_size) * n_heads + h_idx
     dst_row = (table[b_idx, d_idx // page_size] * page_size + d_idx % page_size) * n_heads + h_idx
     for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
-        rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]; D = 1 for per-slot tensors
+        rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]: D bytes packed, 1 per-slot
         rows.index_copy_(0, dst_row, rows.index_select(0, src_row))  # sources and destinations are disjoint
     _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
 
@@ -587,15 +600,15 @@ def _evict_excess(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score
                   n_free: Tensor) -> None:
     """One :func:`_evict_excess_kernel` program per (sequence, KV head), then the page release."""
     batch, cols = page_table.shape
-    num_pages, page_size, n_heads, head_dim = k_pages.shape
+    num_pages, page_size, n_heads, kv_width = k_pages.shape  # kv_width: D, or W bytes of a packed row
     width = cols * page_size
     block_w = max(16, triton.next_power_of_2(width))
     launch(
         _evict_excess_kernel, (batch, n_heads),
         k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), slot_pos.stride(0), slot_pos.stride(1),
-        page_table.stride(0), width, head_dim,
-        PAGE_SIZE=page_size, BLOCK_W=block_w, BLOCK_D=triton.next_power_of_2(head_dim),
+        page_table.stride(0), width, kv_width,
+        PAGE_SIZE=page_size, BLOCK_W=block_w, BLOCK_D=triton.next_power_of_2(kv_width),
         num_warps=4 if block_w <= 1024 else 8,
     )
     new_lens = torch.where(seq_lens.long() > budgets.long(), budgets.long(), seq_lens.long())
@@ -668,9 +681,10 @@ def topk_evict(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: T
     of highest stored *position* (not slot); the rest compete by score (ties: the lower position wins; NaN
     ranks lowest), exactly as :func:`topk_compact` on the row sorted by position. Each evicted slot below
     ``budgets[b]`` is refilled by a kept slot at or past it (paired in slot order), so ``seq_lens[b]``
-    becomes ``budgets[b]`` with every kept token's K, V, position, score and ``extra`` values bit-identical;
-    pages past ``ceil(budgets[b] / S)`` go onto the free stack as in :func:`topk_compact`. Evicting ``k``
-    tokens moves at most ``k`` slots per (sequence, head). Slot order afterwards is not position order.
+    becomes ``budgets[b]`` with every kept token's K, V (float or packed uint8 rows), position, score and
+    ``extra`` values bit-identical; pages past ``ceil(budgets[b] / S)`` go onto the free stack as in
+    :func:`topk_compact`. Evicting ``k`` tokens moves at most ``k`` slots per (sequence, head). Slot order
+    afterwards is not position order.
 
     Parameters, errors: as :func:`topk_compact`, and
 
@@ -718,15 +732,32 @@ EXCESS_AXES: dict[str, tuple] = {
     "width": (64, 1024, EVICT_EXCESS_WIDTH),
 }
 
+# Quantized pools (issue 36): K/V as uint8 packed rows, ``head_dim`` here being the row's bytes (40: head dim
+# 64 at 4 bits, group 32), neither a power of two nor a multiple of 16. The payload is only loaded and stored,
+# so it interacts with no float axis: a few configurations of its own instead of a value on every axis (the
+# per-slot tensors' kernels are those of the float configurations).
+PACKED_AXES: dict[str, tuple] = {
+    "dtype": (torch.uint8,),
+    "head_dim": (40,),
+    "n_kv_heads": (1, 8),
+    "minicache": (False,),
+}
+PACKED_EXCESS_AXES: dict[str, tuple] = {
+    "dtype": (torch.uint8,),
+    "head_dim": (40,),
+    "width": (64, EVICT_EXCESS_WIDTH),
+}
+
 
 def compile_variants(full: bool = False):
     """``(label, thunk)`` pairs: each thunk calls :func:`topk_compact_triton` (or, for the selection kernel,
     :func:`topk_evict_triton` with ``max_excess=1``) on ``meta`` tensors with one configuration of
-    :data:`COMPILE_AXES` / :data:`EXCESS_AXES` (a pairwise covering set, or all with ``full``)."""
-    for cfg in covering(COMPILE_AXES, full=full):
+    :data:`COMPILE_AXES` / :data:`EXCESS_AXES` (a pairwise covering set, or all with ``full``), then of
+    :data:`PACKED_AXES` / :data:`PACKED_EXCESS_AXES` (uint8 packed K/V rows)."""
+    for cfg in [*covering(COMPILE_AXES, full=full), *covering(PACKED_AXES, full=full)]:
         label = "topk_compact " + " ".join(f"{k}={v}" for k, v in cfg.items())
         yield label, (lambda cfg=cfg: _meta_launch(**cfg))
-    for cfg in covering(EXCESS_AXES, full=full):
+    for cfg in [*covering(EXCESS_AXES, full=full), *covering(PACKED_EXCESS_AXES, full=full)]:
         label = "topk_evict max_excess=1 " + " ".join(f"{k}={v}" for k, v in cfg.items())
         yield label, (lambda cfg=cfg: _meta_launch_excess(**cfg))
 
