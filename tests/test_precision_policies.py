@@ -121,17 +121,30 @@ def test_the_transformers_bridge_refuses_quantized_storage_by_name():
         PolicyCache(compose("snapkv", "kivi", budget=0.2), model_of("llama"))
 
 
-def test_the_paged_cache_refuses_quantized_storage_by_name():
+def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
+    """The paged cache stores one quantized row format (kivi, residual 0); mixed formats, the residual,
+    and fused decode scores are refused up front, each naming the fix."""
+    from kvmodels.cache import PagedKVCache
     from kvmodels.decoder import Decoder
     from kvmodels.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(vocab_size=31, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=32,
                               max_seq_len=64)).eval()
-    with pytest.raises(ValueError, match="precision policy 'zipcache' stores tokens as quantized rows"):
+    with pytest.raises(ValueError, match="precision 'zipcache' .* stores tokens at 2 and 4 bits.*kivi"):
         Decoder(model, compose("h2o", "zipcache", budget=0.5))
     Decoder(model, compose("h2o", budget=0.5))  # native precision: fine
-    from kvmodels.cache import PagedKVCache
+    Decoder(model, compose("snapkv", "kivi(residual=0, group=8)", budget=0.5))  # one format: stored
+    fit = "does not fit this model: group=32 must be a positive divisor of the head dim 8"
+    with pytest.raises(ValueError, match=fit):
+        Decoder(model, compose("snapkv", "kivi(residual=0)", budget=0.5))
 
-    with pytest.raises(ValueError, match="precision policy 'mikv' stores tokens as quantized rows"):
-        PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=8, n_q_heads=2, max_batch=1, max_tokens=16,
-                     policy=compose("h2o", "mikv", budget=0.5))
+    def cache(*spec):
+        return PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=8, n_q_heads=2, max_batch=1, max_tokens=16,
+                            policy=compose(*spec, budget=0.5))
+
+    with pytest.raises(ValueError, match="precision 'mikv'.*use kivi"):
+        cache("h2o", "mikv")
+    with pytest.raises(ValueError, match=r"keeps the last 128 tokens unquantized.*kivi\(residual=0\)"):
+        cache("snapkv", "kivi")
+    with pytest.raises(ValueError, match="eviction 'h2o' updates its scores in the decode kernel"):
+        cache("h2o", "kivi(residual=0, group=8)")

@@ -1,6 +1,7 @@
 """Token-wise quantization (kvkernels.quant, issue 36's storage format): the vectorised path equals the
 per-channel reference bit for bit, the round trip stays within half a step of each group's scale, the
-parameters cover every value, and the packed rows take the bytes they claim."""
+parameters cover every value, and the packed rows take the bytes they claim; a packed row (codes | scale |
+zero, what a cache page holds) carries exactly the quantized row, compiled or not."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkernels.quant import BITS, bytes_per_row, dequantize, dequantize_ref, quantize, quantize_ref
+from kvkernels.quant import (
+    BITS,
+    QuantFormat,
+    bytes_per_row,
+    dequantize,
+    dequantize_ref,
+    dequantize_rows,
+    pack,
+    quantize,
+    quantize_ref,
+    quantize_rows,
+    unpack,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -98,3 +111,45 @@ def test_bad_input_names_the_argument():
         quantize(torch.ones(2, 8, dtype=torch.int64), 4, 8)
     with pytest.raises(ValueError, match="param_dtype"):
         quantize(x, 4, 32, torch.bfloat16)
+
+
+@given(case=rows())
+def test_packed_rows_hold_the_quantized_row_bit_for_bit(case):
+    x, bits, group, param_dtype = case
+    fmt = QuantFormat(bits, group, param_dtype)
+    try:
+        fmt.check(x.shape[-1])
+    except ValueError as e:  # fp32 parameters after an odd number of code bytes: refused, said why
+        assert "code bytes" in str(e)
+        return
+    packed = quantize_rows(x, fmt)
+    assert packed.dtype == torch.uint8 and packed.shape == (*x.shape[:-1], fmt.row_bytes(x.shape[-1]))
+    want = quantize(x, bits, group, param_dtype)
+    got = unpack(packed, x.shape[-1], fmt)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(pack(want), packed)
+    assert torch.equal(dequantize_rows(packed, x.shape[-1], fmt), dequantize(want, bits, group))
+
+
+def test_compiled_quantize_rows_keeps_the_outward_rounding():
+    """Inductor fused ``quantize``'s float16 round trip of the parameters away (the zero point came out
+    unrounded, so values fell outside the codes' range); the custom op keeps it: compiled == eager."""
+    fmt = QuantFormat(4, 32)
+    x = torch.randn(64, 2, 64) * 7.3 + 0.01
+
+    def write(x):
+        return quantize_rows(x, fmt, validate=False)
+
+    compiled = torch.compile(write, fullgraph=True)
+    assert torch.equal(compiled(x), write(x))
+
+
+def test_packed_row_errors_name_the_argument():
+    with pytest.raises(ValueError, match="code bytes"):
+        QuantFormat(2, 4, torch.float32).check(8)  # 2 code bytes, then 4-byte parameters
+    with pytest.raises(TypeError, match="fmt must be a kvkernels.quant.QuantFormat"):
+        quantize_rows(torch.randn(2, 8), (4, 8))
+    with pytest.raises(ValueError, match="rows are 5 bytes wide"):
+        dequantize_rows(torch.zeros(1, 5, dtype=torch.uint8), 8, QuantFormat(4, 8))
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_rows(torch.full((1, 8), float("inf")), QuantFormat(4, 8))

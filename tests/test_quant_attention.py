@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from devices import DEVICE
 from kvkernels.paged_attention import paged_decode_attention_ref
-from kvkernels.quant import Quantized, quantize
+from kvkernels.quant import QuantFormat, quantize_rows
 from kvkernels.quant_attention import (
-    QuantFormat,
     quant_decode_attention,
     quant_decode_attention_ref,
     quant_decode_attention_torch,
@@ -33,18 +32,18 @@ def cases(draw):
     D = draw(st.sampled_from([16, 32, 64]))
     groups = [g for g in (8, 16, 32) if D % g == 0]
     bits = st.sampled_from([2, 4, 8])
-    k_fmt, v_fmt = (QuantFormat(draw(bits), draw(st.sampled_from(groups))) for _ in "kv")
+    param_dtype = draw(st.sampled_from([torch.float16, torch.float32]))
+    k_fmt, v_fmt = (QuantFormat(draw(bits), draw(st.sampled_from(groups)), param_dtype) for _ in "kv")
     edge = [0, 1, S - 1, S, S + 1, 2 * S + 1]
     lens = draw(st.lists(st.one_of(st.sampled_from(edge), st.integers(0, 3 * S + 2)), min_size=1, max_size=3))
     lens = [max(0, n) for n in lens]
-    param_dtype = draw(st.sampled_from([torch.float16, torch.float32]))
     q_dtype = draw(st.sampled_from([torch.float32, torch.float16]))
     seed = draw(st.integers(0, 2**16))
-    return S, n_kv, gqa, D, k_fmt, v_fmt, lens, param_dtype, q_dtype, seed
+    return S, n_kv, gqa, D, k_fmt, v_fmt, lens, param_dtype, q_dtype, seed  # param_dtype: in the formats
 
 
 def build(case, device):
-    S, n_kv, gqa, D, k_fmt, v_fmt, lens, param_dtype, q_dtype, seed = case
+    S, n_kv, gqa, D, k_fmt, v_fmt, lens, _, q_dtype, seed = case
     g = torch.Generator().manual_seed(seed)
     per_seq = [math.ceil(n / S) for n in lens]
     M = max(per_seq + [1]) + 1
@@ -58,10 +57,8 @@ def build(case, device):
     k = torch.randn(P, S, n_kv, D, generator=g) * 2
     v = torch.randn(P, S, n_kv, D, generator=g)
     q = torch.randn(len(lens), n_kv * gqa, D, generator=g).to(q_dtype)
-    kq = quantize(k, k_fmt.bits, k_fmt.group, param_dtype)
-    vq = quantize(v, v_fmt.bits, v_fmt.group, param_dtype)
-    move = lambda x: Quantized(*(t.to(device) for t in x))  # noqa: E731
-    return (q.to(device), move(kq), move(vq), table.to(device), torch.tensor(lens, dtype=torch.int32,
+    kq, vq = quantize_rows(k, k_fmt).to(device), quantize_rows(v, v_fmt).to(device)  # packed [P, S, Hkv, W]
+    return (q.to(device), kq, vq, table.to(device), torch.tensor(lens, dtype=torch.int32,
             device=device), k_fmt, v_fmt, k, v)
 
 
@@ -102,12 +99,14 @@ def test_within_the_quantization_error_of_float_attention():
 def test_bad_input_names_the_argument():
     case = (4, 2, 2, 32, QuantFormat(4, 16), QuantFormat(4, 16), [5, 3], torch.float16, torch.float32, 0)
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
-    with pytest.raises(ValueError, match="k.codes"):
+    with pytest.raises(ValueError, match="k_pages"):  # rows of another width than the format packs
         quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=QuantFormat(2, 16), v_format=v_fmt)
     with pytest.raises(ValueError, match="group=12 must be a positive divisor"):
         quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=QuantFormat(4, 12), v_format=v_fmt)
-    with pytest.raises(TypeError, match="k must be a kvkernels.quant.Quantized"):
-        quant_decode_attention(q, tuple(kq), vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt)
+    with pytest.raises(TypeError, match="k_pages"):
+        quant_decode_attention(q, kq.float(), vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt)
+    with pytest.raises(TypeError, match="k_format must be a kvkernels.quant.QuantFormat"):
+        quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=(4, 16), v_format=v_fmt)
     with pytest.raises(ValueError, match="not a multiple of the pool's 2 KV heads"):
         quant_decode_attention(q[:, :3], kq, vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt)
     with pytest.raises(ValueError, match="seq_lens"):

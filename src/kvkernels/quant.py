@@ -19,10 +19,18 @@ splits the query the same way and never interleaves registers.
 
 :func:`quantize_ref` / :func:`dequantize_ref` loop per group and per channel, written for clarity; the
 vectorised :func:`quantize` / :func:`dequantize` must equal them bit for bit.
+
+**Packed rows** (what a cache page holds): :func:`pack` lays one quantized row out as one run of bytes,
+``codes | scale | zero`` (``D * bits / 8`` code bytes, then the ``D / group`` scales and zero points in the
+parameter dtype), :meth:`QuantFormat.row_bytes` wide. A pool of such rows is a plain ``uint8`` tensor
+``[P, S, Hkv, W]`` that eviction moves like any other K/V rows; :func:`quantize_rows` (quantize + pack, a
+custom op so that ``torch.compile`` keeps the outward rounding of the parameters, which inductor's
+fusion would otherwise elide) writes it and :func:`dequantize_rows` reads it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -53,6 +61,34 @@ def check_format(head_dim: int, bits: int, group: int) -> None:
     if head_dim % per_byte:
         raise ValueError(f"bits={bits} packs {per_byte} channels per byte, which needs a head dim divisible "
                          f"by {per_byte}, got {head_dim}; use more bits")
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How rows are quantized: ``bits`` per code (2, 4 or 8), ``group`` channels per scale and zero point (a
+    divisor of the head dim), and the parameters' dtype (float16 or float32)."""
+
+    bits: int = 4
+    group: int = 32
+    param_dtype: torch.dtype = torch.float16
+
+    def check(self, head_dim: int) -> None:
+        """:func:`check_format`, the parameter dtype, and the packed row's alignment (its parameters start
+        on a multiple of their size)."""
+        check_format(head_dim, self.bits, self.group)
+        check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
+        size = torch.empty(0, dtype=self.param_dtype).element_size()
+        if (head_dim * self.bits // 8) % size:
+            raise ValueError(f"a packed row of head dim {head_dim} at bits={self.bits} has "
+                             f"{head_dim * self.bits // 8} code bytes, not a multiple of the {size}-byte "
+                             "parameters that follow them; use float16 parameters or more bits")
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one packed row (:func:`bytes_per_row`)."""
+        return bytes_per_row(head_dim, self.bits, self.group, self.param_dtype)
+
+    def code_bytes(self, head_dim: int) -> int:
+        return head_dim * self.bits // 8
 
 
 def bytes_per_row(head_dim: int, bits: int, group: int, param_dtype: torch.dtype = torch.float16) -> int:
@@ -87,15 +123,7 @@ def quantize(x: Tensor, bits: int = 4, group: int = 32,
              param_dtype: torch.dtype = torch.float16) -> Quantized:
     """Quantize the rows of ``x [..., D]`` (float32 / float16 / bfloat16); see the module docstring."""
     _check_input(x, bits, group, param_dtype)
-    D, levels, per_byte = x.shape[-1], 2**bits - 1, 8 // bits
-    g = x.float().unflatten(-1, (D // group, group))  # [..., D/G, G]
-    scale, zero = _outward(g.amin(-1), g.amax(-1), levels, param_dtype)  # [..., D/G] each
-    safe = torch.where(scale > 0, scale.float(), 1.0)[..., None]  # a constant group: every code 0
-    q = torch.round((g - zero.float()[..., None]) / safe).clamp_(0, levels).to(torch.uint8).flatten(-2)
-    parts = q.unflatten(-1, (per_byte, D // per_byte))  # [..., k, D/k]: part i = channels [i D/k, (i+1) D/k)
-    shifts = torch.arange(per_byte, device=x.device, dtype=torch.uint8) * bits
-    codes = (parts << shifts[:, None]).sum(-2, dtype=torch.uint8)  # disjoint bit fields: sum == or
-    return Quantized(codes, scale, zero)
+    return _quantize_fast(x, bits, group, param_dtype)
 
 
 def dequantize(qx: Quantized, bits: int = 4, group: int = 32, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -147,3 +175,79 @@ def dequantize_ref(qx: Quantized, bits: int = 4, group: int = 32,
             code = (int(codes[r, byte]) >> (part * bits)) & (2**bits - 1)
             out[r, c] = code * scale[r, c // group].float() + zero[r, c // group].float()
     return out.reshape(*qx.codes.shape[:-1], D).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packed rows: codes | scale | zero as one run of bytes
+# ----------------------------------------------------------------------------------------------------
+
+def pack(qx: Quantized) -> Tensor:
+    """One ``uint8`` row ``[..., W]`` per quantized row: its codes, then its scales' and zero points'
+    bytes."""
+    codes, scale, zero = qx
+    as_bytes = [t.contiguous().view(torch.uint8) for t in (scale, zero)]
+    return torch.cat([codes, *as_bytes], dim=-1)
+
+
+def unpack(rows: Tensor, head_dim: int, fmt: QuantFormat) -> Quantized:
+    """The :class:`Quantized` parts of packed rows ``[..., W]`` (copies)."""
+    c = fmt.code_bytes(head_dim)
+    p = (rows.shape[-1] - c) // 2
+    codes, scale, zero = rows[..., :c], rows[..., c:c + p], rows[..., c + p:]
+    return Quantized(codes.contiguous(), scale.contiguous().view(fmt.param_dtype),
+                     zero.contiguous().view(fmt.param_dtype))
+
+
+def _quantize_fast(x: Tensor, bits: int, group: int, param_dtype: torch.dtype) -> Quantized:
+    """:func:`quantize` without its checks (no host sync)."""
+    D, levels, per_byte = x.shape[-1], 2**bits - 1, 8 // bits
+    g = x.float().unflatten(-1, (D // group, group))  # [..., D/G, G]
+    scale, zero = _outward(g.amin(-1), g.amax(-1), levels, param_dtype)  # [..., D/G] each
+    safe = torch.where(scale > 0, scale.float(), 1.0)[..., None]  # a constant group: every code 0
+    q = torch.round((g - zero.float()[..., None]) / safe).clamp_(0, levels).to(torch.uint8).flatten(-2)
+    parts = q.unflatten(-1, (per_byte, D // per_byte))  # [..., k, D/k]: part i = channels [i D/k, (i+1) D/k)
+    shifts = torch.arange(per_byte, device=x.device, dtype=torch.uint8) * bits
+    codes = (parts << shifts[:, None]).sum(-2, dtype=torch.uint8)  # disjoint bit fields: sum == or
+    return Quantized(codes, scale, zero)
+
+
+_PARAM_NAMES = {torch.float16: "float16", torch.float32: "float32"}
+
+
+@torch.library.custom_op("kvkernels::quantize_rows", mutates_args=())
+def _quantize_rows_op(x: Tensor, bits: int, group: int, param_dtype: str) -> Tensor:
+    return pack(_quantize_fast(x, bits, group, getattr(torch, param_dtype)))
+
+
+@_quantize_rows_op.register_fake
+def _(x, bits, group, param_dtype):
+    fmt = QuantFormat(bits, group, getattr(torch, param_dtype))
+    return x.new_empty((*x.shape[:-1], fmt.row_bytes(x.shape[-1])), dtype=torch.uint8)
+
+
+def quantize_rows(x: Tensor, fmt: QuantFormat, *, validate: bool = True) -> Tensor:
+    """Packed rows ``[..., W]`` uint8 of ``x [..., D]`` (:func:`quantize` then :func:`pack`).
+
+    ``validate=False`` skips the finiteness check (a host sync): a compiled decode step writes through it.
+    One custom op, so ``torch.compile`` runs it as written (its outward rounding of the parameters is kept).
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have a channel dimension (the last), got a scalar")
+    if not isinstance(fmt, QuantFormat):
+        raise TypeError(f"fmt must be a kvkernels.quant.QuantFormat, got {type(fmt).__name__}")
+    fmt.check(x.shape[-1])
+    if validate and not torch.compiler.is_compiling() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x holds NaN or inf; quantization needs finite values")
+    return torch.ops.kvkernels.quantize_rows(x, fmt.bits, fmt.group, _PARAM_NAMES[fmt.param_dtype])
+
+
+def dequantize_rows(rows: Tensor, head_dim: int, fmt: QuantFormat,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    """Values ``[..., head_dim]`` in ``dtype`` of packed rows ``[..., W]`` (:func:`quantize_rows`)."""
+    check_tensor("rows", rows, dtypes=(torch.uint8,))
+    fmt.check(head_dim)
+    if rows.shape[-1] != fmt.row_bytes(head_dim):
+        raise ValueError(f"rows are {rows.shape[-1]} bytes wide but {fmt} packs a row of head dim {head_dim} "
+                         f"in {fmt.row_bytes(head_dim)}")
+    return dequantize(unpack(rows, head_dim, fmt), fmt.bits, fmt.group, dtype)

@@ -90,14 +90,13 @@ class Decoder:
             from kvpolicies import compose
 
             policy = compose("full")
-        precision = getattr(policy, "precision", None)
-        if precision is not None and precision.quantizes:
-            raise ValueError(f"policy {policy.name!r}: precision policy {precision.name!r} stores tokens as "
-                             "quantized rows, which the paged cache does not hold yet (issue 36); drop "
-                             f"{precision.name!r} from the composition")
         self.model, self.policy = model, policy
         param = next(iter(model.parameters()))
         self.device, self.dtype = param.device, param.dtype
+        if getattr(policy, "precision", None) is not None:  # a storage the cache cannot hold: say so now
+            from kvmodels.cache.storage import row_storage
+
+            row_storage(policy, model.cache_layout().head_dim, self.dtype)
         self.max_tokens = model.max_seq_len if max_tokens is None else _positive("max_tokens", max_tokens)
         self.page_size, self.num_pages, self.seed, self.compile = page_size, num_pages, seed, compile
         self.cache: Any = None

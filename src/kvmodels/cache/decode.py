@@ -134,8 +134,8 @@ class DecodeSteps:
         page = self.page_table[s, :n].gather(1, col[:, None])[:, 0]  # [n]
         page = torch.where(active, page, self.trash_page).to(torch.int64)
         slot = torch.where(active, lens % S, 0).to(torch.int64)
-        self.k_pages[page, slot] = k
-        self.v_pages[page, slot] = v
+        self.k_pages[page, slot] = self.storage.encode(k)
+        self.v_pages[page, slot] = self.storage.encode(v)
         self.slot_pos[page, slot] = positions.to(torch.int32)[:, None].expand(n, self.n_kv_heads)
         self.slot_score[page, slot] = self._token_scores(q, k, v, positions) if self.eviction.scores_tokens \
             else 0.0
@@ -171,6 +171,10 @@ class DecodeSteps:
         """
         rows = self.rows
         rows.check_queries(self, q, q_positions)
+        if alibi_slopes is not None and self.storage.quantized:
+            raise ValueError("attend(alibi_slopes=...): ALiBi reads each slot's position beside its K/V, "
+                             "which the quantized decode kernel does not yet; use a RoPE model (Llama, "
+                             f"GPT-J) with {self.policy.precision.name!r}")
         groups = None if alibi_slopes is None else rows.alibi_groups(self.n_sequences)
         if groups is not None:  # one call per group of rows, each with its own slopes
             return self._attend_groups(l, rows.to_rows(q), rows.positions_to_rows(q_positions), groups,
@@ -196,7 +200,7 @@ class DecodeSteps:
             restore = Restore(self.k_mag[member] if self.k_mag is not None else None,
                               self.v_mag[member] if self.v_mag is not None else None,
                               self.slot_mask, mask_bit=self.layout.mask_bit(l))
-        return paged_decode_attention(
+        return self.storage.attention(
             q, self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s), scale=scale,
             alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)
 

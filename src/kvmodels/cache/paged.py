@@ -40,6 +40,7 @@ from .pool import PagePool, ceil_div
 from .prefill import PrefillSteps
 from .report import CacheReport
 from .rows import ROW_LAYOUTS, check_layer, check_sequence
+from .storage import row_storage
 
 
 class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
@@ -116,10 +117,6 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         if rows not in ROW_LAYOUTS:
             raise ValueError(f"rows={rows!r} is not a row layout; use one of {sorted(ROW_LAYOUTS)}")
         ROW_LAYOUTS[rows].check_policy(policy)
-        if policy.precision.quantizes:
-            raise ValueError(f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens "
-                             "as quantized rows, which the paged cache does not hold yet (issue 36); drop "
-                             f"{policy.precision.name!r} from the composition")
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                             ("n_q_heads", n_q_heads), ("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("page_size", page_size)):
@@ -130,6 +127,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
                              "(GQA groups)")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        # How a pool row holds a token: the cache's dtype, or a packed quantized row (the precision role).
+        self.storage = row_storage(policy, head_dim, dtype)
         # The model's terms, and the pool's rows: a row holds pool_kv_heads heads of one sequence.
         self.rows = ROW_LAYOUTS[rows](n_kv_heads, n_q_heads)
         self.kv_heads, self.q_heads, self.max_sequences = n_kv_heads, n_q_heads, max_batch
@@ -163,7 +162,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         self._noise_seed = noise_seed(policy.seed, seed)
 
         M, dev = self.max_pages, self.device
-        self.pool = pool = PagePool(num_pages, page_size, n_kv_heads, head_dim, dtype=dtype, device=dev,
+        self.pool = pool = PagePool(num_pages, page_size, n_kv_heads, self.storage, device=dev,
                                     merged=bool(self.layout.pairs))
         # The pool's buffers, read by the decode step as attributes of the cache.
         self.k_pages, self.v_pages = pool.k_pages, pool.v_pages
@@ -417,7 +416,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         def rows(pool: torch.Tensor) -> torch.Tensor:
             return pool[pages].flatten(0, 1)[:n]
 
-        out = {"k": rows(self.k_pages), "v": rows(self.v_pages), "pos": rows(self.slot_pos),
+        decode = self.storage.decode  # quantized rows come back dequantized, in the cache's dtype
+        out = {"k": decode(rows(self.k_pages)), "v": decode(rows(self.v_pages)), "pos": rows(self.slot_pos),
                "score": rows(self.slot_score)}
         if self.layout.merged[l]:
             assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
@@ -444,8 +444,9 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
             page_size=self.page_size, page_bytes=self.page_bytes, num_pages=self.num_pages,
             bytes_per_layer=tuple(int(x) for x in per_layer), total_bytes=int(per_layer.sum()),
             peak_bytes=host.peak_pages * self.page_bytes,
-            full_cache_bytes=full_pages * self.page_bytes,
-            full_cache_peak_bytes=host.full_peak_pages * self.page_bytes,
+            full_cache_bytes=full_pages * self.pool.native_page_bytes,
+            full_cache_peak_bytes=host.full_peak_pages * self.pool.native_page_bytes,
+            rows=self.storage.describe(),
             tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in self.host.lens),
             layer_budgets=budgets, merged_pairs=self.layout.pairs), self.n_sequences)
 

@@ -26,7 +26,9 @@ class PagePool:
     Attributes
     ----------
     k_pages, v_pages:
-        ``[P + 1, S, Hkv, D]`` ``dtype`` keys (after RoPE) and values.
+        ``[P + 1, S, Hkv, W]`` keys (after RoPE) and values as the row storage holds them
+        (``kvmodels.cache.storage``: ``W = D`` in the cache's dtype, or packed quantized rows of ``W``
+        bytes).
     slot_pos, slot_score:
         ``[P + 1, S, Hkv]`` int32 original position and float32 eviction score of each slot.
     free_pages, n_free:
@@ -40,15 +42,17 @@ class PagePool:
     page_bytes:
         Bytes one page holds (K and V of every head, the int32 position and float32 score of each (slot,
         head); with merging the four magnitudes and the mask byte as well).
+    native_page_bytes:
+        What the page would hold with K and V in the cache's dtype (``page_bytes`` unless quantized).
     """
 
-    def __init__(self, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
-                 device: torch.device, merged: bool):
+    def __init__(self, num_pages: int, page_size: int, n_kv_heads: int, storage, *, device: torch.device,
+                 merged: bool):
         self.num_pages, self.page_size, self.device = num_pages, page_size, device
         self.trash_page = num_pages
-        P, S, H, D, dev = num_pages + 1, page_size, n_kv_heads, head_dim, device
-        self.k_pages = torch.zeros(P, S, H, D, dtype=dtype, device=dev)
-        self.v_pages = torch.zeros(P, S, H, D, dtype=dtype, device=dev)
+        P, S, H, W, dev = num_pages + 1, page_size, n_kv_heads, storage.width, device
+        self.k_pages = torch.zeros(P, S, H, W, dtype=storage.page_dtype, device=dev)
+        self.v_pages = torch.zeros(P, S, H, W, dtype=storage.page_dtype, device=dev)
         self.slot_pos = torch.zeros(P, S, H, dtype=torch.int32, device=dev)
         self.slot_score = torch.zeros(P, S, H, dtype=torch.float32, device=dev)
         self.free_pages = torch.zeros(P + 1, dtype=torch.int32, device=dev)
@@ -60,7 +64,10 @@ class PagePool:
             self.v_mag = torch.ones(2, P, S, H, dtype=torch.float32, device=dev)
             self.slot_mask = torch.zeros(P, S, H, dtype=torch.uint8, device=dev)
             extra_bytes = 4 * 4 + 1
-        self.page_bytes = S * H * (2 * D * self.k_pages.element_size() + 4 + 4 + extra_bytes)
+        per_slot = 4 + 4 + extra_bytes  # position, score (and the merge's magnitudes and mask)
+        self.page_bytes = S * H * (2 * storage.row_bytes + per_slot)
+        native_row = storage.head_dim * torch.empty(0, dtype=storage.dtype).element_size()
+        self.native_page_bytes = S * H * (2 * native_row + per_slot)
         self.free = num_pages
 
     def reset(self) -> None:

@@ -144,8 +144,8 @@ class PrefillSteps:
             x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
             return x.reshape(n_pages, self.page_size, *x.shape[1:])
 
-        self.k_pages.index_copy_(0, pages, paged(k))
-        self.v_pages.index_copy_(0, pages, paged(v))
+        self.k_pages.index_copy_(0, pages, paged(self.storage.encode(k)))
+        self.v_pages.index_copy_(0, pages, paged(self.storage.encode(v)))
         self.slot_pos.index_copy_(0, pages, paged(positions.to(torch.int32)[:, None].expand(L, H)))
         score_rows = torch.zeros(L, H, device=dev) if scores is None else scores.t()  # [L, H]
         self.slot_score.index_copy_(0, pages, paged(score_rows.to(torch.float32).contiguous()))

@@ -25,7 +25,7 @@ class CacheReport:
         Largest ``total_bytes`` since ``start`` (prefill holds the full prompt before compression).
     full_cache_bytes, full_cache_peak_bytes:
         What an uncompressed cache with the same pages would hold now / at its peak: every token seen by
-        every active sequence in every cache layer.
+        every active sequence in every cache layer, with K and V in the cache's dtype (unquantized).
     tokens_per_layer:
         ``[Lc][B]`` slots each layer stores for each sequence of the batch (0 for finished sequences).
     layer_budgets:
@@ -39,6 +39,9 @@ class CacheReport:
         ``[Lc][B][Hkv]`` tokens each KV head holds, from a cache with one row per KV head (``rows="heads"``,
         ``HeadPagedKVCache``: its heads hold different counts, and its ``tokens_per_layer`` and
         ``layer_budgets`` are then means over the heads); else ``None``.
+    rows:
+        How a stored row holds a token (``kvmodels.cache.storage``: the dtype, or the quantized format and
+        its bytes per row).
     """
 
     page_size: int
@@ -53,6 +56,7 @@ class CacheReport:
     layer_budgets: tuple[tuple[float, ...], ...] | None
     merged_pairs: tuple[tuple[int, int], ...] = ()
     head_tokens: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    rows: str = ""
 
     @property
     def pages_in_use(self) -> int:
@@ -68,7 +72,7 @@ class CacheReport:
         ratio = self.total_bytes / self.full_cache_bytes if self.full_cache_bytes else float("nan")
         lines += [
             f"total {self.total_bytes * mib:.3f} MiB in {self.pages_in_use}/{self.num_pages} pages of "
-            f"{self.page_size} slots ({self.page_bytes} B each)",
+            f"{self.page_size} slots ({self.page_bytes} B each)" + (f"; {self.rows}" if self.rows else ""),
             f"peak  {self.peak_bytes * mib:.3f} MiB",
             f"full cache {self.full_cache_bytes * mib:.3f} MiB now, "
             f"{self.full_cache_peak_bytes * mib:.3f} MiB peak; held/full = {ratio:.3f}",

@@ -1,0 +1,157 @@
+"""Quantized KV rows in the paged cache (issue 36), measured on SmolLM2-135M-Instruct (CPU).
+
+Every kept token is stored as a packed ``kvkernels.quant`` row (``kivi(bits, group, residual=0)``: codes plus
+a float16 scale and zero point per ``group`` channels, token-wise for keys and values) and the decode steps
+attend over the dequantized rows; the prompt's own attention runs on the unquantized K/V (as KIVI does).
+
+Tasks (one JSON line per (task, config, budget), appended to ``--out``; a rerun skips lines already there):
+
+* ``passkey``: the evaluation harness's passkey prompts (``evals.tasks.passkey_samples``, ~``--context``
+  tokens, ``--n`` samples), **question inside the compressed prompt**, greedy, exact match of the first
+  number; ``bytes_per_token``: the K/V bytes the cache holds after the prompt over the tokens it holds,
+  beside an unquantized float16 cache's (the pages' position and score bytes included in both).
+* ``perplexity``: ``evals.tasks.run_perplexity`` over the first ``--ppl-tokens`` tokens of the harness's
+  text: the first ``--ppl-prefill`` tokens prefilled (unquantized attention, quantized storage), the rest
+  teacher-forced one decode step each, every step reading the quantized rows. With ``full`` nothing is
+  evicted (quantization alone); with ``streaming`` each layer keeps ``budget * ppl-tokens`` tokens, evicting
+  while it decodes.
+
+Run: ``python -m experiments.quantized_kv --out experiments/results/quantized-kv.jsonl``;
+``--report`` prints the tables and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SNAPKV = "snapkv(chunk=5, window=16, per_head=False, align='scores')"  # the README's passkey setting
+PASSKEY = [("full", 1.0), ("full+kivi(bits=8, residual=0)", 1.0), ("full+kivi(bits=4, residual=0)", 1.0),
+           ("full+kivi(bits=4, group=16, residual=0)", 1.0), ("full+kivi(bits=2, group=16, residual=0)", 1.0)]
+PASSKEY += [(p, b) for b in (0.2, 0.5) for p in (SNAPKV, f"{SNAPKV}+kivi(bits=4, residual=0)")]
+PERPLEXITY = [("full", 1.0), ("full+kivi(bits=8, residual=0)", 1.0), ("full+kivi(bits=4, residual=0)", 1.0),
+              ("full+kivi(bits=2, group=16, residual=0)", 1.0), ("streaming", 0.2),
+              ("streaming+kivi(bits=4, residual=0)", 0.2)]
+
+
+def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:
+    """Answers kept, and the bytes of the first batch's cache after its prompts: per (token, layer) slot
+    (K and V of every KV head plus the int32 position and float32 score per head), the held share of an
+    unquantized float16 cache's bytes (page rounding included in both)."""
+    from evals.tasks import exact_match
+    from kvmodels.generate import generate
+    from kvpolicies import compose
+
+    policy = compose(name, budget=budget)
+    layout = runner.model.cache_layout()
+    fp16_slot = layout.n_kv_heads * (2 * 2 * layout.head_dim + 8)
+    elt = next(iter(runner.model.parameters())).element_size()
+    samples = runner.samples("passkey", context, n)
+    correct, outputs, mem = 0, [], {}
+    for i in range(0, n, 8):
+        chunk = samples[i:i + 8]
+        res = generate(runner.model, [list(s.prompt) for s in chunk], 8, policy,
+                       eos_ids=runner.tokenizer.eos_ids)
+        for toks, s in zip(res.tokens, chunk, strict=True):
+            text = runner.tokenizer.decode(toks, skip_special_tokens=True)
+            outputs.append(text)
+            correct += exact_match(text, s.answer)
+        if not mem:
+            rep = res.report
+            slot = rep.page_bytes / rep.page_size
+            native_slot = layout.n_kv_heads * (2 * layout.head_dim * elt + 8)  # the full cache's slots
+            fp16_full = rep.full_cache_bytes / native_slot * fp16_slot
+            mem = {"slot_bytes": slot, "fp16_slot_bytes": fp16_slot, "rows": rep.rows,
+                   "held_vs_full_same_dtype": rep.total_bytes / rep.full_cache_bytes,
+                   "held_vs_fp16": rep.total_bytes / fp16_full}
+    return {"correct": correct, "n": n, **mem, "outputs": outputs}
+
+
+def run_ppl(runner, name: str, budget: float, T: int, prefill: int) -> dict:
+    from evals.tasks import run_perplexity
+    from kvpolicies import compose
+
+    policy = compose(name, budget=1.0)
+    keep = T if budget >= 1.0 else max(prefill, round(budget * T))
+    if name.startswith("full"):
+        keep = prefill  # full never evicts: prefill `prefill` tokens, decode the rest, all kept
+    tokens = runner.text_tokens(T)
+    (row,) = run_perplexity(runner.model, tokens, policy, [keep])
+    return {**row, "prefill_tokens": keep if not name.startswith("full") else prefill}
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| task | policy | budget | result | bytes per token and layer (fp16 cache) |",
+             "|---|---|---|---|---|"]
+    for r in records:
+        if r["task"] == "passkey":
+            res = f"{r['correct']} of {r['n']}"
+            b = (f"{r['slot_bytes']:.0f} ({r['fp16_slot_bytes']:.0f}); held "
+                 f"{100 * r['held_vs_fp16']:.1f}% of fp16")
+        else:
+            res = f"ppl {r['ppl']:.2f}"
+            b = "-"
+        lines.append(f"| {r['task']} {r['context']} | `{r['policy']}` | {r['budget']:g} | {res} | {b} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="experiments/results/quantized-kv.jsonl")
+    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--n", type=int, default=24)
+    p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--ppl-prefill", type=int, default=256)
+    p.add_argument("--tasks", default="passkey,perplexity")
+    p.add_argument("--model", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--report", action="store_true", help="print the recorded table and run nothing")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from evals.sweep import append_record, device_name, read_records
+
+    out = Path(args.out)
+    if args.report:
+        print(table([r for r in read_records(out) if r.get("status") == "ok"]))
+        return 0
+    from evals.sweep import Runner
+
+    runner = Runner(args.model, seed=args.seed)
+    done = {r["key"] for r in read_records(out)}
+    todo = []
+    if "passkey" in args.tasks:
+        todo += [("passkey", args.context, name, b) for name, b in PASSKEY]
+    if "perplexity" in args.tasks:
+        todo += [("perplexity", args.ppl_tokens, name, b) for name, b in PERPLEXITY]
+    for task, context, name, budget in todo:
+        key = (f"quantized-kv|{runner.model_name}|{task}|{context}|n={args.n}|seed={args.seed}|{name}|"
+               f"{budget:g}")
+        if key in done:
+            continue
+        t0 = time.perf_counter()
+        base = {"key": key, "task": task, "context": context, "policy": name, "budget": budget,
+                "device": device_name(), "torch": torch.__version__,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:
+            if task == "passkey":
+                res = run_passkey(runner, name, budget, context, args.n)
+            else:
+                res = run_ppl(runner, name, budget, context, args.ppl_prefill)
+            rec = {**base, "status": "ok", **res}
+        except (ValueError, RuntimeError) as e:
+            rec = {**base, "status": "error", "error": f"{type(e).__name__}: {e}"}
+        rec["seconds"] = round(time.perf_counter() - t0, 1)
+        append_record(out, rec)
+        summary = rec.get("correct", rec.get("ppl", rec.get("error")))
+        print(f"{task} {name} {budget:g}: {summary} ({rec['seconds']} s)", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""How a pool row holds one token of one KV head: in the cache's dtype, or as a packed quantized row.
+
+The precision policy (``kvpolicies.precision``) decides how many bits a kept token costs; the cache asks
+:func:`row_storage` for the matching storage and then never branches on it: the pool allocates
+``[P + 1, S, Hkv, width]`` of ``page_dtype``, every write goes through :meth:`encode`, every read of stored
+rows through :meth:`decode`, and the decode step's attention through :meth:`attention`. Eviction moves
+rows of either kind unchanged (``topk_compact`` / ``topk_evict`` move packed ``uint8`` rows like float
+ones), so a kept token stays bit-identical to what was written.
+
+- :class:`NativeRows`: ``[D]`` in the cache's dtype (``native``, the default).
+- :class:`PackedRows`: ``kvkernels.quant`` packed rows (``codes | scale | zero``, ``QuantFormat.row_bytes``
+  bytes; ``kivi(bits, group, residual=0)``), written by ``kvkernels.quant.quantize_rows`` and attended by
+  ``kvkernels.quant_attention.quant_decode_attention``, which dequantizes in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvkernels.paged_attention import paged_decode_attention
+from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
+from kvkernels.quant_attention import quant_decode_attention
+
+
+class NativeRows:
+    """Rows in the cache's dtype: what is written is what is stored."""
+
+    quantized = False
+
+    def __init__(self, head_dim: int, dtype: torch.dtype):
+        self.head_dim, self.dtype = head_dim, dtype
+        self.page_dtype, self.width = dtype, head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored row (K or V of one token of one KV head)."""
+        return self.width * torch.empty(0, dtype=self.page_dtype).element_size()
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')} rows ({self.row_bytes} B per K or V row)"
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def attention(self, q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi=None, scores=None,
+                  restore=None) -> torch.Tensor:
+        return paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi=alibi,
+                                      scores=scores, restore=restore)
+
+
+class PackedRows(NativeRows):
+    """Rows stored as ``kvkernels.quant`` packed rows of ``fmt`` (K and V alike)."""
+
+    quantized = True
+
+    def __init__(self, head_dim: int, dtype: torch.dtype, fmt: QuantFormat):
+        fmt.check(head_dim)
+        super().__init__(head_dim, dtype)
+        self.fmt = fmt
+        self.page_dtype, self.width = torch.uint8, fmt.row_bytes(head_dim)
+
+    def describe(self) -> str:
+        return (f"{self.fmt.bits}-bit rows, group {self.fmt.group} ({self.row_bytes} B per K or V row, "
+                f"{self.head_dim * 2} B in float16)")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        # No finiteness check: it reads the device, and a compiled decode step writes through here.
+        return quantize_rows(x, self.fmt, validate=False)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(rows, self.head_dim, self.fmt, self.dtype)
+
+    def attention(self, q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi=None, scores=None,
+                  restore=None) -> torch.Tensor:
+        # row_storage refused the policies that would pass any of these.
+        assert alibi is None and restore is None and (scores is None or scores.mode == "none")
+        return quant_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
+                                      k_format=self.fmt, v_format=self.fmt, validate=False)
+
+
+def row_storage(policy, head_dim: int, dtype: torch.dtype) -> NativeRows:
+    """The row storage ``policy``'s precision role asks for, or ``ValueError`` naming what the paged cache
+    cannot store yet and the fix."""
+    precision = policy.precision
+    if not precision.quantizes:
+        return NativeRows(head_dim, dtype)
+    name = f"policy {policy.name!r}: precision {precision.name!r} ({precision})"
+    if precision.name != "kivi":
+        bits = " and ".join(map(str, precision.formats()))
+        raise ValueError(f"{name} stores tokens at {bits} bits; the paged "
+                         "cache stores one row format per cache so far (mixed precision needs a pool per "
+                         "format, issue 36); use kivi(bits=..., residual=0)")
+    if precision.residual:
+        raise ValueError(f"{name} keeps the last {precision.residual} tokens unquantized, a residual the "
+                         "paged cache does not hold yet (issue 36); use kivi(residual=0), which quantizes "
+                         "every kept token")
+    ev = policy.eviction
+    if ev.score_mode != "none":
+        raise ValueError(f"{name}: eviction {ev.name!r} updates its scores in the decode kernel, which the "
+                         "quantized decode kernel does not fuse yet (issue 36); use a prompt-only policy "
+                         "(snapkv, knorm, chunkkv, streaming, ...)")
+    # Merging (restored from magnitudes) with quantization is refused by compose itself.
+    fmt = QuantFormat(precision.bits, precision.group)
+    try:
+        fmt.check(head_dim)
+    except ValueError as e:  # e.g. a group that does not divide this model's head dim
+        raise ValueError(f"{name} does not fit this model: {e}") from None
+    return PackedRows(head_dim, dtype, fmt)
