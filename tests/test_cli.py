@@ -167,3 +167,14 @@ def test_profile_without_weights_measures_the_models_retrieval_profile(capsys, t
     budgets = next(x for x in err.splitlines() if x.startswith("layer budgets (sequence 0)"))
     low, high = (int(n) for n in budgets.split(": ")[1].split())
     assert low + high == 18 and high > 2 * low                       # 9 per layer on average, split 1 : 3
+
+
+def test_generation_with_quantized_rows_names_the_row_format(capsys, tiny_ckpt):
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "5",
+                           "--policy", "streaming+kivi(bits=4, group=8, residual=0)", "--budget", "0.5",
+                           "hello world the cache is small " * 3)
+    assert rc == 0 and len(out.split()) == 5
+    assert "KV rows: 4-bit rows, group 8" in err and "layer budgets (sequence 0): 9 9" in err
+    # full = the unquantized float32 cache: 4-bit rows plus their parameters take well under half of it
+    ratio = float(err.split("MiB full (")[1].split("%")[0]) / 100
+    assert ratio < 0.5 * 0.5

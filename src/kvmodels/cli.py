@@ -185,6 +185,8 @@ def _summary(result: Any, policy: Any, path: str = "") -> str:
         lines.append(f"KV cache: {r.total_bytes * mib:.2f} MiB kept vs {r.full_cache_bytes * mib:.2f} MiB "
                      f"full ({ratio:.1%}; full = every prompt and generated token in every layer, at the "
                      f"cache's longest); peak {r.peak_bytes * mib:.2f} MiB")
+        if r.quantized:  # quantized storage: say what a row costs (full = unquantized)
+            lines.append(f"KV rows: {r.rows}")
         lines += _budget_lines(r)
     return "\n".join(lines)
 

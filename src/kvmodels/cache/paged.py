@@ -446,7 +446,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
             peak_bytes=host.peak_pages * self.page_bytes,
             full_cache_bytes=full_pages * self.pool.native_page_bytes,
             full_cache_peak_bytes=host.full_peak_pages * self.pool.native_page_bytes,
-            rows=self.storage.describe(),
+            rows=self.storage.describe(), quantized=self.storage.quantized,
             tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in self.host.lens),
             layer_budgets=budgets, merged_pairs=self.layout.pairs), self.n_sequences)
 

@@ -41,7 +41,8 @@ class CacheReport:
         ``layer_budgets`` are then means over the heads); else ``None``.
     rows:
         How a stored row holds a token (``kvmodels.cache.storage``: the dtype, or the quantized format and
-        its bytes per row).
+        its bytes per row); ``quantized`` whether rows are quantized (``full_cache_bytes`` is then the
+        unquantized cache's).
     """
 
     page_size: int
@@ -57,6 +58,7 @@ class CacheReport:
     merged_pairs: tuple[tuple[int, int], ...] = ()
     head_tokens: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     rows: str = ""
+    quantized: bool = False
 
     @property
     def pages_in_use(self) -> int:
