@@ -10,6 +10,8 @@ step equals the eager one without a recompile.
 
 from __future__ import annotations
 
+import math
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -156,3 +158,118 @@ def test_device_of_the_suite():  # the quantized cache runs where the suite runs
     for t in range(2):
         run.decode_step(cache, t)
     check_invariants(cache)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Two formats: a side region (kvmodels.cache.tiers)
+# ----------------------------------------------------------------------------------------------------
+
+@st.composite
+def two_format_cases(draw):
+    eviction = draw(st.sampled_from(["full", "snapkv(window=2)", "knorm(decode=False)"]))
+    precision = draw(st.sampled_from(["kivi(bits={b}, group={g}, residual={r})", "mikv(low={b}, group={g})",
+                                      "zipcache(high=8, low={b}, salient={s}, group={g})",
+                                      "zipcache(high=16, low={b}, salient={s}, group={g})"]))
+    if precision.startswith("zipcache") and eviction != "snapkv(window=2)":
+        eviction = "snapkv(window=2)"  # zipcache ranks by the eviction's prompt scores
+    spec = precision.format(b=draw(st.sampled_from([2, 4])), g=draw(st.sampled_from([4, 8])),
+                            r=draw(st.sampled_from([1, 2, 5])), s=draw(st.sampled_from([0.0, 0.3, 1.0])))
+    lens = draw(st.lists(st.sampled_from([1, 2, 3, 5, 9]), min_size=1, max_size=3))
+    n_kv, gqa = draw(st.sampled_from([(1, 1), (2, 2)]))
+    return eviction, spec, draw(st.sampled_from([1, 4])), lens, n_kv, gqa, \
+        draw(st.sampled_from([0.5, 1.0])), draw(st.integers(0, 99))
+
+
+def tokens_of(cache, l, b):
+    """Every token a tiered cache holds for layer ``l``, sequence ``b``, per KV head: position -> (k, v)
+    as stored (dequantized), from both regions; and which region held it."""
+    out = []
+    main = cache.head_contents(l, b)
+    side = cache.side.contents(l, b)
+    for h in range(len(main)):
+        held = {}
+        for region, c in (("main", main[h]), ("side", side[h])):
+            for i, p in enumerate(c["pos"].tolist()):
+                assert p not in held, f"position {p} in both regions"
+                held[p] = (c["k"][i], c["v"][i], region)
+        out.append(held)
+    return out
+
+
+@given(case=two_format_cases())
+def test_two_formats_hold_what_the_precision_policy_assigns(case):
+    """Each prompt token sits in the region of its assigned format (nothing assigned 0 is held, nothing
+    assigned is lost), stored as the round trip of its original K/V through that format, bit for bit; decode
+    tokens go to the main region; attention is one softmax over both regions' rows."""
+    eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
+    run = FakeRun(2, n_kv, gqa, 8, lens, 3, seed=seed)
+    policy = compose(eviction, spec, budget=budget)
+    native = run.cache(compose(eviction, budget=budget), page_size=page_size)
+    cache = run.cache(policy, page_size=page_size)
+    assert cache.side is not None
+    main_fmt = cache.storage.fmt if cache.storage.quantized else None
+    side_fmt = cache.side.storage.fmt
+    for c in (native, cache):
+        run.prefill(c)
+
+    def stored(x, fmt):
+        return x if fmt is None else round_trip(x, fmt)
+
+    for l in range(2):
+        for b, L in enumerate(lens):
+            kept = torch.zeros(n_kv, L, dtype=torch.bool)
+            for h, c in enumerate(native.head_contents(l, b)):
+                kept[h, c["pos"].long()] = True
+            held = tokens_of(cache, l, b)
+            k_orig, v_orig = run.prompt[l][b][1], run.prompt[l][b][2]
+            for h in range(n_kv):
+                if "zipcache" not in spec:  # (zipcache's ranking needs the prompt scores: counts below)
+                    bits = policy.precision.assign(kept, None)[h]
+                    assert set(held[h]) == {i for i in range(L) if bits[i]}
+                    for p, (_, _, region) in held[h].items():
+                        assert (bits[p] == (cache.side.main_bits if region == "main" else side_fmt.bits))
+                else:
+                    assert set(held[h]) == set(kept[h].nonzero()[:, 0].tolist())
+                    n_main = sum(r == "main" for *_, r in held[h].values())
+                    assert n_main == math.ceil(int(kept[h].sum()) * policy.precision.salient - 1e-9)
+                for p, (k, v, region) in held[h].items():
+                    fmt = main_fmt if region == "main" else side_fmt
+                    assert torch.equal(k, stored(k_orig[p:p + 1, h], fmt)[0]), (l, b, h, p, region)
+                    assert torch.equal(v, stored(v_orig[p:p + 1, h], fmt)[0]), (l, b, h, p, region)
+    pos = run.step_positions
+    for t in range(run.n_steps):
+        cache.prepare_decode(t)
+        for l, (q, k, v) in enumerate(run.steps[t]):
+            cache.append(l, k, v, pos(t))
+            out = cache.attend(l, q, pos(t), scale=run.scale)
+            for b in range(len(lens)):
+                held = tokens_of(cache, l, b)
+                assert held[0][int(pos(t)[b])][2] == "main"  # the new token
+                for h in range(n_kv):
+                    ks = torch.stack([x[0] for x in held[h].values()])[:, None]
+                    vs = torch.stack([x[1] for x in held[h].values()])[:, None]
+                    want = dense_attention(q[b, h * gqa:(h + 1) * gqa], ks, vs, run.scale)
+                    torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa], want.to(out.dtype), rtol=1e-4,
+                                               atol=1e-4)
+        cache.after_step(t)
+    # Pages: every page of each pool owned once or free; the report counts both regions.
+    side = cache.side
+    owned = [p for l in range(2) for b in range(len(lens))
+             for p in side.page_table[l, b, :math.ceil(int(side.lens[l, b]) / page_size)].tolist()]
+    assert sorted(owned + side.pool.free_pages[:side.pool.free].tolist()) == list(range(side.pool.num_pages))
+    assert int(side.pool.n_free) == side.pool.free
+    rep = cache.report()
+    main_pages = sum(math.ceil(int(n) / page_size) for n in cache.host.lens.flatten())
+    side_pages = sum(math.ceil(int(n) / page_size) for n in side.lens.flatten())
+    assert rep.total_bytes == main_pages * cache.page_bytes + side_pages * side.pool.page_bytes
+    for b in range(len(lens)):
+        cache.finish_sequence(b)
+    assert side.pool.free == side.pool.num_pages and cache.pool.free == cache.pool.num_pages
+
+
+def test_a_tiered_cache_refuses_a_continuation_by_name():
+    run = FakeRun(1, 1, 1, 8, [5], 2, seed=0)
+    cache = run.cache(compose("snapkv(window=2)", "kivi(bits=4, group=8, residual=2)", budget=0.6))
+    run.prefill(cache)
+    with pytest.raises(NotImplementedError, match="precision 'kivi' is not supported yet"):
+        cache.begin_extend(0, 2)

@@ -63,9 +63,10 @@ def assign_loop(policy, kept: torch.Tensor, scores: torch.Tensor | None) -> torc
         if isinstance(policy, Native):
             for i in kept_idx:
                 out[h, i] = NATIVE_BITS
-        elif isinstance(policy, Kivi):
+        elif isinstance(policy, Kivi):  # the last `residual` tokens the head keeps stay unquantized
+            recent = set(kept_idx[-policy.residual:]) if policy.residual else set()
             for i in kept_idx:
-                out[h, i] = NATIVE_BITS if i >= L - policy.residual else policy.bits
+                out[h, i] = NATIVE_BITS if i in recent else policy.bits
         elif isinstance(policy, MiKV):
             for i in range(L):
                 out[h, i] = policy.high if kept[h, i] else policy.low
@@ -122,29 +123,34 @@ def test_the_transformers_bridge_refuses_quantized_storage_by_name():
 
 
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
-    """The paged cache stores one quantized row format (kivi, residual 0); mixed formats, the residual,
-    and fused decode scores are refused up front, each naming the fix."""
+    """The paged cache stores one format (kivi, residual 0) with any policy that updates no scores while
+    decoding, and two formats (kivi's residual, zipcache, mikv) split once after a prompt-only compression;
+    the rest is refused up front, each naming the fix."""
     from kvmodels.cache import PagedKVCache
     from kvmodels.decoder import Decoder
     from kvmodels.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(vocab_size=31, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=32,
                               max_seq_len=64)).eval()
-    with pytest.raises(ValueError, match="precision 'zipcache' .* stores tokens at 2 and 4 bits.*kivi"):
-        Decoder(model, compose("h2o", "zipcache", budget=0.5))
+    with pytest.raises(ValueError, match="precision 'zipcache' .*eviction 'h2o' updates its scores"):
+        Decoder(model, compose("h2o", "zipcache(group=8)", budget=0.5))
     Decoder(model, compose("h2o", budget=0.5))  # native precision: fine
-    Decoder(model, compose("snapkv", "kivi(residual=0, group=8)", budget=0.5))  # one format: stored
+    for spec in ("kivi(residual=0, group=8)", "kivi(group=8)", "zipcache(group=8)", "mikv(group=8)"):
+        Decoder(model, compose("snapkv", spec, budget=0.5))  # stored
+    Decoder(model, compose("streaming", "kivi(residual=0, group=8)", budget=0.5))  # one format: evicts too
     fit = "does not fit this model: group=32 must be a positive divisor of the head dim 8"
     with pytest.raises(ValueError, match=fit):
         Decoder(model, compose("snapkv", "kivi(residual=0)", budget=0.5))
 
-    def cache(*spec):
+    def cache(*spec, rows="sequences"):
         return PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=8, n_q_heads=2, max_batch=1, max_tokens=16,
-                            policy=compose(*spec, budget=0.5))
+                            policy=compose(*spec, budget=0.5), rows=rows)
 
-    with pytest.raises(ValueError, match="precision 'mikv'.*use kivi"):
-        cache("h2o", "mikv")
-    with pytest.raises(ValueError, match=r"keeps the last 128 tokens unquantized.*kivi\(residual=0\)"):
-        cache("snapkv", "kivi")
+    with pytest.raises(ValueError, match="precision 'mikv'.*eviction 'h2o' updates its scores"):
+        cache("h2o", "mikv(group=8)")
+    with pytest.raises(ValueError, match="two formats.*eviction 'streaming' also evicts while decoding"):
+        cache("streaming", "kivi(group=8)")
     with pytest.raises(ValueError, match="eviction 'h2o' updates its scores in the decode kernel"):
         cache("h2o", "kivi(residual=0, group=8)")
+    with pytest.raises(ValueError, match="two formats, which the paged cache holds for one row per sequence"):
+        cache("snapkv", "adakv", "kivi(group=8)", rows="heads")

@@ -17,6 +17,7 @@ from devices import DEVICE
 from kvkernels.paged_attention import paged_decode_attention_ref
 from kvkernels.quant import QuantFormat, quantize_rows
 from kvkernels.quant_attention import (
+    Region,
     quant_decode_attention,
     quant_decode_attention_ref,
     quant_decode_attention_torch,
@@ -123,3 +124,84 @@ def test_compiles_fullgraph():
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q), step(q))
+
+
+@st.composite
+def two_region_cases(draw):
+    """The first region as ``cases``; a second region of its own lengths (0 too), float rows or packed."""
+    case = draw(cases())
+    S, n_kv, gqa, D, k_fmt, v_fmt, lens, _, q_dtype, seed = case
+    lens2 = [draw(st.sampled_from([0, 1, S - 1, S, S + 2])) for _ in lens]
+    fmt2 = draw(st.sampled_from([None, QuantFormat(4, D // 2), QuantFormat(8, D)]))
+    return case, lens2, fmt2
+
+
+def build_second(case, lens2, fmt2, device):
+    S, n_kv, gqa, D, *_, seed = case
+    g = torch.Generator().manual_seed(seed + 1)
+    per_seq = [math.ceil(n / S) for n in lens2]
+    M, P = max(per_seq + [1]) + 1, sum(per_seq) + 1
+    table = torch.full((len(lens2), M), -1, dtype=torch.int32)
+    perm, i = torch.randperm(P, generator=g), 0
+    for b, n in enumerate(per_seq):
+        table[b, :n] = perm[i:i + n].to(torch.int32)
+        i += n
+    k, v = torch.randn(P, S, n_kv, D, generator=g), torch.randn(P, S, n_kv, D, generator=g)
+    if fmt2 is not None:
+        k, v = quantize_rows(k, fmt2), quantize_rows(v, fmt2)
+    return Region(k.to(device), v.to(device), table.to(device),
+                  torch.tensor(lens2, dtype=torch.int32, device=device), fmt2, fmt2)
+
+
+@pytest.mark.parametrize("impl,device", [
+    (quant_decode_attention_torch, "cpu"),
+    (quant_decode_attention, DEVICE),
+    pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton"])
+@given(two=two_region_cases())
+def test_two_regions_are_one_softmax(impl, device, two):
+    """Slots in a second pool (float rows, or packed in another format) join the same softmax: equal to the
+    reference, which lays each sequence's rows of both regions end to end."""
+    case, lens2, fmt2 = two
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
+    second = build_second(case, lens2, fmt2, "cpu")
+    want = quant_decode_attention_ref(q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt,
+                                      second=second).float()
+    move = [t.to(device) for t in (q, kq, vq, table, lens)]
+    second_dev = Region(*(t.to(device) for t in second[:4]), fmt2, fmt2)
+    got = impl(*move, scale=0.3, k_format=k_fmt, v_format=v_fmt, second=second_dev).cpu().float()
+    tol = 2e-3 if case[8] == torch.float16 else 2e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    empty = [b for b, (n, m) in enumerate(zip(case[6], lens2, strict=True)) if n == 0 and m == 0]
+    assert bool((got[empty] == 0).all())
+
+
+def test_the_reference_of_two_regions_is_attention_over_all_their_rows():
+    """The reference itself: two regions == one region holding the same rows (the second's float rows
+    quantized at 8 bits into the first format would differ, so the second is packed in the first's format)."""
+    fmt = QuantFormat(4, 16)
+    case = (4, 2, 2, 32, fmt, fmt, [5, 0], torch.float32, torch.float32, 3)
+    q, kq, vq, table, lens, *_ = build(case, "cpu")
+    second = build_second(case, [3, 4], fmt, "cpu")
+    both = quant_decode_attention_ref(q, kq, vq, table, lens, scale=0.3, k_format=fmt, v_format=fmt,
+                                      second=second)
+    # One pool: the first region's pages, then the second's, one table per sequence laid end to end.
+    P1 = kq.shape[0]
+    k_all, v_all = torch.cat([kq, second.k_pages]), torch.cat([vq, second.v_pages])
+    S = 4
+    rows = []
+    for b in range(2):
+        slots = [(int(table[b, j // S]), j % S) for j in range(int(lens[b]))]
+        slots += [(P1 + int(second.page_table[b, j // S]), j % S) for j in range(int(second.seq_lens[b]))]
+        rows.append(slots)
+    n = max(len(r) for r in rows)
+    flat_k = torch.zeros(2, n, 2, fmt.row_bytes(32), dtype=torch.uint8)
+    flat_v = torch.zeros_like(flat_k)
+    for b, slots in enumerate(rows):
+        for j, (p, o) in enumerate(slots):
+            flat_k[b, j], flat_v[b, j] = k_all[p, o], v_all[p, o]
+    one_table = torch.arange(2, dtype=torch.int32)[:, None]  # one page of n slots per sequence
+    one = quant_decode_attention_ref(q, flat_k, flat_v, one_table,
+                                     torch.tensor([len(r) for r in rows], dtype=torch.int32), scale=0.3,
+                                     k_format=fmt, v_format=fmt)
+    torch.testing.assert_close(both, one)

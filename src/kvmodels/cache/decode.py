@@ -14,6 +14,7 @@ import torch
 
 from kvkernels import check_shape, check_tensor, draw_gumbel_
 from kvkernels.paged_attention import Alibi, Restore, ScoreUpdate, paged_decode_attention
+from kvkernels.quant_attention import Region, quant_decode_attention
 
 from .pool import ceil_div
 from .rows import INT_DTYPES
@@ -200,6 +201,15 @@ class DecodeSteps:
             restore = Restore(self.k_mag[member] if self.k_mag is not None else None,
                               self.v_mag[member] if self.v_mag is not None else None,
                               self.slot_mask, mask_bit=self.layout.mask_bit(l))
+        if self.side is not None:  # the side region's slots first, then the main region's: one softmax
+            side = self.side
+            main = Region(self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s),
+                          self.storage.fmt if self.storage.quantized else None,
+                          self.storage.fmt if self.storage.quantized else None)
+            lens = torch.where(self.active[:n], side.seq_lens[s, :n], 0)
+            return quant_decode_attention(q, side.pool.k_pages, side.pool.v_pages, side.page_table[s, :n],
+                                          lens, scale=scale, k_format=side.storage.fmt,
+                                          v_format=side.storage.fmt, second=main, validate=False)
         return self.storage.attention(
             q, self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s), scale=scale,
             alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)

@@ -57,6 +57,11 @@ class ExtendSteps:
                                       "not supported (a merged region cannot take prefill tokens); use a "
                                       "policy without merging")
         self.rows.check_extendable(self.policy)
+        if self.side is not None:
+            name = self.policy.precision.name
+            raise NotImplementedError(f"extending a sequence with precision {name!r} is not supported yet "
+                                      "(its tokens were split between two formats after the prompt; issue "
+                                      "36); use kivi(residual=0) or native precision")
 
     def slots_held(self, b: int) -> int:
         """The most slots any cache layer holds for sequence ``b`` now (host mirror, no sync)."""

@@ -30,6 +30,7 @@ import torch
 from kvkernels import noise_seed
 from kvkernels.merge import merge_restore
 from kvmodels.replay import Replays
+from kvpolicies.base import NATIVE_BITS
 from kvpolicies.plan import CompressionPlan
 
 from .compaction import Compaction, Compactor
@@ -41,6 +42,7 @@ from .prefill import PrefillSteps
 from .report import CacheReport
 from .rows import ROW_LAYOUTS, check_layer, check_sequence
 from .storage import row_storage
+from .tiers import SideRegion
 
 
 class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
@@ -128,7 +130,11 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         # How a pool row holds a token: the cache's dtype, or a packed quantized row (the precision role).
-        self.storage = row_storage(policy, head_dim, dtype)
+        self.storage, side = row_storage(policy, head_dim, dtype)
+        if side is not None and rows != "sequences":
+            raise ValueError(f"policy {policy.name!r}: precision {policy.precision.name!r} keeps tokens in "
+                             "two formats, which the paged cache holds for one row per sequence only; drop "
+                             "the head-budget policy or use kivi(residual=0)")
         # The model's terms, and the pool's rows: a row holds pool_kv_heads heads of one sequence.
         self.rows = ROW_LAYOUTS[rows](n_kv_heads, n_q_heads)
         self.kv_heads, self.q_heads, self.max_sequences = n_kv_heads, n_q_heads, max_batch
@@ -176,6 +182,12 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         self.budgets = torch.ones(n_layers, max_batch, dtype=torch.int32, device=dev)
         self.cos_sim = torch.zeros(n_layers, max_batch, dtype=torch.float32, device=dev)
         self.compactor = Compactor(pool, self.page_table, self.seq_lens, self.layout)
+        # Tokens in a second format (kvmodels.cache.tiers): a pool of their own, as many (smaller) pages.
+        self.side: SideRegion | None = None
+        if side is not None:
+            main_bits = self.storage.fmt.bits if self.storage.quantized else NATIVE_BITS
+            self.side = SideRegion(side, num_pages, n_layers, max_batch, M, n_kv_heads, page_size, dev,
+                                   self.layout, policy.precision, main_bits)
 
         self.score_mode = self.eviction.score_mode
         self.gumbel = self.score_mode == "gumbel"
@@ -208,7 +220,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         bufs = [self.k_pages, self.v_pages, self.slot_pos, self.slot_score, self.free_pages, self.n_free,
                 self.page_table, self.seq_lens, self.active, self.budgets, self.cos_sim, self.temperature]
         bufs += [t for t in (self.k_mag, self.v_mag, self.slot_mask, self.gumbel_noise) if t is not None]
-        return bufs
+        return bufs + (self.side.static_buffers() if self.side is not None else [])
 
     def _reset_pool(self) -> None:
         """Every page free, every row empty (in place: a compiled step keeps its buffers); a new host
@@ -225,6 +237,9 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         self.plan: CompressionPlan | None = None  # the batch's plan (finish_prefill)
         self.compactor.reset()
         self._replays.clear()
+        self._split = np.zeros(self.max_batch, dtype=bool)  # rows whose tokens the side region split
+        if self.side is not None:
+            self.side.reset()
 
     def _check_layer(self, l: int) -> None:
         check_layer(l, self.n_layers)
@@ -347,11 +362,20 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         groups = self.compactor.width_groups(range(self.n_layers))
         if plan.schedule.prefill_compress:
             self._compress(groups.get(1, []))
+        self._split_formats(list(range(n)))
         budgets, n_sink, n_recent = (x.numpy() for x in plan.rows)  # [Lc, n] each
         for ls in groups.values():  # upload decode-time eviction's rows (_compress) now, not mid-decode
             self.compactor.op_rows(ls, list(range(n)), budgets[ls], n_sink[ls], n_recent[ls])
         self._state = "decode"
 
+
+    def _split_formats(self, rows: list[int]) -> None:
+        """Once a row's prompt is compressed: the precision policy's two formats split between the main and
+        the side region (``kvmodels.cache.tiers``); nothing without a side region."""
+        todo = [b for b in rows if not self._split[b] and self.host.holding()[b]]
+        if self.side is not None and todo:
+            self.side.split(self, todo)
+        self._split[rows] = True
 
     def _compress(self, layers: list[int] | None = None, in_place: bool = False) -> None:
         """Compact every storage layer (of ``layers``) holding more than its budget: one op call per storage
@@ -383,6 +407,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
             self.host.active[row] = False
             self.host.parked[row] = False
             self.host.prefilled[:, row] = True  # nothing left to prefill for it
+            if self.side is not None:
+                self.side.finish(row)
 
     # ------------------------------------------------------------------ inspection
     def head_contents(self, l: int, b: int) -> list[dict[str, torch.Tensor]]:
@@ -436,6 +462,12 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         n = self.batch_size
         host = self.host
         per_layer = host.pages_held(self.page_size).sum(axis=1) * self.page_bytes
+        peak = host.peak_pages * self.page_bytes
+        rows = self.storage.describe()
+        if self.side is not None:  # both regions; the peak is each region's own peak, summed (a bound)
+            per_layer = per_layer + self.side.pages_held() * self.side.pool.page_bytes
+            peak += self.side.peak_pages * self.side.pool.page_bytes
+            rows += f" and {self.side.storage.describe()}"
         full_pages = host.full_pages(self.page_size)
         budgets = None
         if self.plan is not None:  # the storage layers' budgets: a region's under its owner, 0 under b
@@ -443,10 +475,10 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         return self.rows.report(CacheReport(
             page_size=self.page_size, page_bytes=self.page_bytes, num_pages=self.num_pages,
             bytes_per_layer=tuple(int(x) for x in per_layer), total_bytes=int(per_layer.sum()),
-            peak_bytes=host.peak_pages * self.page_bytes,
+            peak_bytes=peak,
             full_cache_bytes=full_pages * self.pool.native_page_bytes,
             full_cache_peak_bytes=host.full_peak_pages * self.pool.native_page_bytes,
-            rows=self.storage.describe(), quantized=self.storage.quantized,
+            rows=rows, quantized=self.storage.quantized or self.side is not None,
             tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in self.host.lens),
             layer_budgets=budgets, merged_pairs=self.layout.pairs), self.n_sequences)
 

@@ -150,6 +150,8 @@ class PrefillSteps:
         score_rows = torch.zeros(L, H, device=dev) if scores is None else scores.t()  # [L, H]
         self.slot_score.index_copy_(0, pages, paged(score_rows.to(torch.float32).contiguous()))
         self.page_table[l, b, :n_pages] = pages.to(torch.int32)
+        if self.side is not None:  # the whole prompt in the second format too, until the split
+            self.side.write_prompt(l, b, k, v, positions, score_rows)
         self.seq_lens[l, b] = L
         self.host.lens[l, b] = L
         self.host.prefilled[l, b] = True
@@ -245,6 +247,7 @@ class PrefillSteps:
                                f"compress_prompt({b}) "
                                "after its whole prefill")
         if not self.eviction.prefill_compress or self.layout.pairs or self.host.compressed[rows].all():
+            self._split_formats(rows)
             return
         budgets, n_sink, n_recent = (x.numpy() for x in self._plan(rows).rows)  # [Lc, rows] each
         layers = [l for l in range(self.n_layers) if (self.host.lens[l, rows] > budgets[l]).any()]
@@ -252,3 +255,4 @@ class PrefillSteps:
             self.compactor.compact(self.host.lens, layers, rows, budgets[layers], n_sink[layers],
                                    n_recent[layers])
         self.host.compressed[rows] = True
+        self._split_formats(rows)

@@ -20,6 +20,7 @@ import torch
 from kvkernels.paged_attention import paged_decode_attention
 from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
 from kvkernels.quant_attention import quant_decode_attention
+from kvpolicies.base import NATIVE_BITS
 
 
 class NativeRows:
@@ -81,31 +82,45 @@ class PackedRows(NativeRows):
                                       k_format=self.fmt, v_format=self.fmt, validate=False)
 
 
-def row_storage(policy, head_dim: int, dtype: torch.dtype) -> NativeRows:
-    """The row storage ``policy``'s precision role asks for, or ``ValueError`` naming what the paged cache
-    cannot store yet and the fix."""
+def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, PackedRows | None]:
+    """The row storages ``policy``'s precision role asks for: the main region's, and the side region's
+    (``kvmodels.cache.tiers``) when tokens come in two formats (else ``None``). ``ValueError`` naming what
+    the paged cache cannot store and the fix."""
     precision = policy.precision
     if not precision.quantizes:
-        return NativeRows(head_dim, dtype)
+        return NativeRows(head_dim, dtype), None
     name = f"policy {policy.name!r}: precision {precision.name!r} ({precision})"
-    if precision.name != "kivi":
-        bits = " and ".join(map(str, precision.formats()))
-        raise ValueError(f"{name} stores tokens at {bits} bits; the paged "
-                         "cache stores one row format per cache so far (mixed precision needs a pool per "
-                         "format, issue 36); use kivi(bits=..., residual=0)")
-    if precision.residual:
-        raise ValueError(f"{name} keeps the last {precision.residual} tokens unquantized, a residual the "
-                         "paged cache does not hold yet (issue 36); use kivi(residual=0), which quantizes "
-                         "every kept token")
     ev = policy.eviction
     if ev.score_mode != "none":
         raise ValueError(f"{name}: eviction {ev.name!r} updates its scores in the decode kernel, which the "
                          "quantized decode kernel does not fuse yet (issue 36); use a prompt-only policy "
                          "(snapkv, knorm, chunkkv, streaming, ...)")
     # Merging (restored from magnitudes) with quantization is refused by compose itself.
-    fmt = QuantFormat(precision.bits, precision.group)
-    try:
-        fmt.check(head_dim)
-    except ValueError as e:  # e.g. a group that does not divide this model's head dim
-        raise ValueError(f"{name} does not fit this model: {e}") from None
-    return PackedRows(head_dim, dtype, fmt)
+    formats = sorted(precision.formats())  # (low, high): NATIVE_BITS = 16 is the cache's dtype
+    if precision.name == "kivi" and not precision.residual:
+        formats = [precision.bits]
+    if len(formats) > 2:
+        raise ValueError(f"{name} stores tokens in {len(formats)} formats; the paged cache holds two at most")
+
+    def storage(bits: int) -> NativeRows:
+        if bits == NATIVE_BITS:
+            return NativeRows(head_dim, dtype)
+        fmt = QuantFormat(bits, precision.group_size())
+        try:
+            fmt.check(head_dim)
+        except ValueError as e:  # e.g. a group that does not divide this model's head dim
+            raise ValueError(f"{name} does not fit this model: {e}") from None
+        return PackedRows(head_dim, dtype, fmt)
+
+    main = storage(formats[-1])
+    if len(formats) == 1:
+        return main, None
+    if ev.decode_evict:
+        raise ValueError(f"{name} keeps tokens in two formats, which the paged cache splits once, after the "
+                         f"prompt; eviction {ev.name!r} also evicts while decoding, which the split does not "
+                         "follow yet (issue 36); use a prompt-only policy (snapkv, chunkkv, "
+                         "knorm(decode=False)) or "
+                         "kivi(residual=0)")
+    side = storage(formats[0])
+    assert isinstance(side, PackedRows)
+    return main, side

@@ -1,11 +1,12 @@
 """KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache").
 
 Every kept token is stored at ``bits`` (asymmetric: a scale and a zero point per ``group`` channels) except
-the most recent ``residual`` tokens, which stay in the cache's dtype (KIVI quantizes them a group at a time
-as they age). One deviation from the paper, for eviction's sake: keys are quantized **per token** like the
-values (the paper groups a channel across ``group`` tokens), so every slot carries its own parameters and can
-be evicted or moved alone; ZipCache's per-channel key normalisation is what recovers the accuracy that
-per-channel grouping buys (``zipcache``).
+the most recent ``residual`` tokens each KV head keeps, which stay in the cache's dtype (KIVI quantizes them
+a group at a time as they age; the paged cache splits them once, after the prompt, and keeps the decode
+steps' tokens unquantized). One deviation from the paper, for eviction's sake: keys are quantized **per
+token** like the values (the paper groups a channel across ``group`` tokens), so every slot carries its own
+parameters and can be evicted or moved alone; this costs accuracy at 2 bits (ZipCache's per-channel key
+normalisation, which recovers it, is not implemented in the storage yet).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ class Kivi(PrecisionPolicy):
         check_int(self.name, "residual", self.residual, 0)
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-        L = kept.shape[-1]
-        recent = torch.arange(L, device=kept.device) >= L - self.residual
-        bits = torch.where(recent, NATIVE_BITS, self.bits).expand_as(kept)
+        # The residual is the last `residual` tokens each KV head keeps (not the last positions, which an
+        # eviction may have dropped), so every head holds the same number unquantized.
+        from_end = kept.flip(-1).long().cumsum(-1).flip(-1)  # kept tokens at or after each position
+        bits = torch.where(from_end <= self.residual, NATIVE_BITS, self.bits)
         return torch.where(kept, bits, 0).to(torch.int64)
 
     def group_size(self) -> int:

@@ -5,7 +5,7 @@ Saliency is the **normalized** attention score: a token's accumulated attention 
 queries that could attend to it (``L - i`` for prompt token ``i`` of ``L``), which removes the causal mask's
 bias toward early tokens. The ``salient`` fraction of each KV head's kept tokens with the highest normalized
 score are stored at ``high`` bits, the rest at ``low`` bits (token-wise rows, ``group`` channels per scale
-and zero point; the paper divides keys by a per-channel factor first, which the storage folds into the query).
+and zero point; the paper divides keys by a per-channel factor first, which the storage does not do yet).
 Ties go to the earlier token. It ranks by the eviction policy's prompt scores, so it composes with a scorer:
 ``compose("h2o", "zipcache", budget=0.5)``; ``compose("h2o", "zipcache", budget=1.0)`` quantizes without
 evicting.

@@ -1,0 +1,160 @@
+"""A second region per row for a cache that stores tokens in two formats (issue 36): KIVI's older tokens
+quantized beside its unquantized recent ones, ZipCache's non-salient tokens at fewer bits than its salient
+ones, MiKV's evicted tokens kept at low bits beside the kept ones at full precision.
+
+The cache's own pool (the *main* region) holds the tokens of the precision policy's higher format; the
+:class:`SideRegion` holds the others, in a pool of its own (its pages are as small as its format), with its
+own page table, lengths and host mirror, compacted by its own :class:`Compactor`. Both regions receive the
+whole prompt at prefill (the side region in its format); once the eviction policy has compressed the main
+region, :meth:`SideRegion.split` asks the precision policy which format each token gets
+(``PrecisionPolicy.assign`` over the prompt, from the eviction's kept set and the prompt scores) and
+compacts each region to its tokens. Decode steps append to the main region and attend to both regions in one
+softmax (``kvkernels.quant_attention.quant_decode_attention(second=...)``). Nothing is evicted while
+decoding; a continuation (``begin_extend``) is refused.
+
+The split compacts by a membership flag written into each region's slot scores (a prompt-only policy needs
+its scores no more once the prompt is compressed), so a tiered cache's ``slot_score`` is no eviction score
+after the split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .compaction import Compactor
+from .pool import PagePool, ceil_div
+
+
+class SideRegion:
+    """The second region's pool, page table ``[Lc, B, M]``, lengths (device and host) and compactor."""
+
+    def __init__(self, storage, num_pages: int, n_layers: int, max_batch: int, max_pages: int,
+                 n_kv_heads: int, page_size: int, device: torch.device, layout, precision, main_bits: int):
+        self.storage, self.precision, self.main_bits = storage, precision, main_bits
+        self.side_bits = storage.fmt.bits
+        self.page_size = page_size
+        self.pool = PagePool(num_pages, page_size, n_kv_heads, storage, device=device, merged=False)
+        self.page_table = torch.full((n_layers, max_batch, max_pages), -1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=device)
+        self.compactor = Compactor(self.pool, self.page_table, self.seq_lens, layout)
+        self.lens = np.zeros((n_layers, max_batch), dtype=np.int64)  # host mirror of seq_lens
+        self.peak_pages = 0
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        p = self.pool
+        return [p.k_pages, p.v_pages, p.slot_pos, p.slot_score, p.free_pages, p.n_free, self.page_table,
+                self.seq_lens]
+
+    def reset(self) -> None:
+        self.pool.reset()
+        self.page_table.fill_(-1)
+        self.seq_lens.zero_()
+        self.lens[:] = 0
+        self.peak_pages = 0
+        self.compactor.reset()
+
+    def pages_held(self) -> np.ndarray:
+        """``[Lc]`` pages each layer's side rows hold."""
+        return ceil_div(self.lens, self.page_size).sum(axis=1)
+
+    def write_prompt(self, l: int, b: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     scores: torch.Tensor) -> None:
+        """Store row ``b``'s whole prompt of layer ``l``: ``k``/``v`` ``[L, Hkv, D]``, ``scores [L, Hkv]``."""
+        L, S = k.shape[0], self.page_size
+        n_pages = ceil_div(L, S)
+        if n_pages > self.pool.free:
+            raise self.pool.out_of_pages(n_pages, f"prefill of sequence {b} layer {l} (the "
+                                         f"{self.side_bits}-bit region)")
+        pages = self.pool.take(n_pages).to(torch.int64)
+        pad = n_pages * S - L
+
+        def paged(x: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [n_pages, S, ...]
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+            return x.reshape(n_pages, S, *x.shape[1:])
+
+        pool = self.pool
+        pool.k_pages.index_copy_(0, pages, paged(self.storage.encode(k)))
+        pool.v_pages.index_copy_(0, pages, paged(self.storage.encode(v)))
+        pool.slot_pos.index_copy_(0, pages, paged(positions.to(torch.int32)[:, None].expand(L, k.shape[1])))
+        pool.slot_score.index_copy_(0, pages, paged(scores.to(torch.float32).contiguous()))
+        self.page_table[l, b, :n_pages] = pages.to(torch.int32)
+        self.seq_lens[l, b] = L
+        self.lens[l, b] = L
+        self.peak_pages = max(self.peak_pages, int(self.pages_held().sum()))
+
+    def _rows(self, table: torch.Tensor, n: int):
+        """``(page, offset)`` index tensors of a row's first ``n`` slots."""
+        slots = torch.arange(n, device=table.device)
+        return table[slots // self.page_size].to(torch.int64), slots % self.page_size
+
+    def split(self, cache, rows: list[int]) -> None:
+        """Give each token of ``rows`` (every layer) the format the precision policy assigns it: the main
+        region keeps its ``main_bits`` tokens, this region its ``side_bits`` ones; a token assigned 0 leaves
+        both. Reads the device (prompt time only)."""
+        for l in range(cache.n_layers):
+            budgets_side, budgets_main = [], []
+            for b in rows:
+                L, m = int(self.lens[l, b]), int(cache.host.lens[l, b])
+                page, off = self._rows(self.page_table[l, b], L)
+                pos = self.pool.slot_pos[page, off].long()  # [L, Hkv], position order
+                scores = self.pool.slot_score[page, off].t()  # [Hkv, L]
+                mpage, moff = self._rows(cache.page_table[l, b], m)
+                kept_pos = cache.slot_pos[mpage, moff].long()  # [m, Hkv]
+                start = int(pos[0, 0]) if L else 0
+                kept = torch.zeros_like(scores, dtype=torch.bool)  # [Hkv, L]
+                kept.scatter_(1, (kept_pos - start).t(), True)
+                bits = self.precision.assign(kept, scores)  # [Hkv, L] int64
+                side = bits == self.side_bits
+                self.pool.slot_score[page, off] = side.t().float()
+                main_flags = bits.gather(1, (kept_pos - start).t()) == self.main_bits  # [Hkv, m]
+                cache.slot_score[mpage, moff] = main_flags.t().float()
+                budgets_side.append(self._count(side, "side", l, b))
+                budgets_main.append(self._count(main_flags, "main", l, b))
+            self._compact(self.compactor, self.pool, self.lens, self.page_table, self.seq_lens, l, rows,
+                          budgets_side)
+            self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
+                          rows, budgets_main)
+
+    def _count(self, flags: torch.Tensor, region: str, l: int, b: int) -> int:
+        counts = flags.sum(dim=1)
+        if bool((counts != counts[0]).any()):
+            raise ValueError(f"precision {self.precision.name!r} gives the KV heads of layer {l}, sequence "
+                             f"{b} different token counts in the {region} region ({counts.tolist()}); a "
+                             "cache with one row per sequence needs equal counts")
+        return int(counts[0])
+
+    @staticmethod
+    def _compact(compactor: Compactor, pool: PagePool, lens: np.ndarray, table: torch.Tensor,
+                 seq_lens: torch.Tensor, l: int, rows: list[int], budgets: list[int]) -> None:
+        """Compact layer ``l``'s ``rows`` to ``budgets`` flagged slots (no forced slots); a row keeping none
+        gives all its pages back."""
+        keep = [(b, n) for b, n in zip(rows, budgets, strict=True) if n > 0 and n < lens[l, b]]
+        if keep:
+            seqs, n = [b for b, _ in keep], np.array([[n for _, n in keep]])
+            zeros = np.zeros_like(n)
+            compactor.compact(lens, [l], seqs, n, zeros, zeros)
+        for b, n in zip(rows, budgets, strict=True):
+            if n == 0 and lens[l, b]:
+                pool.give(table[l, b, :int(ceil_div(lens[l, b], pool.page_size))].clone())
+                table[l, b] = -1
+                seq_lens[l, b] = 0
+                lens[l, b] = 0
+
+    def contents(self, l: int, b: int) -> list[dict[str, torch.Tensor]]:
+        """Row ``b``'s tokens of layer ``l`` in this region, one dict per KV head: ``k``/``v`` ``[n, D]``
+        dequantized, ``pos [n]`` (syncs; for tests)."""
+        n = int(self.lens[l, b])
+        page, off = self._rows(self.page_table[l, b], n)
+        k, v = (self.storage.decode(t[page, off]) for t in (self.pool.k_pages, self.pool.v_pages))
+        pos = self.pool.slot_pos[page, off]
+        return [{"k": k[:, h], "v": v[:, h], "pos": pos[:, h]} for h in range(k.shape[1])]
+
+    def finish(self, row: int) -> None:
+        """Return every page of ``row`` (all layers)."""
+        counts = ceil_div(self.lens[:, row], self.page_size)
+        if counts.any():
+            self.pool.give(torch.cat([self.page_table[l, row, :int(c)] for l, c in enumerate(counts)]))
+        self.page_table[:, row] = -1
+        self.seq_lens[:, row] = 0
+        self.lens[:, row] = 0
