@@ -1,6 +1,7 @@
 """The prepared GPU run: every GPU target of the project measured by one command.
 
-    python bench/gpu.py --out DIR --pack OUT/gpu.tgz   # a CUDA machine: about 8.5 minutes (boxes: 480 s)
+    python bench/gpu.py --out DIR --pack OUT/gpu.tgz   # a CUDA machine: about 7 minutes (boxes: 480 s)
+    python bench/gpu.py --out DIR --only quant         # 4/8-bit pages against bf16 pages alone (25 s box)
     python bench/gpu.py --out DIR --only generation,capacity   # a second, targeted run (their own boxes)
     python bench/gpu.py --out DIR --only generation --runs 16:full,16:streaming   # a rerun after a fix
     python bench/gpu.py --out DIR --smoke              # every stage at tiny shapes on CPU (in the test suite)
@@ -16,19 +17,23 @@ box, so a crash, a CUDA error or a hang in one loses nothing measured before it:
                 the dense gather and against the copy bandwidth, the fused score update's cost, a sweep of
                 launch parameters and split counts (``kvkernels.tuning.SWEEP``), prompt compaction and
                 decode-time eviction against ``torch.topk`` + ``gather``, the prefill scorer against SDPA
+``quant``       decode attention over 4- and 8-bit packed pages (``quant_decode_attention``, issue 36)
+                against the same pages in bf16 (``paged_decode_attention``) at B64/4k and B8/4k, same heads:
+                time, ratio, bandwidth over the packed bytes read; the target: 4-bit time <= bf16 time
 ``generation``  the Llama-3.2-1B shape with random bf16 weights, 4k prompts: prefill cost of the scoring
                 policies, then full / h2o / snapkv / streaming at 0.2, batch 1, 16 and 64, compiled, the
-                most telling first (``generation_order``)
+                most telling first (``generation_order``); ``--runs 64:full,64:kivi(residual=0)`` adds the
+                4-bit cache end to end (not in the default order: it compiles one more decode step, ~40 s)
 ``hf_static``   transformers ``generate(cache_implementation="static")`` at batch 16 on the same shape
 ``capacity``    the largest batch one fixed page pool holds, full cache against 0.2, run for real
 
 Each stage appends its records to ``DIR/<stage>.jsonl`` as it measures them; after every stage
 ``DIR/results.json`` (every record, every stage's status) and ``DIR/summary.md`` (tables, the targets of
-issue 33 as met / not met / not measured, and the ``TUNED`` lines to commit in ``kvkernels/tuning.py``) are
-rewritten, and every 30 s while a stage runs; ``--pack PATH`` then rewrites one tar.gz of all of ``DIR``
-(a tool that returns few files gets everything in one, even from a run cut short). Timings are medians of
-device time (CUDA graph replay where the call can be captured, events otherwise); compare numbers only
-within one run or one device.
+issues 33 and 36 as met / not met / not measured, and the ``TUNED`` lines to commit in
+``kvkernels/tuning.py``) are rewritten, and every 30 s while a stage runs; ``--pack PATH`` then rewrites
+one tar.gz of all of ``DIR`` (a tool that returns few files gets everything in one, even from a run cut
+short). Timings are medians of device time (CUDA graph replay where the call can be captured, events
+otherwise); compare numbers only within one run or one device.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -54,13 +60,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-STAGES = ("env", "correctness", "kernels", "generation", "hf_static", "capacity")
+STAGES = ("env", "correctness", "kernels", "quant", "generation", "hf_static", "capacity")
 # Each stage's default time box in seconds. --budget splits its seconds among the stages run in these
 # proportions; without it each stage gets its own box (with --only too). On the H200 (2026-11-26) generation
 # needed about 300 s for everything (each new batch compiles full's and h2o's decode step, ~40 s each) and
-# capacity about 50 s for full and h2o.
-SHARES = {"env": 10, "correctness": 50, "kernels": 60, "generation": 250, "hf_static": 50, "capacity": 60}
-DEFAULT_BUDGET = sum(SHARES.values())  # 480 s: about 8.5 minutes with the processes' start-up
+# capacity about 50 s for full and h2o. Run 3 (all stages) took 416 s: correctness 43, kernels 45 (its sweeps
+# fill the box; the defaults are tuned), generation 240, hf_static 43, capacity 36. The quant stage (issue 36,
+# ~15 s) took its 25 s from kernels' sweeps and generation's tail; correctness got 5 s more for its tests.
+SHARES = {"env": 10, "correctness": 55, "kernels": 45, "quant": 25, "generation": 240, "hf_static": 50,
+          "capacity": 55}
+DEFAULT_BUDGET = sum(SHARES.values())  # 480 s: about 7 minutes in practice (stages end before their boxes)
 RUNS_ENV = "KVPOLICIES_GPU_RUNS"  # --runs, handed to the generation stage's process
 KILL_GRACE_S = 10  # a stage still running this long after its box is killed
 SAVE_EVERY_S = 30  # results (and the --pack) rewritten this often while a stage runs
@@ -68,13 +77,17 @@ SAVE_EVERY_S = 30  # results (and the --pack) rewritten this often while a stage
 # The kernel, cache, compile and bridge tests that run on CUDA, most telling first (the time box may cut the
 # tail; every test that finished is recorded).
 TEST_FILES = (
+    "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference",  # issue 36: never run on a GPU
+    "tests/test_gpu.py::test_quantized_cache_on_cuda_keeps_quantized_rows_and_matches_cpu",
     "tests/test_gpu.py::test_compiled_decode_step_is_captured_as_a_cuda_graph",
+    "tests/test_gpu.py::test_quantized_compiled_decode_step_is_captured_as_a_cuda_graph",
     "tests/test_gpu.py::test_decode_step_bookkeeping_never_waits_for_the_device",
     "tests/test_gpu.py::test_split_k_at_32k_context_bf16",
     "tests/test_gpu_run.py::test_decode_under_swept_configs_matches_ref",
     "tests/test_paged_attention.py", "tests/test_score_update.py",
     "tests/test_topk_compact.py", "tests/test_topk_evict.py", "tests/test_merge.py",
-    "tests/test_compact_attention_property.py",
+    "tests/test_compact_attention_property.py", "tests/test_quant.py", "tests/test_quant_attention.py",
+    "tests/test_cache_quantized.py",
     "tests/test_gpu.py::test_bf16_compiled_step_within_twice_eager_error", "tests/test_decoder.py",
     "tests/test_cache.py",
     "tests/test_head_cache.py",
@@ -109,6 +122,9 @@ class Shapes:
     capacity_full_batch: int
     capacity_max_ratio: int
     reps: int
+    quant: tuple[tuple[int, int], ...] = ()  # (batch, context) of the quant stage, the target's first
+    quant_bits: tuple[int, ...] = (4, 8)
+    quant_group: int = 32  # channels per scale and zero point (kivi's default)
 
 
 REAL = Shapes(
@@ -122,13 +138,15 @@ REAL = Shapes(
     gen_lead=((16, "full"), (16, "h2o"), (16, "snapkv"), (16, "streaming"), (1, "full"), (64, "full"),
               (64, "h2o")),
     prefill_policies=("full", "h2o", "keyformer", "snapkv", "squeeze+keyformer"), budget=0.2,
-    hf_run=(16, 256), capacity_new=128, capacity_full_batch=4, capacity_max_ratio=8, reps=20)
+    hf_run=(16, 256), capacity_new=128, capacity_full_batch=4, capacity_max_ratio=8, reps=20,
+    quant=((64, 4096), (8, 4096)))
 SMOKE = Shapes(
     decode=((2, 64), (1, 256)), heads=(4, 2, 32), page=16, splits=(1, 2), compact=(2, 64, 0.25),
     prefill_len=48, model="tiny", prompt_len=48, runs=((1, 6), (2, 6)),
     policies=("full", "h2o", "snapkv", "streaming"), gen_lead=((2, "full"), (2, "h2o"), (1, "full")),
     prefill_policies=("full", "h2o", "snapkv"), budget=0.2,
-    hf_run=(2, 6), capacity_new=4, capacity_full_batch=1, capacity_max_ratio=4, reps=2)
+    hf_run=(2, 6), capacity_new=4, capacity_full_batch=1, capacity_max_ratio=4, reps=2,
+    quant=((2, 64),))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -403,7 +421,8 @@ def _compaction_records(st: Stage) -> None:
     pool, against ``torch.topk`` + ``gather`` on dense tensors of the same tokens."""
     batch, length, frac = st.shapes.compact
     budget = max(16, int(length * frac))
-    for op, fill in (("topk_compact", length), ("topk_evict", budget + 1), ("topk_evict max_excess=1", budget + 1)):
+    for op, fill in (("topk_compact", length), ("topk_evict", budget + 1),
+                     ("topk_evict max_excess=1", budget + 1)):
         try:
             _compaction(st, op, batch, length, fill, budget)
         except Exception:  # noqa: BLE001
@@ -542,6 +561,96 @@ def stage_kernels(st: Stage) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Stage: quant (issue 36: decode attention over packed 4- and 8-bit pages against the same pages in bf16)
+# ----------------------------------------------------------------------------------------------------
+
+QUANT_TARGET_SHAPE = "B64-L4096"  # issue 36: 4-bit pages decode faster than bf16 pages at batch 64 / 4k
+
+
+def _quant_pool(st: Stage, batch: int, ctx: int) -> dict[str, Any]:
+    """A full paged cache (pages shuffled) of ``batch`` sequences of ``ctx`` tokens in the stage's dtype,
+    drawn on the device (a B64/4k pool is 2 x 268M values: drawing them on the host takes seconds)."""
+    import torch
+
+    hq, hkv, d = st.shapes.heads
+    page, dev, dt = st.shapes.page, st.device, st.dtype
+    gen = torch.Generator(device=dev).manual_seed(0)
+    per_seq = math.ceil(ctx / page)
+    n_pages = batch * per_seq
+    k_pages, v_pages = (torch.randn(n_pages, page, hkv, d, generator=gen, device=dev, dtype=dt)
+                        for _ in range(2))
+    table = torch.randperm(n_pages, generator=gen, device=dev).view(batch, per_seq).to(torch.int32)
+    return dict(q=torch.randn(batch, hq, d, generator=gen, device=dev, dtype=dt), k_pages=k_pages,
+                v_pages=v_pages, table=table, lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+                scale=d ** -0.5, rows=2 * batch * ctx * hkv)
+
+
+def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> None:
+    """At one shape: the native-dtype pages through ``paged_decode_attention`` (its own split choice, and one
+    split: the quantized kernel has no split-K yet), then each bit width's packed pages through
+    ``quant_decode_attention``; each record's ``over_native`` is its time over the native pages' (default
+    split), ``gb_s`` the K/V bytes it reads (packed rows for the quantized pages) per second."""
+    import torch
+
+    from kvkernels.paged_attention import paged_decode_attention_triton
+    from kvkernels.quant import QuantFormat, quantize_rows
+    from kvkernels.quant_attention import quant_decode_attention_triton
+
+    args = (t["q"], t["k_pages"], t["v_pages"], t["table"], t["lens"])
+    dtype = str(st.dtype).removeprefix("torch.")
+    native_bytes = t["rows"] * t["k_pages"].shape[-1] * t["k_pages"].element_size()
+    base = dict(shape=shape, heads=list(st.shapes.heads), page=st.shapes.page, dtype=dtype)
+
+    def emit(impl: str, s: float, how: str, kv_bytes: int, **extra: Any) -> None:
+        gb_s = kv_bytes / s / 1e9
+        st.emit("quant_decode", **base, impl=impl, us=s * 1e6, kv_bytes=kv_bytes, gb_s=gb_s,
+                pct_of_copy=100 * gb_s / copy_gb_s, over_native=s / native_s, timed_by=how, **extra)
+
+    want = paged_decode_attention_triton(*args, scale=t["scale"]).float()
+    native_s, how = st.seconds(lambda: paged_decode_attention_triton(*args, scale=t["scale"]))
+    emit("native", native_s, how, native_bytes, bits=None)
+    s, how = st.seconds(lambda: paged_decode_attention_triton(*args, scale=t["scale"], num_splits=1))
+    emit("native-1split", s, how, native_bytes, bits=None)
+    for bits in st.shapes.quant_bits:
+        if st.left() < 5:
+            st.skipped(f"quant {shape} int{bits}", f"time box: {st.left():.0f} s left")
+            continue
+        fmt = QuantFormat(bits, st.shapes.quant_group)
+        kq, vq = quantize_rows(t["k_pages"], fmt), quantize_rows(t["v_pages"], fmt)  # [P, S, Hkv, W] uint8
+        qargs = (t["q"], kq, vq, t["table"], t["lens"])
+        kw = dict(scale=t["scale"], k_format=fmt, v_format=fmt)
+        got = quant_decode_attention_triton(*qargs, **kw).float()
+        s, how = st.seconds(lambda qargs=qargs, kw=kw: quant_decode_attention_triton(*qargs, **kw))
+        # Not a check (the tests check the kernel): a kernel reading the wrong rows would show here.
+        emit(f"int{bits}", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits,
+             group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]),
+             max_abs_diff_vs_native=float((got - want).abs().max()))
+        del kq, vq
+        if st.cuda:
+            torch.cuda.empty_cache()
+
+
+def stage_quant(st: Stage) -> None:
+    """Each shape of ``st.shapes.quant`` (the target's first), its native pages then its packed pages; a
+    shape is skipped when the box is nearly spent."""
+    import torch
+
+    copy = st.copy_bandwidth()
+    st.emit("copy", **copy)
+    for batch, ctx in st.shapes.quant:
+        shape = f"B{batch}-L{ctx}"
+        if st.left() < 8:
+            st.skipped(f"quant {shape}", f"time box: {st.left():.0f} s left")
+            continue
+        try:
+            _quant_shape(st, shape, _quant_pool(st, batch, ctx), copy["gb_s"])
+        except Exception:  # noqa: BLE001
+            st.error(f"quant {shape}")
+        if st.cuda:
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Stages: generation, hf_static, capacity
 # ----------------------------------------------------------------------------------------------------
 
@@ -587,17 +696,22 @@ def decode_rates(stamps: list[float], batch: int) -> dict[str, float | None]:
 
 
 def _policy(name: str, budget: float):
+    """``name`` composed at ``budget``, or without one where it keeps every token (``full``, or a precision
+    policy alone such as ``kivi(residual=0)``: the full cache in 4 bits)."""
     from kvpolicies import compose
 
-    return compose(name) if name == "full" else compose(name, budget=budget)
+    policy = compose(name)
+    return policy if policy.eviction.name == "full" else compose(name, budget=budget)
 
 
 def parse_runs(text: str, sh: Shapes) -> list[tuple[int, str]]:
-    """``--runs "16:full,16:streaming"`` as (batch, policy) pairs; each batch must be one of ``sh.runs``."""
+    """``--runs "16:full,16:streaming"`` as (batch, policy) pairs; each batch must be one of ``sh.runs``
+    (``"64:kivi(bits=4, residual=0)"``: the comma inside parentheses belongs to the policy)."""
     from kvpolicies import compose
 
     pairs = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
+    items = re.split(r",(?![^()]*\))", text)  # commas inside a policy's parentheses stay in its spec
+    for item in filter(None, (x.strip() for x in items)):
         batch, _, policy = item.partition(":")
         if not batch.isdigit() or int(batch) not in dict(sh.runs) or not policy:
             raise ValueError(f"--runs: {item!r} must be BATCH:POLICY with BATCH one of "
@@ -816,13 +930,13 @@ def stage_capacity(st: Stage) -> None:
 
 
 STAGE_FNS: dict[str, Callable[[Stage], None]] = {
-    "env": stage_env, "correctness": stage_correctness, "kernels": stage_kernels,
+    "env": stage_env, "correctness": stage_correctness, "kernels": stage_kernels, "quant": stage_quant,
     "generation": stage_generation, "hf_static": stage_hf_static, "capacity": stage_capacity,
 }
 
 
 # ----------------------------------------------------------------------------------------------------
-# Results: results.json and summary.md (targets of issue 33)
+# Results: results.json and summary.md (targets of issues 33 and 36)
 # ----------------------------------------------------------------------------------------------------
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -915,8 +1029,11 @@ def _generation_rows(kinds: dict[str, list[dict[str, Any]]], gen: dict[tuple[int
     for b, p in sorted(planned):
         if p == "full":
             continue
-        need = 2.0 if b >= 64 else 1.0
-        target = f"{p} at 0.2 >= {need:g}x full decode, batch {b}"
+        if _keeps_every_token(p):  # e.g. kivi(residual=0): every token, quantized (issue 36)
+            need, target = 1.0, f"{p} (every token kept) >= 1x full decode, batch {b}"
+        else:
+            need = 2.0 if b >= 64 else 1.0
+            target = f"{p} at 0.2 >= {need:g}x full decode, batch {b}"
         full, r = gen.get((b, "full")), gen.get((b, p))
         if full is None or r is None:
             rows.append((target, "—", _verdict(None)))
@@ -930,6 +1047,40 @@ def _generation_rows(kinds: dict[str, list[dict[str, Any]]], gen: dict[tuple[int
                      _verdict(pct >= 50)))
     else:
         rows.append(("batch 1 >= 50% of the bandwidth floor", "—", _verdict(None)))
+    return rows
+
+
+def _keeps_every_token(name: str) -> bool:
+    try:
+        from kvpolicies import compose
+
+        return compose(name).eviction.name == "full"
+    except Exception:  # noqa: BLE001 -- a name this tree does not know: judged as an eviction policy
+        return False
+
+
+def _quant_rows(kinds: dict[str, list[dict[str, Any]]]) -> list[Row]:
+    """Each bit width's packed pages against the native (bf16) pages at each shape measured: time <= the
+    native pages' (issue 36's target at B64-L4096 in 4 bits, always listed)."""
+    recs = {(r["shape"], r["impl"]): r for r in kinds.get("quant_decode", []) if "us" in r}
+    shapes = list(dict.fromkeys([QUANT_TARGET_SHAPE, *(s for s, _ in recs)]))
+    bits_seen = sorted({r["bits"] for r in recs.values() if r.get("bits")}) or [4]
+    rows: list[Row] = []
+    for shape in shapes:
+        native = recs.get((shape, "native"))
+        for bits in bits_seen:
+            r = recs.get((shape, f"int{bits}"))
+            if r is None and not (shape == QUANT_TARGET_SHAPE and bits == 4):
+                continue
+            dtype = (native or r or {}).get("dtype", "bf16").replace("bfloat16", "bf16")
+            target = f"{bits}-bit pages decode <= {dtype} pages, {shape}" + (
+                " (issue 36)" if (shape, bits) == (QUANT_TARGET_SHAPE, 4) else "")
+            if r is None or native is None:
+                rows.append((target, "—", _verdict(None)))
+                continue
+            x = r["us"] / native["us"]
+            rows.append((target, f"{x:.2f}x ({r['us']:.0f} vs {native['us']:.0f} us; "
+                         f"{r['pct_of_copy']:.0f}% of copy over the packed bytes)", _verdict(x <= 1.0)))
     return rows
 
 
@@ -1001,11 +1152,12 @@ def _prefill_rows(kinds: dict[str, list[dict[str, Any]]]) -> list[Row]:
 
 
 def targets(records: list[dict[str, Any]]) -> list[Row]:
-    """(target, measured, verdict) for each target of issue 33; 'not measured' where a run lacks it."""
+    """(target, measured, verdict) for each target of issues 33 and 36; 'not measured' where a run lacks
+    it."""
     kinds = _by_kind(records)
     gen = {(r["batch"], r["policy"]): r for r in kinds.get("gen", []) if r.get("decode_tok_s")}
-    return (_decode_rows(kinds, best_decode(records)) + _generation_rows(kinds, gen) + _hf_rows(kinds, gen)
-            + _capacity_rows(kinds) + _prefill_rows(kinds))
+    return (_decode_rows(kinds, best_decode(records)) + _quant_rows(kinds) + _generation_rows(kinds, gen)
+            + _hf_rows(kinds, gen) + _capacity_rows(kinds) + _prefill_rows(kinds))
 
 
 def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) -> str:
@@ -1021,7 +1173,7 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     ordered = sorted(status.items(), key=lambda kv: STAGES.index(kv[0]))
     lines += _table([{"stage": k, **v} for k, v in ordered],
                     ["stage", "status", "seconds", "box_s", "commit"])
-    lines += ["", "## Targets (issue 33)", "", "| target | measured | verdict |", "|---|---|---|"]
+    lines += ["", "## Targets (issues 33 and 36)", "", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(records)]
     tests = kinds.get("test", [])
     done = (kinds.get("tests_done") or [{}])[0]
@@ -1041,6 +1193,10 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
         lines += _table([{**r, **{f"cfg.{k}": v for k, v in r["config"].items()}} for r in best.values()],
                         ["shape", "cfg.block", "cfg.num_warps", "cfg.num_stages", "num_splits", "us",
                          "pct_of_copy"])
+    lines += ["", "## Quantized pages (issue 36)", ""]
+    lines += _table(kinds.get("quant_decode", []), ["shape", "impl", "us", "over_native", "gb_s",
+                                                    "pct_of_copy", "row_bytes", "max_abs_diff_vs_native",
+                                                    "timed_by"])
     lines += ["", "## Prefill scorer (one layer)", ""]
     lines += _table(kinds.get("prefill", []), ["impl", "mode", "L", "ms", "over_attention"])
     sweep = [r for r in kinds.get("prefill_sweep", []) if "ms" in r]

@@ -1,5 +1,7 @@
-"""GPU-only checks (``nox -s gpu``; skipped without CUDA): bf16 end to end, split-K at 32k context, and the
-compiled decode step replayed as a CUDA graph."""
+"""GPU-only checks (``nox -s gpu``; skipped without CUDA): bf16 end to end, split-K at 32k context, the
+compiled decode step replayed as a CUDA graph, and the quantized pages of issue 36 (the compiled kernel
+against its reference, the cache's packed rows and outputs against the CPU path, compiled steps as CUDA
+graphs)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,22 @@ import torch
 
 from devices import DEVICE, assert_within
 from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention, paged_decode_attention_ref
+from kvkernels.quant import QuantFormat, quantize_rows
+from kvkernels.quant_attention import (
+    quant_decode_attention,
+    quant_decode_attention_ref,
+    quant_decode_attention_triton,
+)
 from kvmodels.generate import generate
 from kvmodels.llama import Llama, LlamaConfig
 from kvpolicies import compose
 
 pytestmark = pytest.mark.gpu
 
-POLICIES = ["full", "h2o", "keyformer", "snapkv", "squeeze+tova", "streaming+minicache"]
+# Quantized rows (issue 36): the tiny Llama's head dim is 16, so groups of 16 (kivi's default is 32).
+KIVI = "kivi(bits=4, group=16, residual=0)"
+POLICIES = ["full", "h2o", "keyformer", "snapkv", "squeeze+tova", "streaming+minicache", f"snapkv+{KIVI}",
+            f"streaming+{KIVI}"]
 
 
 def tiny_llama(dtype: torch.dtype) -> Llama:
@@ -123,7 +134,8 @@ def test_compiled_decode_step_is_captured_as_a_cuda_graph():
     assert skips == 0, f"inductor skipped CUDA graph capture {skips} time(s)"
 
 
-@pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache"])
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache",
+                                    f"streaming+{KIVI}"])
 def test_decode_step_bookkeeping_never_waits_for_the_device(policy):
     """prepare_decode and after_step (page allocation, decode-time eviction in place or by compaction) run
     every step between compiled CUDA-graph steps: a host sync there (a ``.item()``, a length read back, an
@@ -160,10 +172,12 @@ def test_decode_step_bookkeeping_never_waits_for_the_device(policy):
     assert int(cache.seq_lens.max()) <= 128
 
 
-@pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache"])
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache",
+                                    "streaming+kivi(bits=4, group=8, residual=0)"])  # that model: head dim 8
 def test_eviction_replayed_as_cuda_graphs_decodes_as_eager(policy):
     """Decode-time eviction captured as CUDA graphs (kvmodels.replay) keeps exactly the tokens, and gives
-    exactly the logits, of the same eviction launched eagerly (tests/test_replay.py checks the keys on CPU)."""
+    exactly the logits, of the same eviction launched eagerly (tests/test_replay.py checks the keys on
+    CPU)."""
     from kvmodels.replay import Replays
     from test_replay import decode_with_eviction
 
@@ -175,3 +189,126 @@ def test_eviction_replayed_as_cuda_graphs_decodes_as_eager(policy):
     for a, b in zip(contents, eager_contents):
         for name in ("k", "v", "pos", "score"):
             torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantized pages (issue 36)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quant_decode_attention_triton_equals_reference(bits, q_dtype):
+    """The compiled kernel (and the op, which picks it for CUDA tensors) against the reference on the
+    dequantized pool: GQA 4, K and V in different formats (float16 and float32 parameters), ragged lengths
+    0, 1, page boundaries and one long sequence, pages shuffled. Within the rounding of the output to
+    ``q_dtype``; an empty sequence gives zeros."""
+    gen = torch.Generator().manual_seed(bits)
+    S, Hkv, G, D = 16, 2, 4, 64
+    lens = [0, 1, 15, 16, 17, 33, 1000]
+    per_seq = [-(-n // S) for n in lens]
+    P = sum(per_seq) + 3
+    table = torch.full((len(lens), max(per_seq) + 1), -1, dtype=torch.int32)
+    perm = torch.randperm(P, generator=gen).to(torch.int32)
+    i = 0
+    for b, n in enumerate(per_seq):
+        table[b, :n] = perm[i:i + n]
+        i += n
+    k_fmt, v_fmt = QuantFormat(bits, 32), QuantFormat(bits, 16, torch.float32)
+    kq = quantize_rows(torch.randn(P, S, Hkv, D, generator=gen) * 2, k_fmt)  # packed on the CPU
+    vq = quantize_rows(torch.randn(P, S, Hkv, D, generator=gen), v_fmt)
+    q = torch.randn(len(lens), Hkv * G, D, generator=gen).to(q_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(scale=D ** -0.5, k_format=k_fmt, v_format=v_fmt)
+    want = quant_decode_attention_ref(q.float(), kq, vq, table, seq_lens, **kw)  # float32 math and output
+    args = [x.to(DEVICE) for x in (q, kq, vq, table, seq_lens)]
+    tol = torch.finfo(q_dtype).eps  # the output's rounding to q_dtype (half an ulp), plus summation order
+    for impl in (quant_decode_attention_triton, quant_decode_attention):
+        got = impl(*args, **kw)
+        assert got.dtype == q_dtype and got.device.type == DEVICE.type
+        torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+        assert bool((got[0] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantized_cache_on_cuda_keeps_quantized_rows_and_matches_cpu(dtype):
+    """tests/test_cache_quantized.py on CUDA: ``streaming`` with 4-bit rows (group 16) beside the same cache
+    unquantized, both on CUDA, and the quantized cache on the CPU (the torch path), fed the same prompts
+    and steps (evicting every step, pages of 4). On CUDA each kept row is ``quantize_rows`` of the
+    unquantized cache's row bit for bit; the decode attention equals dense attention over the rows held and
+    the CPU cache's attention; both devices keep the same positions."""
+    from test_cache import FakeRun, check_invariants, dense_attention
+    from test_cache_quantized import check_contents
+
+    fmt = QuantFormat(4, 16)
+    quant_policy = compose("streaming(sinks=1)", f"kivi(bits={fmt.bits}, group={fmt.group}, residual=0)",
+                           budget=6)
+    run = FakeRun(2, 2, 2, 32, [9, 3, 14], 6, seed=4, dtype=dtype)  # drawn on the CPU, held on CUDA
+    cpu = torch.device("cpu")
+    caches = {"native": (run.cache(compose("streaming(sinks=1)", budget=6), page_size=4), DEVICE),
+              "quant": (run.cache(quant_policy, page_size=4), DEVICE),
+              "cpu": (run.cache(quant_policy, page_size=4, device=cpu), cpu)}
+    pool = caches["quant"][0].k_pages
+    assert pool.dtype == torch.uint8 and pool.device.type == DEVICE.type
+    for cache, dev in caches.values():
+        cache.start(run.prompt_lens, run.n_steps)
+        for b, L in enumerate(run.prompt_lens):
+            for l in range(run.n_layers):
+                q, k, v = (x.to(dev) for x in run.prompt[l][b])
+                cache.prefill_layer(l, b, q, k, v, torch.arange(L, dtype=torch.int32, device=dev),
+                                    scale=run.scale)
+        cache.finish_prefill()
+    native, quant, on_cpu = (c for c, _ in caches.values())
+    check_contents(native, quant, fmt)
+    tol = 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    for t in range(run.n_steps):
+        outs = {}
+        for name, (cache, dev) in caches.items():
+            cache.prepare_decode(t)
+            pos = run.step_positions(t).to(dev)
+            outs[name] = []
+            for l, (q, k, v) in enumerate(run.steps[t]):
+                cache.append(l, k.to(dev), v.to(dev), pos)
+                out = cache.attend(l, q.to(dev), pos, scale=run.scale)
+                outs[name].append(out.float().cpu())
+                if name == "quant":  # attention over exactly the rows the cache holds (before eviction)
+                    for b in range(len(run.prompt_lens)):
+                        for h, held in enumerate(cache.head_contents(l, b)):
+                            qh = q[b, h * 2:(h + 1) * 2]  # the query heads of KV head h (GQA 2)
+                            want = dense_attention(qh, held["k"][:, None], held["v"][:, None], run.scale)
+                            torch.testing.assert_close(out[b, h * 2:(h + 1) * 2].float(), want.float(),
+                                                       rtol=tol, atol=tol)
+            cache.after_step(t)
+        for a, b in zip(outs["quant"], outs["cpu"], strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        check_invariants(quant)
+        check_contents(native, quant, fmt)
+        for l in range(run.n_layers):
+            for b in range(len(run.prompt_lens)):
+                for gpu, host in zip(quant.head_contents(l, b), on_cpu.head_contents(l, b), strict=True):
+                    assert torch.equal(gpu["pos"].cpu(), host["pos"]), (t, l, b)
+
+
+def test_quantized_compiled_decode_step_is_captured_as_a_cuda_graph():
+    """The compiled decode step over 4-bit pages (quantize_rows writing, the quantized kernel reading, both
+    custom ops) is captured as a CUDA graph, and its decode-time eviction (streaming) replays too; its
+    forced logits agree with the eager step's (both bf16) as closely as the float cache's do."""
+    from torch._dynamo.utils import counters
+
+    from kvmodels.generate import compile_decode_step
+
+    model = tiny_llama(torch.bfloat16)
+    counters.clear()
+    policy = compose("streaming", KIVI, budget=4)
+    result = generate(model, [[1, 2, 3, 4, 5], [6, 7]], 8, policy, compile=True)
+    assert len(result.tokens[0]) == 8
+    assert result.report.total_bytes < result.report.full_cache_bytes
+    skips = counters["inductor"].get("cudagraph_skips", 0)
+    assert skips == 0, f"inductor skipped CUDA graph capture {skips} time(s)"
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (60, 9)]
+    forced = [torch.randint(0, 97, (10,), generator=gen).tolist() for _ in prompts]
+    policy = compose("streaming", KIVI, budget=16)
+    truth = forced_logits(tiny_llama(torch.bfloat16).float(), prompts, forced, policy)  # fp32 math
+    eager = forced_logits(model, prompts, forced, policy)
+    compiled = forced_logits(model, prompts, forced, policy, compile_decode_step(model))
+    assert_within(compiled, truth, eager, torch.bfloat16)

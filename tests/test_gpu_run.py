@@ -57,7 +57,11 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert not errors, errors[0]["traceback"]
     kinds = {r["kind"] for r in records}
     assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
-            "prefill_sweep", "prefill_policy", "gen", "hf_static", "capacity"} <= kinds
+            "prefill_sweep", "quant_decode", "prefill_policy", "gen", "hf_static", "capacity"} <= kinds
+    quant = {r["impl"]: r for r in records if r["kind"] == "quant_decode"}
+    assert set(quant) == {"native", "native-1split", "int4", "int8"}
+    assert quant["int4"]["kv_bytes"] < quant["int8"]["kv_bytes"] < quant["native"]["kv_bytes"]
+    assert quant["int8"]["max_abs_diff_vs_native"] < quant["int4"]["max_abs_diff_vs_native"] < 0.5
     gen = [r for r in records if r["kind"] == "gen"]
     assert {(r["batch"], r["policy"]) for r in gen} == {(b, p) for b, _ in [(1, 0), (2, 0)]
                                                         for p in ("full", "h2o", "snapkv", "streaming")}
@@ -65,7 +69,19 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert all(r["kv_kept"] < 0.5 for r in gen if r["policy"] != "full")
     assert [(r["batch"], r["policy"]) for r in gen] == [(b, p) for b, _, p in gpu.generation_order(gpu.SMOKE)]
     summary = (out / "summary.md").read_text()
-    assert "## Targets (issue 33)" in summary and "| verdict |" in summary
+    assert "## Targets (issues 33 and 36)" in summary and "| verdict |" in summary
+    assert "| 4-bit pages decode <= float32 pages, B2-L64 |" in summary and "## Quantized pages" in summary
+
+
+def test_correctness_stage_names_tests_that_exist():
+    """Every file and test the correctness stage lists exists (a renamed test would fail the whole pytest
+    call on the device: 'not found'), the new GPU tests of issue 36 first."""
+    gpu = _gpu_module()
+    for entry in gpu.TEST_FILES + gpu.SMOKE_TEST_FILES:
+        path, _, name = entry.partition("::")
+        assert (ROOT / path).is_file(), entry
+        assert not name or f"def {name}(" in (ROOT / path).read_text(), entry
+    assert gpu.TEST_FILES[0] == "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference"
 
 
 def test_stage_time_box_keeps_what_was_measured(tmp_path):
@@ -177,6 +193,38 @@ def test_targets_verdicts():
     assert got["largest batch at 0.2 (h2o) >= 4x full cache's"] == ("16 vs 4 = 4.0x", "met")
     assert got["scoring prefill h2o <= 1.3x plain prefill"] == ("1.31x", "NOT met")
     assert gpu.best_decode(records)["B8-L4096"]["config"] == {"block": 64}
+
+
+def test_quant_targets_verdicts():
+    """Issue 36's target (4-bit pages at B64-L4096 no slower than bf16 pages) and each other bit width and
+    shape measured: the ratio, met / NOT met; the B64 4-bit row is listed (not measured) without records.
+    A generation run of a policy that keeps every token (kivi alone) is held to 1x the full cache, not 2x."""
+    gpu = _gpu_module()
+    q = functools.partial(_rec, "quant_decode", dtype="bfloat16")
+    records = [q(shape="B64-L4096", impl="native", us=240.0, pct_of_copy=80.0, bits=None),
+               q(shape="B64-L4096", impl="native-1split", us=250.0, pct_of_copy=77.0, bits=None),
+               q(shape="B64-L4096", impl="int4", us=120.0, pct_of_copy=51.0, bits=4),
+               q(shape="B64-L4096", impl="int8", us=250.0, pct_of_copy=44.0, bits=8),
+               q(shape="B8-L4096", impl="native", us=40.0, pct_of_copy=60.0, bits=None),
+               q(shape="B8-L4096", impl="int4", us=90.0, pct_of_copy=9.0, bits=4),
+               _rec("gen_plan", order=[[64, 512, "full"], [64, 512, "kivi(residual=0)"]]),
+               _rec("gen", batch=64, policy="full", decode_tok_s=1000.0),
+               _rec("gen", batch=64, policy="kivi(residual=0)", decode_tok_s=1200.0)]
+    got = {t: (m, v) for t, m, v in gpu.targets(records)}
+    assert got["4-bit pages decode <= bf16 pages, B64-L4096 (issue 36)"] == (
+        "0.50x (120 vs 240 us; 51% of copy over the packed bytes)", "met")
+    assert got["8-bit pages decode <= bf16 pages, B64-L4096"][1] == "NOT met"
+    assert got["4-bit pages decode <= bf16 pages, B8-L4096"] == (
+        "2.25x (90 vs 40 us; 9% of copy over the packed bytes)", "NOT met")
+    assert "8-bit pages decode <= bf16 pages, B8-L4096" not in got  # not measured at that shape: no row
+    assert got["kivi(residual=0) (every token kept) >= 1x full decode, batch 64"] == ("1.20x", "met")
+    none = {t: v for t, _, v in gpu.targets([])}
+    assert none["4-bit pages decode <= bf16 pages, B64-L4096 (issue 36)"] == "not measured"
+    assert gpu._policy("kivi(residual=0)", 0.2).budget == 1.0  # every token, 4-bit
+    assert gpu._policy("snapkv+kivi(residual=0)", 0.2).budget == 0.2
+    assert gpu.parse_runs("64:full,64:kivi(residual=0), 16:snapkv+kivi(bits=8, group=16, residual=0)",
+                          gpu.REAL) == [(64, "full"), (64, "kivi(residual=0)"),
+                                        (16, "snapkv+kivi(bits=8, group=16, residual=0)")]
 
 
 def test_capacity_target_says_why_it_was_not_measured():
