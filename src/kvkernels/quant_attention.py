@@ -383,6 +383,7 @@ COMPILE_AXES: dict[str, tuple] = {
     "bits": (2, 4, 8),
     "group": (32, 64),
     "gqa": (1, 4, 8),
+    "second": ("none", "float", "4bit"),  # a second region: none, float rows of q's dtype, 4-bit rows
 }
 
 
@@ -394,7 +395,8 @@ def compile_variants(full: bool = False):
         yield label, (lambda cfg=cfg: _meta_launch(**cfg))
 
 
-def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int) -> None:
+def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int,
+                 second: str = "none") -> None:
     B, P, S, M, Hkv = 3, 40, 16, 12, 2
     meta = torch.device("meta")
 
@@ -403,5 +405,12 @@ def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: 
 
     fmt = QuantFormat(bits, group)
     pool = t(P, S, Hkv, fmt.row_bytes(head_dim), dt=torch.uint8)
+    region = None
+    if second != "none":
+        fmt2 = None if second == "float" else QuantFormat(4, 32)
+        width = head_dim if fmt2 is None else fmt2.row_bytes(head_dim)
+        pool2 = t(P, S, Hkv, width, dt=dtype if fmt2 is None else torch.uint8)
+        region = Region(pool2, pool2, t(B, M, dt=torch.int32), t(B, dt=torch.int32), fmt2, fmt2)
     quant_decode_attention_triton(t(B, Hkv * gqa, head_dim, dt=dtype), pool, pool, t(B, M, dt=torch.int32),
-                                  t(B, dt=torch.int32), scale=head_dim ** -0.5, k_format=fmt, v_format=fmt)
+                                  t(B, dt=torch.int32), scale=head_dim ** -0.5, k_format=fmt, v_format=fmt,
+                                  second=region)
