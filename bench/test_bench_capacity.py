@@ -9,7 +9,8 @@ benchmark's real lengths (4k prompt + 512 new tokens by default); ``KVBENCH_PROM
 smoke runs. Ratios go to ``extra_info``; nothing is asserted about them.
 
 Quantized rows (``kivi``, issue 36: ">= 12x the full cache's batch in the same pool at 0.2 + 4 bits") get the
-same pool in **bytes**: as many of their (smaller) pages as fit the full cache's pool bytes.
+same pool in **bytes**: as many of their (smaller) pages as fit the full cache's pool bytes. The full cache's
+dtype is the model's: ``KVBENCH_DTYPE=bfloat16`` compares against a 16-bit cache (default float32).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ KIVI4 = "kivi(bits=4, group=16, residual=0)"  # the model's head dim is 16
 POLICIES = [("full", 1.0), ("streaming", 0.2), ("h2o", 0.2), ("squeeze+keyformer", 0.2), ("snapkv", 0.2),
             (f"full+{KIVI4}", 1.0), (f"streaming+{KIVI4}", 0.2), (f"snapkv+{KIVI4}", 0.2)]
 CUDA = torch.cuda.is_available()
+DTYPE = getattr(torch, os.environ.get("KVBENCH_DTYPE", "float32"))  # the model's and the full cache's dtype
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def model():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate=128,
                       max_seq_len=PROMPT_LEN + NEW_TOKENS)
-    return Llama(cfg).to("cuda" if CUDA else "cpu").eval()
+    return Llama(cfg).to("cuda" if CUDA else "cpu", DTYPE).eval()
 
 
 def fits(model, batch: int, policy, num_pages: int) -> bool:
@@ -91,7 +93,7 @@ def test_bench_max_batch(benchmark, model, name, budget):
     info = dict(policy=policy.name, budget=budget, max_batch=best, search_cap=MAX_RATIO * FULL_BATCH,
                 num_pages=num_pages, page_size=PAGE, pool_bytes=pool_bytes,
                 prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, full_batch_pool=FULL_BATCH,
-                device=torch.cuda.get_device_name() if CUDA else "cpu")
+                device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE))
     if "batch" in _full:
         info["max_batch_vs_full"] = best / _full["batch"]
     benchmark.extra_info.update(info)
