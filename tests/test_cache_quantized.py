@@ -277,3 +277,30 @@ def test_a_tiered_cache_refuses_a_continuation_by_name():
     run.prefill(cache)
     with pytest.raises(NotImplementedError, match="precision 'kivi' is not supported yet"):
         cache.begin_extend(0, 2)
+
+
+def test_a_session_continues_over_quantized_rows():
+    """``Decoder``: prompts, a generation, a follow-up extension and another generation over one-format
+    quantized rows (the extension's attention reads the dequantized kept rows and appends quantized ones).
+    The prompts' logits are the unquantized cache's (the prompt attends to its own float K/V); the
+    follow-up's stay within 8-bit rounding of them."""
+    from kvmodels.decoder import Decoder
+    from test_model_policy_matrix import PROMPTS, tiny_model
+
+    model = tiny_model("llama")
+    outs = {}
+    for name, spec in (("native", ()), ("quant", ("kivi(bits=8, group=2, residual=0)",))):
+        dec = Decoder(model, compose("snapkv(window=2)", *spec, budget=0.5), max_tokens=48)
+        first = dec.extend(PROMPTS[:2])
+        gen = dec.generate(3)
+        second = dec.extend([[5, 6, 7], [8]])
+        outs[name] = (first, gen.tokens, second, dec.cache)
+    (f_n, t_n, s_n, c_n), (f_q, t_q, s_q, c_q) = outs["native"], outs["quant"]
+    for a, b in zip(f_n, f_q, strict=True):
+        assert torch.equal(a, b)
+    assert c_q.report().quantized and not c_n.report().quantized
+    # head dim 6 at group 2: 6 code bytes + 3 fp16 scales and zero points = 18 B against 24 B in float32
+    assert c_q.report().total_bytes * (2 * 24 + 8) == c_n.report().total_bytes * (2 * 18 + 8)
+    assert t_n == t_q  # 8 bits: the same greedy tokens on this model, so the follow-ups see the same text
+    for a, b in zip(s_n, s_q, strict=True):  # and their logits differ by the rounding only
+        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
