@@ -268,6 +268,8 @@ class DecodeSteps:
             self._replays.run((share, *(c.key for c in calls)), evict, keep=tuple(c.rows for c in calls))
             for call in calls:
                 call.commit()
+        if self.side is not None:  # KIVI: tokens older than the residual move to the quantized region
+            self.side.migrate(self)
         self._step += 1
         self._state = "decode"
 

@@ -9,8 +9,9 @@ whole prompt at prefill (the side region in its format); once the eviction polic
 region, :meth:`SideRegion.split` asks the precision policy which format each token gets
 (``PrecisionPolicy.assign`` over the prompt, from the eviction's kept set and the prompt scores) and
 compacts each region to its tokens. Decode steps append to the main region and attend to both regions in one
-softmax (``kvkernels.quant_attention.quant_decode_attention(second=...)``). Nothing is evicted while
-decoding; a continuation (``begin_extend``) is refused.
+softmax (``kvkernels.quant_attention.quant_decode_attention(second=...)``); KIVI's residual ages into the
+side region a group at a time (:meth:`SideRegion.migrate`). Nothing is evicted while decoding; a
+continuation (``begin_extend``) is refused.
 
 The split compacts by a membership flag written into each region's slot scores (a prompt-only policy needs
 its scores no more once the prompt is compressed), so a tiered cache's ``slot_score`` is no eviction score
@@ -149,6 +150,50 @@ class SideRegion:
         k, v = (self.storage.decode(t[page, off]) for t in (self.pool.k_pages, self.pool.v_pages))
         pos = self.pool.slot_pos[page, off]
         return [{"k": k[:, h], "v": v[:, h], "pos": pos[:, h]} for h in range(k.shape[1])]
+
+    def migrate(self, cache) -> None:
+        """KIVI's residual as it ages: a row whose main region holds more than ``residual + group`` tokens
+        moves all but its newest ``residual`` to this region, quantized (the main region holds them in
+        position order: the split keeps order and decode steps append). Eager, host-driven (no sync); a
+        no-op for the other precision policies, whose new tokens stay in the main region."""
+        p = self.precision
+        if p.name != "kivi" or not p.residual:
+            return
+        n = cache.batch_size
+        lens = cache.host.lens[:, :n]
+        excess = np.argwhere(lens > p.residual + p.group)
+        if not len(excess):
+            return
+        S = self.page_size
+        for l in sorted({int(x) for x in excess[:, 0]}):
+            rows = [int(b) for ll, b in excess if ll == l]
+            budgets = []
+            for b in rows:
+                m, have = int(lens[l, b]) - p.residual, int(self.lens[l, b])
+                need = int(ceil_div(have + m, S) - ceil_div(have, S))
+                if need > self.pool.free:
+                    raise self.pool.out_of_pages(need, f"quantizing {m} aged tokens of sequence {b} layer "
+                                                 f"{l}")
+                if need:
+                    self.page_table[l, b, ceil_div(have, S):ceil_div(have + m, S)] = self.pool.take(need)
+                page, off = self._rows(cache.page_table[l, b], m)  # the main region's oldest m
+                slots = torch.arange(have, have + m, device=page.device)
+                spage = self.page_table[l, b][slots // S].to(torch.int64)
+                soff = slots % S
+                pool = self.pool
+                for dst, src in ((pool.k_pages, cache.k_pages), (pool.v_pages, cache.v_pages)):
+                    dst[spage, soff] = self.storage.encode(cache.storage.decode(src[page, off]))
+                pool.slot_pos[spage, soff] = cache.slot_pos[page, off]
+                self.seq_lens[l, b] = have + m
+                self.lens[l, b] = have + m
+                total = int(lens[l, b])
+                mpage, moff = self._rows(cache.page_table[l, b], total)
+                keep = torch.arange(total, device=mpage.device) >= m  # the newest `residual` stay
+                cache.slot_score[mpage, moff] = keep.float()[:, None]
+                budgets.append(p.residual)
+            self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
+                          rows, budgets)
+        self.peak_pages = max(self.peak_pages, int(self.pages_held().sum()))
 
     def finish(self, row: int) -> None:
         """Return every page of ``row`` (all layers)."""
