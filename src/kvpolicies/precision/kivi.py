@@ -4,9 +4,9 @@ Every kept token is stored at ``bits`` (asymmetric: a scale and a zero point per
 the most recent ``residual`` tokens each KV head keeps, which stay in the cache's dtype (KIVI quantizes them
 a group at a time as they age; so does the paged cache: once more than ``residual + group`` wait, all
 but the newest ``residual`` are quantized). One deviation from the paper, for eviction's sake: keys are
-quantized **per token** like the values (the paper groups a channel across ``group`` tokens), so every slot carries its own
-parameters and can be evicted or moved alone; this costs accuracy at 2 bits (ZipCache's per-channel key
-normalisation, which recovers it, is not implemented in the storage yet).
+quantized **per token** like the values (the paper groups a channel across ``group`` tokens), so every
+slot carries its own parameters and can be evicted or moved alone; this costs accuracy at 2 bits
+(ZipCache's per-channel key normalisation, which recovers it, is not implemented in the storage yet).
 """
 
 from __future__ import annotations
