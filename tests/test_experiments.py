@@ -112,7 +112,18 @@ STUDIES = sorted(m.name for m in pkgutil.iter_modules(experiments.__path__))
 def test_the_studies_are_all_here():
     assert STUDIES == ["adakv_imbalance", "adakv_retrieval", "chunked_prefill", "key_digits_kept",
                        "passkey_layer_ablation", "passkey_margins", "passkey_profile", "passkey_variants",
-                       "question_agnostic"]
+                       "quantized_baseline", "quantized_kv", "question_agnostic"]
+
+
+def test_quantized_kv_table_reads_its_records():
+    from experiments.quantized_kv import table
+
+    recs = [{"task": "passkey", "context": 1024, "policy": "full+kivi", "budget": 1.0, "correct": 22, "n": 24,
+             "slot_bytes": 264.0, "fp16_slot_bytes": 792, "held_vs_fp16": 0.3333},
+            {"task": "perplexity", "context": 4096, "policy": "full", "budget": 1.0, "ppl": 52.561}]
+    lines = table(recs).splitlines()
+    assert lines[2] == "| passkey 1024 | `full+kivi` | 1 | 22 of 24 | 264 (792); held 33.3% of fp16 |"
+    assert lines[3] == "| perplexity 4096 | `full` | 1 | ppl 52.56 | - |"
 
 
 @pytest.mark.parametrize("name", STUDIES)
