@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--reverse", action="store_true", help="run the configs last to first (a second process)")
     p.add_argument("--report", action="store_true", help="print the recorded table and run nothing")
     args = p.parse_args(argv)
     if args.threads:
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         todo += [("passkey", args.context, name, b) for name, b in PASSKEY]
     if "perplexity" in args.tasks:
         todo += [("perplexity", args.ppl_tokens, name, b) for name, b in PERPLEXITY]
-    for task, context, name, budget in todo:
+    for task, context, name, budget in (todo[::-1] if args.reverse else todo):
         key = (f"quantized-kv|{runner.model_name}|{task}|{context}|n={args.n}|seed={args.seed}|{name}|"
                f"{budget:g}")
         if key in done:

@@ -135,15 +135,7 @@ def _parse_budget(text: str | None) -> float | int | None:
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = []
     if args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read().strip()
-        except OSError as e:
-            raise CliError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}; pass an existing "
-                           "text file") from None
-        if not text:
-            raise CliError(f"--prompt-file {args.prompt_file} is empty; write the prompt into it")
-        prompts.append(text)
+        prompts.append(_read_text("--prompt-file", args.prompt_file, "the prompt"))
     if args.batch_file:
         try:
             with open(args.batch_file, encoding="utf-8") as f:
@@ -416,15 +408,19 @@ def _read_context(args: argparse.Namespace) -> tuple[str, list[str]]:
             raise CliError(f"--question number {i + 1} is empty; pass the question's text")
     if args.question.count("-") > 1:
         raise CliError("--question - is given more than once; stdin can be read once")
+    return _read_text("--context", args.context, "the document"), list(args.question)
+
+
+def _read_text(flag: str, path: str, what: str) -> str:
+    """The stripped text of the file ``path`` given to ``flag``; one-line errors naming the flag."""
     try:
-        with open(args.context, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read().strip()
     except OSError as e:
-        raise CliError(f"cannot read --context {args.context}: {e.strerror}; pass an existing text "
-                       "file") from None
+        raise CliError(f"cannot read {flag} {path}: {e.strerror}; pass an existing text file") from None
     if not text:
-        raise CliError(f"--context {args.context} is empty; write the document into it")
-    return text, list(args.question)
+        raise CliError(f"{flag} {path} is empty; write {what} into it")
+    return text
 
 
 def _questions(given: list[str], interactive: bool) -> Any:

@@ -183,7 +183,8 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         meta.kvp_redo = redo
         return meta
 
-    def _redo_metadata(self, cm: Any, jobs: list[Compaction], fast_build: bool) -> tuple[torch.Tensor, Any] | None:
+    def _redo_metadata(self, cm: Any, jobs: list[Compaction],
+                       fast_build: bool) -> tuple[torch.Tensor, Any] | None:
         """For requests whose step goes past their prompt (a preempted request recomputing its generated
         tokens too): the rows of those tokens ``[n]`` and the metadata of a second attention over each
         request's compacted slots (``kept`` tokens, then these), which replaces their first outputs.
