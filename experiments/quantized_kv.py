@@ -37,8 +37,8 @@ PASSKEY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), (f"full+{KIVI2
            (f"{SCORER}+zipcache(high=4, low=2, salient=0.2, group=16)", 1.0)]
 PASSKEY += [(p, b) for b in (0.2, 0.5)
             for p in (SNAPKV, f"{SNAPKV}+kivi(bits=4, residual=0)", f"{SNAPKV}+mikv")]
-PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), (f"full+{KIVI2}", 1.0),
-              ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2)]
+PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
+              (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2)]
 
 
 def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--reverse", action="store_true", help="run the configs last to first (a second process)")
+    p.add_argument("--only", help="run only the configs whose policy text is one of these ('|'-separated)")
     p.add_argument("--report", action="store_true", help="print the recorded table and run nothing")
     args = p.parse_args(argv)
     if args.threads:
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         todo += [("passkey", args.context, name, b) for name, b in PASSKEY]
     if "perplexity" in args.tasks:
         todo += [("perplexity", args.ppl_tokens, name, b) for name, b in PERPLEXITY]
+    if args.only:
+        todo = [t for t in todo if t[2] in args.only.split("|")]
     for task, context, name, budget in (todo[::-1] if args.reverse else todo):
         key = (f"quantized-kv|{runner.model_name}|{task}|{context}|n={args.n}|seed={args.seed}|{name}|"
                f"{budget:g}")
