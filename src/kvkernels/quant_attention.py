@@ -24,7 +24,7 @@ from torch import Tensor
 from kvkernels._checks import check_page_table, check_seq_lens, check_shape, check_tensor
 from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
 from kvkernels.paged_attention import _masked_softmax
-from kvkernels.quant import QuantFormat, dequantize_rows
+from kvkernels.quant import _PARAM_NAMES, QuantFormat, dequantize_rows
 
 if HAS_TRITON:
     import triton
@@ -256,7 +256,6 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
     return out
 
 
-_PARAM_NAMES = {torch.float16: "float16", torch.float32: "float32"}
 _DEFAULT = QuantFormat()
 
 
@@ -364,7 +363,7 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
                              f"heads) but the first region's are {(page_size, n_kv)}; both regions share S "
                              "and Hkv")
         _check_pool("second.v", second.v_pages, second.v_format, d, (p2, page_size, n_kv), q.device,
-                    second.k_pages.dtype if second.v_format is None and second.k_format is None else None)
+                    second.k_pages.dtype if second.k_format is None else None)
         _check_table("second.", second.page_table, second.seq_lens, batch, q.device, p2, page_size, validate)
         extra = [second.k_pages, second.v_pages, second.page_table, second.seq_lens]
     two = second if second is not None else Region(k_pages, v_pages, page_table, seq_lens)

@@ -204,8 +204,7 @@ class DecodeSteps:
         if self.side is not None:  # the side region's slots first, then the main region's: one softmax
             side = self.side
             main = Region(self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s),
-                          self.storage.fmt if self.storage.quantized else None,
-                          self.storage.fmt if self.storage.quantized else None)
+                          self.storage.fmt, self.storage.fmt)
             lens = torch.where(self.active[:n], side.seq_lens[s, :n], 0)
             return quant_decode_attention(q, side.pool.k_pages, side.pool.v_pages, side.page_table[s, :n],
                                           lens, scale=scale, k_format=side.storage.fmt,

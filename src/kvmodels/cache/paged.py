@@ -30,7 +30,6 @@ import torch
 from kvkernels import noise_seed
 from kvkernels.merge import merge_restore
 from kvmodels.replay import Replays
-from kvpolicies.base import NATIVE_BITS
 from kvpolicies.plan import CompressionPlan
 
 from .compaction import Compaction, Compactor
@@ -185,9 +184,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         # Tokens in a second format (kvmodels.cache.tiers): a pool of their own, as many (smaller) pages.
         self.side: SideRegion | None = None
         if side is not None:
-            main_bits = self.storage.fmt.bits if self.storage.quantized else NATIVE_BITS
             self.side = SideRegion(side, num_pages, n_layers, max_batch, M, n_kv_heads, page_size, dev,
-                                   self.layout, policy.precision, main_bits)
+                                   self.layout, policy.precision, self.storage.bits)
 
         self.score_mode = self.eviction.score_mode
         self.gumbel = self.score_mode == "gumbel"
@@ -398,9 +396,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps):
         for row in self.rows.rows(check_sequence(b, self.n_sequences)):
             if not self.host.holding()[row]:
                 raise ValueError(f"sequence {b} is already finished")
-            counts = ceil_div(self.host.lens[:, row], self.page_size)  # [Lc]
-            self.pool.give(torch.cat([self.page_table[l, row, :int(c)] for l, c in enumerate(counts)]))
-            self.page_table[:, row] = -1
+            self.pool.release(self.page_table[:, row], self.host.lens[:, row])
             self.seq_lens[:, row] = 0
             self.active[row] = False
             self.host.lens[:, row] = 0

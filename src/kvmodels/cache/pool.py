@@ -11,6 +11,7 @@ on scores, so the cache can check page availability without a device sync.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -94,6 +95,37 @@ class PagePool:
         self.free_pages[self.free:self.free + n] = ids
         self.n_free += n
         self.free += n
+
+    def write_prompt(self, storage, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     scores: torch.Tensor) -> torch.Tensor:
+        """Pop the pages ``L`` tokens need (the caller checked they are free) and store them in slot order:
+        ``k``/``v`` ``[L, Hkv, D]`` through ``storage.encode``, ``positions [L]``, ``scores [L, Hkv]``.
+        Returns the int32 page ids, for the row's page table."""
+        L, H = k.shape[:2]
+        n_pages = ceil_div(L, self.page_size)
+        pages = self.take(n_pages).to(torch.int64)
+        pad = n_pages * self.page_size - L
+
+        def paged(x: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [n_pages, S, ...]
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+            return x.reshape(n_pages, self.page_size, *x.shape[1:])
+
+        self.k_pages.index_copy_(0, pages, paged(storage.encode(k)))
+        self.v_pages.index_copy_(0, pages, paged(storage.encode(v)))
+        self.slot_pos.index_copy_(0, pages, paged(positions.to(torch.int32)[:, None].expand(L, H)))
+        self.slot_score.index_copy_(0, pages, paged(scores.to(torch.float32).contiguous()))
+        return pages.to(torch.int32)
+
+    def release(self, table: torch.Tensor, lens) -> None:
+        """Push the pages the rows of ``table`` (``[..., M]``, a view of a page table) hold -- the first
+        ``ceil(lens / S)`` entries of each, ``lens`` the host lengths of the same shape -- in row order, and
+        mark the rows empty (-1)."""
+        rows = table.reshape(-1, table.shape[-1])
+        counts = ceil_div(np.asarray(lens).reshape(-1), self.page_size)
+        held = [rows[i, :int(c)] for i, c in enumerate(counts) if c]
+        if held:
+            self.give(torch.cat(held))
+        table.fill_(-1)
 
     def out_of_pages(self, need: int, what: str) -> RuntimeError:
         return RuntimeError(

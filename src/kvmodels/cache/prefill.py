@@ -137,19 +137,8 @@ class PrefillSteps:
         elif self.eviction.scores_tokens:  # an open rule: each token's score from what its step provides
             scores = self._token_scores(q, k, v, positions, check=True).t()  # [H, L]
 
-        pages = self.pool.take(n_pages).to(torch.int64)  # [n_pages]
-        pad = n_pages * self.page_size - L
-
-        def paged(x: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [n_pages, S, ...]
-            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
-            return x.reshape(n_pages, self.page_size, *x.shape[1:])
-
-        self.k_pages.index_copy_(0, pages, paged(self.storage.encode(k)))
-        self.v_pages.index_copy_(0, pages, paged(self.storage.encode(v)))
-        self.slot_pos.index_copy_(0, pages, paged(positions.to(torch.int32)[:, None].expand(L, H)))
         score_rows = torch.zeros(L, H, device=dev) if scores is None else scores.t()  # [L, H]
-        self.slot_score.index_copy_(0, pages, paged(score_rows.to(torch.float32).contiguous()))
-        self.page_table[l, b, :n_pages] = pages.to(torch.int32)
+        self.page_table[l, b, :n_pages] = self.pool.write_prompt(self.storage, k, v, positions, score_rows)
         if self.side is not None:  # the whole prompt in the second format too, until the split
             self.side.write_prompt(l, b, k, v, positions, score_rows)
         self.seq_lens[l, b] = L

@@ -27,6 +27,8 @@ class NativeRows:
     """Rows in the cache's dtype: what is written is what is stored."""
 
     quantized = False
+    bits = NATIVE_BITS  # the precision policy's name for "the cache's dtype"
+    fmt = None  # no quantization format (kvkernels.quant_attention.Region: float rows)
 
     def __init__(self, head_dim: int, dtype: torch.dtype):
         self.head_dim, self.dtype = head_dim, dtype
@@ -60,7 +62,7 @@ class PackedRows(NativeRows):
     def __init__(self, head_dim: int, dtype: torch.dtype, fmt: QuantFormat):
         fmt.check(head_dim)
         super().__init__(head_dim, dtype)
-        self.fmt = fmt
+        self.fmt, self.bits = fmt, fmt.bits
         self.page_dtype, self.width = torch.uint8, fmt.row_bytes(head_dim)
 
     def describe(self) -> str:
@@ -119,8 +121,7 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, 
         raise ValueError(f"{name} keeps tokens in two formats, which the paged cache splits once, after the "
                          f"prompt; eviction {ev.name!r} also evicts while decoding, which the split does not "
                          "follow yet (issue 36); use a prompt-only policy (snapkv, chunkkv, "
-                         "knorm(decode=False)) or "
-                         "kivi(residual=0)")
+                         "knorm(decode=False)) or kivi(residual=0)")
     side = storage(formats[0])
     assert isinstance(side, PackedRows)
     return main, side

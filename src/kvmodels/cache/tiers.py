@@ -33,7 +33,7 @@ class SideRegion:
     def __init__(self, storage, num_pages: int, n_layers: int, max_batch: int, max_pages: int,
                  n_kv_heads: int, page_size: int, device: torch.device, layout, precision, main_bits: int):
         self.storage, self.precision, self.main_bits = storage, precision, main_bits
-        self.side_bits = storage.fmt.bits
+        self.side_bits = storage.bits
         self.page_size = page_size
         self.pool = PagePool(num_pages, page_size, n_kv_heads, storage, device=device, merged=False)
         self.page_table = torch.full((n_layers, max_batch, max_pages), -1, dtype=torch.int32, device=device)
@@ -62,24 +62,12 @@ class SideRegion:
     def write_prompt(self, l: int, b: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      scores: torch.Tensor) -> None:
         """Store row ``b``'s whole prompt of layer ``l``: ``k``/``v`` ``[L, Hkv, D]``, ``scores [L, Hkv]``."""
-        L, S = k.shape[0], self.page_size
-        n_pages = ceil_div(L, S)
+        L = k.shape[0]
+        n_pages = ceil_div(L, self.page_size)
         if n_pages > self.pool.free:
             raise self.pool.out_of_pages(n_pages, f"prefill of sequence {b} layer {l} (the "
                                          f"{self.side_bits}-bit region)")
-        pages = self.pool.take(n_pages).to(torch.int64)
-        pad = n_pages * S - L
-
-        def paged(x: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [n_pages, S, ...]
-            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
-            return x.reshape(n_pages, S, *x.shape[1:])
-
-        pool = self.pool
-        pool.k_pages.index_copy_(0, pages, paged(self.storage.encode(k)))
-        pool.v_pages.index_copy_(0, pages, paged(self.storage.encode(v)))
-        pool.slot_pos.index_copy_(0, pages, paged(positions.to(torch.int32)[:, None].expand(L, k.shape[1])))
-        pool.slot_score.index_copy_(0, pages, paged(scores.to(torch.float32).contiguous()))
-        self.page_table[l, b, :n_pages] = pages.to(torch.int32)
+        self.page_table[l, b, :n_pages] = self.pool.write_prompt(self.storage, k, v, positions, scores)
         self.seq_lens[l, b] = L
         self.lens[l, b] = L
         self.peak_pages = max(self.peak_pages, int(self.pages_held().sum()))
@@ -137,8 +125,7 @@ class SideRegion:
             compactor.compact(lens, [l], seqs, n, zeros, zeros)
         for b, n in zip(rows, budgets, strict=True):
             if n == 0 and lens[l, b]:
-                pool.give(table[l, b, :int(ceil_div(lens[l, b], pool.page_size))].clone())
-                table[l, b] = -1
+                pool.release(table[l, b], lens[l, b])
                 seq_lens[l, b] = 0
                 lens[l, b] = 0
 
@@ -197,9 +184,6 @@ class SideRegion:
 
     def finish(self, row: int) -> None:
         """Return every page of ``row`` (all layers)."""
-        counts = ceil_div(self.lens[:, row], self.page_size)
-        if counts.any():
-            self.pool.give(torch.cat([self.page_table[l, row, :int(c)] for l, c in enumerate(counts)]))
-        self.page_table[:, row] = -1
+        self.pool.release(self.page_table[:, row], self.lens[:, row])
         self.seq_lens[:, row] = 0
         self.lens[:, row] = 0
