@@ -67,8 +67,10 @@ STAGES = ("env", "correctness", "kernels", "quant", "generation", "hf_static", "
 # capacity about 50 s for full and h2o. Run 3 (all stages) took 416 s: correctness 43, kernels 45 (its sweeps
 # fill the box; the defaults are tuned), generation 240, hf_static 43, capacity 36. The quant stage (issue 36,
 # ~15 s) took its 25 s from kernels' sweeps and generation's tail; correctness got 5 s more for its tests.
-SHARES = {"env": 10, "correctness": 55, "kernels": 45, "quant": 25, "generation": 240, "hf_static": 50,
-          "capacity": 55}
+# Run 6 (cef8bc0): kernels 34 s (its sweeps never start: they need 15 s left), capacity 41: quant gets 15 s
+# more from them for its B8 shape and its launch-config sweep (the kernel was rewritten after run 6).
+SHARES = {"env": 10, "correctness": 55, "kernels": 35, "quant": 40, "generation": 240, "hf_static": 50,
+          "capacity": 50}
 DEFAULT_BUDGET = sum(SHARES.values())  # 480 s: about 7 minutes in practice (stages end before their boxes)
 RUNS_ENV = "KVPOLICIES_GPU_RUNS"  # --runs, handed to the generation stage's process
 KILL_GRACE_S = 10  # a stage still running this long after its box is killed
@@ -587,7 +589,7 @@ def _quant_pool(st: Stage, batch: int, ctx: int) -> dict[str, Any]:
 
 def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> None:
     """At one shape: the native-dtype pages through ``paged_decode_attention`` (its own split choice, and one
-    split: the quantized kernel has no split-K yet), then each bit width's packed pages through
+    split), then each bit width's packed pages through
     ``quant_decode_attention``; each record's ``over_native`` is its time over the native pages' (default
     split), ``gb_s`` the K/V bytes it reads (packed rows for the quantized pages) per second."""
     import torch
@@ -648,6 +650,41 @@ def stage_quant(st: Stage) -> None:
             st.error(f"quant {shape}")
         if st.cuda:
             torch.cuda.empty_cache()
+    _quant_sweep(st)
+
+
+def _quant_sweep(st: Stage) -> None:
+    """4-bit pages at the target's shape under each launch config of ``SWEEP["quant_decode"]`` (the default
+    first), while the box lasts: the ``TUNED`` line to commit comes from these records."""
+    import torch
+
+    from kvkernels.quant import QuantFormat, quantize_rows
+    from kvkernels.quant_attention import quant_decode_attention_triton
+    from kvkernels.tuning import override, sweep_configs
+
+    batch, ctx = st.shapes.quant[0]
+    shape, configs = f"B{batch}-L{ctx}", sweep_configs("quant_decode")
+    if st.left() < 10:
+        st.skipped("quant sweep", f"time box: {st.left():.0f} s left")
+        return
+    t = _quant_pool(st, batch, ctx)
+    fmt = QuantFormat(4, st.shapes.quant_group)
+    args = (t["q"], quantize_rows(t["k_pages"], fmt), quantize_rows(t["v_pages"], fmt), t["table"], t["lens"])
+    del t["k_pages"], t["v_pages"]
+    for i, cfg in enumerate(configs):
+        if st.left() < 6:
+            st.skipped("quant sweep", f"time box: {i} of {len(configs)} configs measured")
+            return
+        try:
+            with override(quant_decode=cfg):
+                s, how = st.seconds(lambda: quant_decode_attention_triton(
+                    *args, scale=t["scale"], k_format=fmt, v_format=fmt), reps=5)
+            st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__, us=s * 1e6, timed_by=how)
+        except Exception:  # noqa: BLE001 -- e.g. out of shared memory for this tile
+            st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__,
+                    error=traceback.format_exc(limit=2)[-800:])
+    if st.cuda:
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1205,8 +1242,13 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
         lines += ["", f"Sweep of the scorer alone (accumulate, no lse): {len(sweep)} configs, best "
                   f"{best_prefill['config']} at {best_prefill['ms']:.3g} ms; default "
                   f"{_fmt(next((r['ms'] for r in sweep if r['config'] == sweep[0]['config']), None))} ms."]
+    qsweep = [r for r in kinds.get("quant_sweep", []) if "us" in r]
+    best_quant = min(qsweep, key=lambda r: r["us"]) if qsweep else None
+    if best_quant:
+        lines += ["", f"Sweep of the 4-bit decode at {best_quant['shape']}: {len(qsweep)} configs, best "
+                  f"{best_quant['config']} at {best_quant['us']:.3g} us; default {_fmt(qsweep[0]['us'])} us."]
     cc = env.get("capability")
-    if cc and (best or best_prefill):
+    if cc and (best or best_prefill or best_quant):
         cc_int = int(cc.replace(".", ""))
         lines += ["", "To commit in `kvkernels/tuning.py`:", "", "```python"]
         if best:
@@ -1218,6 +1260,11 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
             c = best_prefill["config"]
             lines.append(f'TUNED[("prefill_scores", {cc_int})] = LaunchConfig(block={c["block"]}, '
                          f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})')
+        if best_quant:
+            c = best_quant["config"]
+            lines.append(f'TUNED[("quant_decode", {cc_int})] = LaunchConfig(block={c["block"]}, '
+                         f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})  # 4-bit, '
+                         f'{best_quant["shape"]}')
         lines.append("```")
     lines += ["", "## Compaction and eviction", ""]
     lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",

@@ -278,9 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(ROOT / "tests_vllm"))
-    from conftest import prompts
-
     from importlib.metadata import version
+
+    from conftest import prompts
 
     configs: dict[str, str | None] = {"plain": None}
     for name in setting["policies"]:

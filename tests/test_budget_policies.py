@@ -245,7 +245,8 @@ class _Probe:
         self.calls += 1
         return self.weights
 
-    def retrieval_heads(self):  # the protocol's other measurement (the duo head policy); no budget policy asks
+    def retrieval_heads(self):  # the protocol's other measurement (the duo head policy); no budget policy
+        # asks for it
         raise AssertionError("a budget policy asked for per-head retrieval scores")
 
 

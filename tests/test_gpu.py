@@ -5,12 +5,14 @@ graphs)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from devices import DEVICE, assert_within
 from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention, paged_decode_attention_ref
-from kvkernels.quant import QuantFormat, quantize_rows
+from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
 from kvkernels.quant_attention import (
     quant_decode_attention,
     quant_decode_attention_ref,
@@ -198,10 +200,13 @@ def test_eviction_replayed_as_cuda_graphs_decodes_as_eager(policy):
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_quant_decode_attention_triton_equals_reference(bits, q_dtype):
-    """The compiled kernel (and the op, which picks it for CUDA tensors) against the reference on the
-    dequantized pool: GQA 4, K and V in different formats (float16 and float32 parameters), ragged lengths
-    0, 1, page boundaries and one long sequence, pages shuffled. Within the rounding of the output to
-    ``q_dtype``; an empty sequence gives zeros."""
+    """The compiled kernel (and the op, which picks it for CUDA tensors; one split and four) against the
+    reference on the dequantized pool: GQA 4, K and V in different formats (float16 and float32
+    parameters), ragged lengths 0, 1, page boundaries and one long sequence, pages shuffled. The kernel
+    rounds each dequantized row to ``q_dtype`` for the tensor cores, so the reference's pool is rounded the
+    same way; then within the rounding of the probabilities and of the output to ``q_dtype`` (half an ulp
+    each), plus summation order; and within twice that of the unrounded pool. An empty sequence gives
+    zeros."""
     gen = torch.Generator().manual_seed(bits)
     S, Hkv, G, D = 16, 2, 4, 64
     lens = [0, 1, 15, 16, 17, 33, 1000]
@@ -219,13 +224,17 @@ def test_quant_decode_attention_triton_equals_reference(bits, q_dtype):
     q = torch.randn(len(lens), Hkv * G, D, generator=gen).to(q_dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kw = dict(scale=D ** -0.5, k_format=k_fmt, v_format=v_fmt)
-    want = quant_decode_attention_ref(q.float(), kq, vq, table, seq_lens, **kw)  # float32 math and output
+    exact = quant_decode_attention_ref(q.float(), kq, vq, table, seq_lens, **kw)  # float32 math and output
+    k_rows, v_rows = (dequantize_rows(x, D, f).to(q_dtype).float() for x, f in ((kq, k_fmt), (vq, v_fmt)))
+    want = paged_decode_attention_ref(q.float(), k_rows, v_rows, table, seq_lens, scale=D ** -0.5)
     args = [x.to(DEVICE) for x in (q, kq, vq, table, seq_lens)]
-    tol = torch.finfo(q_dtype).eps  # the output's rounding to q_dtype (half an ulp), plus summation order
-    for impl in (quant_decode_attention_triton, quant_decode_attention):
+    tol = torch.finfo(q_dtype).eps
+    four = functools.partial(quant_decode_attention_triton, num_splits=4)
+    for impl in (quant_decode_attention_triton, four, quant_decode_attention):
         got = impl(*args, **kw)
         assert got.dtype == q_dtype and got.device.type == DEVICE.type
         torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(got.float().cpu(), exact, rtol=2 * tol, atol=2 * tol)
         assert bool((got[0] == 0).all())
 
 

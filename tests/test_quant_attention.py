@@ -6,6 +6,7 @@ over the original float K/V."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -30,7 +31,7 @@ def cases(draw):
     S = draw(st.sampled_from([1, 4, 16]))
     n_kv = draw(st.sampled_from([1, 2]))
     gqa = draw(st.sampled_from([1, 2, 3, 4]))
-    D = draw(st.sampled_from([16, 32, 64]))
+    D = draw(st.sampled_from([16, 32, 48, 64]))  # 48: the kernel's gather path (head dim not a power of 2)
     groups = [g for g in (8, 16, 32) if D % g == 0]
     bits = st.sampled_from([2, 4, 8])
     param_dtype = draw(st.sampled_from([torch.float16, torch.float32]))
@@ -72,7 +73,9 @@ def run(impl, case, device):
     (quant_decode_attention_torch, "cpu"),
     (quant_decode_attention, DEVICE),
     pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton"])
+    pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
+                 marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton", "triton-3-splits"])
 @given(case=cases())
 def test_equals_the_reference_on_the_dequantized_pool(impl, device, case):
     want = run(quant_decode_attention_ref, case, "cpu").float()
@@ -157,7 +160,9 @@ def build_second(case, lens2, fmt2, device):
     (quant_decode_attention_torch, "cpu"),
     (quant_decode_attention, DEVICE),
     pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton"])
+    pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
+                 marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton", "triton-3-splits"])
 @given(two=two_region_cases())
 def test_two_regions_are_one_softmax(impl, device, two):
     """Slots in a second pool (float rows, or packed in another format) join the same softmax: equal to the

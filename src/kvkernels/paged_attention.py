@@ -416,6 +416,25 @@ def paged_decode_attention_triton(
     return out
 
 
+def reduce_splits(out: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, num_splits: int, *,
+                  num_warps: int, HKV: int, G: int, D: int, S: int, BLOCK_G: int, BLOCK_D: int,
+                  BLOCK_N: int) -> None:
+    """Write ``out [B, Hq, D]`` from a split decode's partials (``m``, ``l`` ``[B, Hq, splits]`` float32: each
+    split's running max and sum of exponentials; ``acc [B, Hq, splits, D]`` its unnormalised output): the
+    reduce kernel without a score update, one program per (sequence, KV head). Shared with
+    :mod:`kvkernels.quant_attention`, whose splits write the same partials."""
+    batch, n_kv = out.shape[0], HKV
+    dummy = torch.empty(1, device=out.device, dtype=torch.float32)
+    launch(
+        _decode_reduce_kernel, (batch, n_kv, 1),
+        out, m, l, acc, dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy,
+        0, 0.0, 0, 1, 0, num_splits, BLOCK_N,
+        HKV=HKV, G=G, D=D, S=S, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=0, HAS_MASK=False, HAS_TEMP=False,
+        num_warps=num_warps,
+    )
+
+
 def _masked_softmax(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim restricted to ``visible``; a row with nothing visible is all zeros."""
     p = torch.softmax(x.masked_fill(~visible, float("-inf")), dim=-1)

@@ -5,17 +5,26 @@ row being its codes (planar packing) then a ``scale`` and a ``zero`` point per g
 or float32). K and V may use different formats (:class:`kvkernels.quant.QuantFormat`). Each query head
 ``h`` reads KV head ``h // (Hq / Hkv)`` (GQA); slot ``j < seq_lens[b]`` of sequence ``b`` lives in page
 ``page_table[b, j // S]`` at offset ``j % S``. The result equals :func:`paged_decode_attention_ref` on the
-dequantized pool (:func:`quant_decode_attention_ref` does exactly that) up to float32 summation order.
+dequantized pool (:func:`quant_decode_attention_ref` does exactly that) up to float32 summation order, and
+for float16 / bfloat16 queries the rounding of the dequantized rows and the probabilities to that dtype.
 
 Three implementations, as everywhere in kvkernels: the reference (dequantize everything, then the plain
 reference), a batched torch path (CPU tensors), and the Triton kernel (CUDA tensors, or the interpreter in
-tests). The kernel reads each packed byte once per channel it holds (``8 / bits`` loads of the same byte,
-served from cache): DRAM traffic is the packed bytes plus the parameters. No split-K and no fused score
-update yet: decode-time eviction policies (H2O's accumulated attention) do not run on quantized pages.
+tests). The kernel is the native decode kernel's shape (:mod:`kvkernels.paged_attention`): one program per
+(sequence, KV head, split), the group's query heads in one tensor-core product per tile, split-K partials
+combined by the same reduce kernel. A tile's code bytes, scales and zero points are read once each, as
+contiguous runs, and unpacked in registers; the dequantized tile is rounded once to the query's dtype for
+the product (float32 queries: exact float32 products). No fused score update yet: decode-time eviction
+policies (H2O's accumulated attention) do not run on quantized pages.
+
+The first kernel (one program per sequence and KV head, each channel's code byte and parameters gathered
+per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages on an H200
+(bench/results/nvidia-h200-2026-11-26/run6); ``python bench/sass.py`` shows what changed without a GPU.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -23,114 +32,162 @@ from torch import Tensor
 
 from kvkernels._checks import check_page_table, check_seq_lens, check_shape, check_tensor
 from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
-from kvkernels.paged_attention import _masked_softmax
+from kvkernels.paged_attention import _NEG_BIG, _masked_softmax, _pick_num_splits, reduce_splits
 from kvkernels.quant import _PARAM_NAMES, QuantFormat, dequantize_rows
+from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _dequant_tile(pages_ptr, row, ok, offs_d, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                      PARAM_F32: tl.constexpr):
-        """``[BLOCK_N, BLOCK_D]`` float32 values of the packed rows ``row`` (index into ``[P, S, Hkv]`` of a
-        ``uint8 [P, S, Hkv, W]`` pool; a row is ``codes | scale | zero``, kvkernels.quant.pack): channel
-        ``c`` is code ``(byte[c % (D/k)] >> (c // (D/k)) * BITS) & mask`` times its group's scale plus its
-        zero point, ``k = 8 // BITS`` codes per byte (planar packing)."""
-        PER_BYTE: tl.constexpr = 8 // BITS
-        CODES: tl.constexpr = D // PER_BYTE  # code bytes per row
-        N_GROUPS: tl.constexpr = D // GROUP
-        PARAM_BYTES: tl.constexpr = 4 if PARAM_F32 else 2
-        WIDTH: tl.constexpr = CODES + 2 * N_GROUPS * PARAM_BYTES
-        base = pages_ptr + row.to(tl.int64)[:, None] * WIDTH  # [BLOCK_N, 1] row starts
-        byte = tl.load(base + (offs_d % CODES)[None, :], mask=ok, other=0)
-        shift = ((offs_d // CODES) * BITS).to(tl.int32)
-        code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
-        if PARAM_F32:
-            params = (base + CODES).to(tl.pointer_type(tl.float32))
-        else:
-            params = (base + CODES).to(tl.pointer_type(tl.float16))
-        g = (offs_d // GROUP)[None, :]
-        s = tl.load(params + g, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(params + N_GROUPS + g, mask=ok, other=0.0).to(tl.float32)
-        return code.to(tl.float32) * s + z
+    _NEG_BIG_C = tl.constexpr(_NEG_BIG)  # jit code may only read globals that are constexpr
 
     @triton.jit
-    def _load_rows(pages_ptr, row, ok, offs_d, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                   PARAM_F32: tl.constexpr):
-        """``[BLOCK_N, BLOCK_D]`` float32 rows: packed (``BITS`` > 0, :func:`_dequant_tile`) or stored in
-        a float dtype (``BITS == 0``: ``[P, S, Hkv, D]``)."""
+    def _unpack(byte, BITS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+        """``[BLOCK_N, D]`` int32 codes of ``[BLOCK_N, D * BITS / 8]`` planar-packed bytes: part ``i`` of
+        every byte (bits ``[i * BITS, (i + 1) * BITS)``) is the channel slice ``[i * D/k, (i+1) * D/k)``,
+        so the parts are joined and laid side by side (``join`` + ``permute`` + ``reshape``: register moves,
+        no gathers from memory)."""
+        b = byte.to(tl.int32)
+        if BITS == 8:
+            return b
+        elif BITS == 4:
+            parts = tl.join(b & 15, b >> 4)  # [N, D/2, 2]: part i at [..., i]
+            return tl.reshape(tl.permute(parts, (0, 2, 1)), (BLOCK_N, D))
+        else:
+            parts = tl.join(tl.join(b & 3, (b >> 2) & 3), tl.join((b >> 4) & 3, b >> 6))  # [N, D/4, 2, 2]:
+            return tl.reshape(tl.permute(parts, (0, 3, 2, 1)), (BLOCK_N, D))  # part 2 j + i at [..., i, j]
+
+    @triton.jit
+    def _load_rows(pages_ptr, row, in_seq, offs_d, d_ok, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PARAM_F32: tl.constexpr):
+        """``[BLOCK_N, BLOCK_D]`` float32 values of the rows ``row`` (``[BLOCK_N]`` indices into ``[P, S,
+        Hkv]``; 0 where not ``in_seq``): float rows ``[P, S, Hkv, D]`` (``BITS == 0``), or packed rows
+        ``codes | scale | zero`` (:func:`kvkernels.quant.pack`) dequantized as ``code * scale + zero``.
+
+        A power-of-two head dim (``BLOCK_D == D``) reads each row's code bytes, scales and zero points once,
+        as contiguous runs, and unpacks in registers (:func:`_unpack`); any other head dim reads each code
+        byte once per channel it holds and each parameter once per channel (a gather; cached reads)."""
+        ok = in_seq[:, None] & d_ok[None, :]
         if BITS == 0:
             return tl.load(pages_ptr + row.to(tl.int64)[:, None] * D + offs_d[None, :], mask=ok,
                            other=0.0).to(tl.float32)
         else:
-            return _dequant_tile(pages_ptr, row, ok, offs_d, D, BITS, GROUP, PARAM_F32)
+            return _dequant_rows(pages_ptr, row, in_seq, ok, offs_d, D, BLOCK_N, BLOCK_D, BITS, GROUP,
+                                 PARAM_F32)
 
     @triton.jit
-    def _attend_region(q, m_i, l_i, acc, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, b, kvh, scale,
-                       max_pages, offs_d, d_ok,
+    def _dequant_rows(pages_ptr, row, in_seq, ok, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                      PARAM_F32: tl.constexpr):
+        """The packed branch of :func:`_load_rows`."""
+        PER_BYTE: tl.constexpr = 8 // BITS
+        CODES: tl.constexpr = D // PER_BYTE  # code bytes per row
+        N_GROUPS: tl.constexpr = D // GROUP
+        WIDTH: tl.constexpr = CODES + 2 * N_GROUPS * (4 if PARAM_F32 else 2)
+        base = pages_ptr + row.to(tl.int64) * WIDTH  # [BLOCK_N] row starts
+        if PARAM_F32:
+            params = (base + CODES).to(tl.pointer_type(tl.float32))
+        else:
+            params = (base + CODES).to(tl.pointer_type(tl.float16))
+        if BLOCK_D == D:
+            byte = tl.load(base[:, None] + tl.arange(0, CODES)[None, :], mask=in_seq[:, None], other=0)
+            code = _unpack(byte, BITS, BLOCK_N, D).to(tl.float32)
+            offs_g = tl.arange(0, N_GROUPS)[None, :]
+            s = tl.load(params[:, None] + offs_g, mask=in_seq[:, None], other=0.0).to(tl.float32)
+            z = tl.load(params[:, None] + N_GROUPS + offs_g, mask=in_seq[:, None], other=0.0).to(tl.float32)
+            x = tl.reshape(code, (BLOCK_N, N_GROUPS, GROUP)) * s[:, :, None] + z[:, :, None]
+            return tl.reshape(x, (BLOCK_N, D))
+        else:
+            byte = tl.load(base[:, None] + (offs_d % CODES)[None, :], mask=ok, other=0)
+            code = (byte.to(tl.int32) >> ((offs_d // CODES) * BITS)[None, :]) & ((1 << BITS) - 1)
+            g = (offs_d // GROUP)[None, :]
+            s = tl.load(params[:, None] + g, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(params[:, None] + N_GROUPS + g, mask=ok, other=0.0).to(tl.float32)
+            return code.to(tl.float32) * s + z
+
+    @triton.jit
+    def _attend_region(q, m_i, l_i, acc, k_ptr, v_ptr, page_table_ptr, b, kvh, start, end, scale, max_pages,
+                       offs_d, d_ok,
                        HKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
                        K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
                        V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-        """The online softmax state ``(m_i, l_i, acc)`` after one region's slots of sequence ``b``."""
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """The online softmax state ``(m_i, l_i, acc)`` after slots ``[start, end)`` of one region of
+        sequence ``b``. Each tile is dequantized in float32, rounded once to the query's dtype and multiplied
+        on the tensor cores (fp32 queries: exact fp32 products)."""
         offs_n = tl.arange(0, BLOCK_N)
-        seq_len = tl.load(seq_lens_ptr + b)
-        for n0 in range(0, seq_len, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             slots = n0 + offs_n
-            in_seq = slots < seq_len
+            in_seq = slots < end
             page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
             row = (page * S + slots % S) * HKV + kvh  # [BLOCK_N] into [P, S, Hkv]
-            ok = in_seq[:, None] & d_ok[None, :]
-            k = _load_rows(k_ptr, row, ok, offs_d, D, K_BITS, K_GROUP, K_F32)  # [N, D]
-            x = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+            k = _load_rows(k_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, K_BITS, K_GROUP, K_F32)
+            x = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, N]
             x = tl.where(in_seq[None, :], x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(x - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_rows(v_ptr, row, ok, offs_d, D, V_BITS, V_GROUP, V_F32)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
         return m_i, l_i, acc
 
     @triton.jit
     def _quant_decode_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr,
-        k2_ptr, v2_ptr, page_table2_ptr, seq_lens2_ptr, out_ptr,
-        scale, max_pages, max_pages2,
+        k2_ptr, v2_ptr, page_table2_ptr, seq_lens2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+        scale, max_pages, max_pages2, num_splits, chunk,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
         HAS2: tl.constexpr, K2_BITS: tl.constexpr, K2_GROUP: tl.constexpr, K2_F32: tl.constexpr,
         V2_BITS: tl.constexpr, V2_GROUP: tl.constexpr, V2_F32: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        ONE_SPLIT: tl.constexpr,
     ):
-        """One program per (sequence, KV head): online softmax over the sequence's slots of the first
-        region, then (``HAS2``) of the second, the group's query heads together (one ``tl.dot`` per tile),
-        K and V dequantized tile by tile (a region with ``*_BITS == 0`` holds float rows)."""
+        """One program per (sequence, KV head, split): the split's share of the sequence's slots, the first
+        region's then (``HAS2``) the second's, laid end to end; the group's query heads together (one
+        ``tl.dot`` per tile). One split normalises and writes the output; several write partials that
+        ``paged_attention``'s reduce kernel combines (as for native pages)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         g_ok = offs_g < G  # BLOCK_G >= 16 pads small groups so tl.dot has a legal shape
         d_ok = offs_d < D
         q_rows = (b * HKV + kvh) * G + offs_g
         q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)
-        m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+                    other=0.0)
+        len1 = tl.load(seq_lens_ptr + b)
+        total = len1
+        if HAS2:
+            total += tl.load(seq_lens2_ptr + b)
+        start = split * chunk
+        end = tl.minimum(start + chunk, total)
+        m_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, b, kvh,
-                                       scale, max_pages, offs_d, d_ok, HKV, D, S, K_BITS, K_GROUP, K_F32,
-                                       V_BITS, V_GROUP, V_F32, BLOCK_N)
-        if HAS2:
-            m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k2_ptr, v2_ptr, page_table2_ptr, seq_lens2_ptr,
-                                           b, kvh, scale, max_pages2, offs_d, d_ok, HKV, D, S, K2_BITS,
-                                           K2_GROUP, K2_F32, V2_BITS, V2_GROUP, V2_F32, BLOCK_N)
-        inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # 0 for an empty sequence
-        tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
-                 (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k_ptr, v_ptr, page_table_ptr, b, kvh, start,
+                                       tl.minimum(end, len1), scale, max_pages, offs_d, d_ok, HKV, D, S,
+                                       K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D,
+                                       DOT_PRECISION)
+        if HAS2:  # the second region's slots follow the first's: [len1, total) of the sequence
+            m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k2_ptr, v2_ptr, page_table2_ptr, b, kvh,
+                                           tl.maximum(start, len1) - len1, end - len1, scale, max_pages2,
+                                           offs_d, d_ok, HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS,
+                                           V2_GROUP, V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION)
+        if ONE_SPLIT:
+            inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # 0 for an empty sequence
+            tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
+                     (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            stat = q_rows * num_splits + split  # [BLOCK_G] into [B, Hq, splits]
+            tl.store(m_ptr + stat, m_i, mask=g_ok)
+            tl.store(l_ptr + stat, l_i, mask=g_ok)
+            tl.store(acc_ptr + stat[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
 
 class Region(NamedTuple):
@@ -226,8 +283,10 @@ def _launch_format(fmt: QuantFormat | None) -> tuple[int, int, bool]:
 
 def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor,
                                   seq_lens: Tensor, *, scale: float, k_format: QuantFormat,
-                                  v_format: QuantFormat, second: Region | None = None) -> Tensor:
-    """Triton launcher (no input checks): one program per (sequence, KV head)."""
+                                  v_format: QuantFormat, second: Region | None = None,
+                                  num_splits: int = 0) -> Tensor:
+    """Triton launcher (no input checks): one program per (sequence, KV head, split); ``num_splits`` 0
+    picks the split count as for native pages (enough programs to fill the GPU twice)."""
     require_triton()
     batch, n_q, d = q.shape
     page_size, n_kv = k_pages.shape[1], k_pages.shape[2]
@@ -237,22 +296,33 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
     group = n_q // n_kv
     q = q.contiguous()
     two = second if second is not None else Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format)
-    k_bits, k_group, k_f32 = _launch_format(k_format)
-    v_bits, v_group, v_f32 = _launch_format(v_format)
-    k2_bits, k2_group, k2_f32 = _launch_format(two.k_format)
-    v2_bits, v2_group, v2_f32 = _launch_format(two.v_format)
+    cfg = launch_config("quant_decode", q.device)
+    block_n, block_g, block_d = cfg.block, max(16, triton.next_power_of_2(group)), triton.next_power_of_2(d)
+    # Static: the scratch shape never depends on the lengths' values (CUDA graphs).
+    max_len = page_table.shape[1] * page_size + (two.page_table.shape[1] * page_size if second is not None
+                                                 else 0)
+    if num_splits <= 0:
+        num_splits = _pick_num_splits(batch, n_kv, max_len, block_n, q.device)
+    chunk = max(block_n, math.ceil(max(1, max_len) / num_splits / block_n) * block_n)  # whole tiles per split
+    one_split = num_splits == 1
+    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
+    m = dummy if one_split else torch.empty(batch, n_q, num_splits, device=q.device, dtype=torch.float32)
+    l = dummy if one_split else torch.empty_like(m)
+    acc = dummy if one_split else torch.empty(batch, n_q, num_splits, d, device=q.device, dtype=torch.float32)
+    consts = dict(HKV=n_kv, G=group, D=d, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
+    formats = [_launch_format(f) for f in (k_format, v_format, two.k_format, two.v_format)]
     launch(
-        _quant_decode_kernel, (batch, n_kv),
+        _quant_decode_kernel, (batch, n_kv, num_splits),
         q, k_pages, v_pages, page_table, seq_lens, two.k_pages, two.v_pages, two.page_table, two.seq_lens,
-        out,
-        float(scale), page_table.shape[1], two.page_table.shape[1],
-        HKV=n_kv, G=group, D=d, S=page_size,
-        K_BITS=k_bits, K_GROUP=k_group, K_F32=k_f32, V_BITS=v_bits, V_GROUP=v_group, V_F32=v_f32,
-        HAS2=second is not None, K2_BITS=k2_bits, K2_GROUP=k2_group, K2_F32=k2_f32,
-        V2_BITS=v2_bits, V2_GROUP=v2_group, V2_F32=v2_f32,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d), BLOCK_N=32,
-        num_warps=4,
+        m, l, acc, out,
+        float(scale), page_table.shape[1], two.page_table.shape[1], num_splits, chunk,
+        **{f"{name}_{what}": value for name, fmt in zip(("K", "V", "K2", "V2"), formats, strict=True)
+           for what, value in zip(("BITS", "GROUP", "F32"), fmt, strict=True)},
+        HAS2=second is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ONE_SPLIT=one_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
     )
+    if not one_split:
+        reduce_splits(out, m, l, acc, num_splits, num_warps=cfg.num_warps, **consts)
     return out
 
 

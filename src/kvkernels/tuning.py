@@ -51,11 +51,14 @@ class LaunchConfig:
 
 
 #: The kernels that take a :class:`LaunchConfig`.
-KERNELS = ("decode", "prefill_scores")
+KERNELS = ("decode", "prefill_scores", "quant_decode")
 
 DEFAULTS: dict[str, LaunchConfig] = {
     "decode": LaunchConfig(block=64, num_warps=4, num_stages=3),
     "prefill_scores": LaunchConfig(block=64, num_warps=4, num_stages=3),
+    # Decode over packed pages (kvkernels.quant_attention): a [block, D] float32 tile is dequantized in
+    # registers before the tensor-core product, so half the native decode's tile.
+    "quant_decode": LaunchConfig(block=32, num_warps=4, num_stages=3),
 }
 
 #: Measured best per ``(kernel, compute capability as major * 10 + minor)``; see ``bench/results/``.
@@ -71,6 +74,7 @@ TUNED: dict[tuple[str, int], LaunchConfig] = {
 SWEEP: dict[str, dict[str, tuple[int, ...]]] = {
     "decode": {"block": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
     "prefill_scores": {"block": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)},
+    "quant_decode": {"block": (16, 32, 64), "num_warps": (4, 8), "num_stages": (2, 3)},
 }
 
 _INTERPRETER = LaunchConfig(block=16, num_warps=4, num_stages=3)

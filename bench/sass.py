@@ -1,0 +1,130 @@
+"""What a decode kernel compiles to on a Hopper GPU, read without a GPU: registers, spills, instruction mix.
+
+    python bench/sass.py                    # every case below, sm_90, the H200 bench shape (B64, L4096)
+    python bench/sass.py native int4 --json # some cases, one JSON line each
+
+Each case calls the real launcher on ``meta`` tensors (``kvkernels._triton.record_launches``, as
+``kvkernels.compile_check`` does), compiles the first kernel it launches for ``sm_90`` down to a cubin
+with the ``ptxas`` Triton ships, and reads it back with ``cuobjdump``: registers per thread, stack bytes
+(spilled registers), and how many tensor-core (``HMMA``), float32 FMA, global-load, asynchronous-copy and
+local-memory (spill) instructions the kernel holds. Static counts, not timings: they tell a kernel on the
+CUDA cores from one on the tensor cores, and a kernel that spills from one that does not, before a device
+is lent.
+
+The first quantized decode kernel (issue 36) ran 36x slower than bf16 pages on an H200
+(``bench/results/nvidia-h200-2026-11-26/run6``); here it read 255 registers and 344 spilled bytes, with
+1090 float32 FMAs and no HMMA; the native kernel 122 registers, no spills, HMMA and asynchronous copies.
+``TRITON_INTERPRET`` must be unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+# The H200 bench's quant stage shape: Llama-3-8B heads (32 query, 8 KV, dim 128), bf16, pages of 16, 4k.
+BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
+CASES = ("native", "int8", "int4", "int2", "int4+float")  # int4+float: KIVI's float residual as a 2nd region
+OPS = {"hmma": "HMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL", "stl": "STL"}
+
+
+def _launch(case: str) -> None:
+    """The launcher of ``case`` on meta tensors at the bench shape (one split, as at batch 64)."""
+    import torch
+
+    from kvkernels.paged_attention import paged_decode_attention_triton
+    from kvkernels.quant import QuantFormat
+    from kvkernels.quant_attention import Region, quant_decode_attention_triton
+
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    pages, width = BATCH * CONTEXT // PAGE, CONTEXT // PAGE
+
+    def t(*shape: int, dt: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dt, device=meta)
+
+    q, table, lens = t(BATCH, HQ, D, dt=bf16), t(BATCH, width, dt=torch.int32), t(BATCH, dt=torch.int32)
+    if case == "native":
+        pool = t(pages, PAGE, HKV, D, dt=bf16)
+        paged_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, num_splits=1)
+        return
+    fmt = QuantFormat(int(case[3]), 32)
+    pool = t(pages, PAGE, HKV, fmt.row_bytes(D), dt=torch.uint8)
+    second = None
+    if case.endswith("+float"):
+        residual = t(BATCH * 8, PAGE, HKV, D, dt=bf16)
+        second = Region(residual, residual, t(BATCH, 8, dt=torch.int32), lens)
+    quant_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, k_format=fmt, v_format=fmt,
+                                  second=second, num_splits=1)
+
+
+def stats(case: str, arch: int = 90) -> dict:
+    """Registers, stack bytes and instruction counts of ``case``'s first kernel compiled for ``sm_{arch}``."""
+    import triton
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvkernels._triton import record_launches
+
+    if case not in CASES:
+        raise ValueError(f"case={case!r} is not one of {CASES}")
+    with record_launches() as launches:
+        _launch(case)
+    first = launches[0]
+    target = GPUTarget("cuda", arch, 32)
+    sig, consts, attrs = first.specialization(backends["nvidia"].compiler(target))
+    options = {"num_warps": first.num_warps, **({} if first.num_stages is None else
+                                                 {"num_stages": first.num_stages})}
+    kernel = triton.compile(ASTSource(first.kernel, sig, consts, attrs), target=target, options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+        r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+    reg, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return dict(case=case, kernel=first.kernel.__name__, arch=arch, triton=triton.__version__,
+                num_warps=first.num_warps, num_stages=first.num_stages, registers=reg, stack_bytes=stack,
+                instructions=sum(ops.values()), **{name: ops[op] for name, op in OPS.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="*", default=list(CASES), help=f"any of {', '.join(CASES)}")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--json", action="store_true", help="one JSON line per case")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        parser.error("TRITON_INTERPRET=1 is set; unset it (the interpreter replaces the kernels it compiles)")
+    rows = [stats(c, args.arch) for c in args.cases]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    cols = ["case", "kernel", "registers", "stack_bytes", "instructions", *OPS]
+    print(f"sm_{args.arch}, triton {rows[0]['triton']}, B{BATCH} Hq{HQ} Hkv{HKV} D{D} pages of {PAGE}, "
+          f"{CONTEXT} tokens")
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
