@@ -594,7 +594,7 @@ def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> 
     split), ``gb_s`` the K/V bytes it reads (packed rows for the quantized pages) per second."""
     import torch
 
-    from kvkernels.paged_attention import paged_decode_attention_triton
+    from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_triton
     from kvkernels.quant import QuantFormat, quantize_rows
     from kvkernels.quant_attention import quant_decode_attention_triton
 
@@ -627,6 +627,12 @@ def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> 
         emit(f"int{bits}", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits,
              group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]),
              max_abs_diff_vs_native=float((got - want).abs().max()))
+        if bits == 4 and st.left() > 5:  # H2O's score update fused into the 4-bit decode (issue 36)
+            score = ScoreUpdate(torch.zeros(kq.shape[:3], device=kq.device), "accumulate")
+            s, how = st.seconds(lambda qargs=qargs, kw=kw, score=score: quant_decode_attention_triton(
+                *qargs, **kw, scores=score))
+            emit("int4+h2o-score", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits,
+                 group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]))
         del kq, vq
         if st.cuda:
             torch.cuda.empty_cache()

@@ -35,7 +35,8 @@ if str(ROOT / "src") not in sys.path:
 
 # The H200 bench's quant stage shape: Llama-3-8B heads (32 query, 8 KV, dim 128), bf16, pages of 16, 4k.
 BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
-CASES = ("native", "int8", "int4", "int2", "int4+float")  # int4+float: KIVI's float residual as a 2nd region
+# int4+float: KIVI's float residual as a second region; +h2o: the fused score update (logits kept).
+CASES = ("native", "native+h2o", "int8", "int4", "int2", "int4+float", "int4+h2o")
 OPS = {"hmma": "HMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL", "stl": "STL"}
 
 
@@ -43,7 +44,7 @@ def _launch(case: str) -> None:
     """The launcher of ``case`` on meta tensors at the bench shape (one split, as at batch 64)."""
     import torch
 
-    from kvkernels.paged_attention import paged_decode_attention_triton
+    from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_triton
     from kvkernels.quant import QuantFormat
     from kvkernels.quant_attention import Region, quant_decode_attention_triton
 
@@ -54,9 +55,13 @@ def _launch(case: str) -> None:
         return torch.empty(shape, dtype=dt, device=meta)
 
     q, table, lens = t(BATCH, HQ, D, dt=bf16), t(BATCH, width, dt=torch.int32), t(BATCH, dt=torch.int32)
-    if case == "native":
+    scores = None
+    if case.endswith("+h2o"):
+        scores = ScoreUpdate(t(pages, PAGE, HKV, dt=torch.float32), "accumulate")
+    if case.startswith("native"):
         pool = t(pages, PAGE, HKV, D, dt=bf16)
-        paged_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, num_splits=1)
+        paged_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, scores=scores,
+                                      num_splits=1)
         return
     fmt = QuantFormat(int(case[3]), 32)
     pool = t(pages, PAGE, HKV, fmt.row_bytes(D), dt=torch.uint8)
@@ -65,7 +70,7 @@ def _launch(case: str) -> None:
         residual = t(BATCH * 8, PAGE, HKV, D, dt=bf16)
         second = Region(residual, residual, t(BATCH, 8, dt=torch.int32), lens)
     quant_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, k_format=fmt, v_format=fmt,
-                                  second=second, num_splits=1)
+                                  second=second, scores=scores, num_splits=1)
 
 
 def stats(case: str, arch: int = 90) -> dict:

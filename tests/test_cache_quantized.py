@@ -110,8 +110,9 @@ def test_quantized_rows_save_what_they_claim_at_a_model_shape():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [("streaming(sinks=1)", "kivi(bits=4, group=8, residual=0)"),
+                                  ("h2o(recent=1)", "kivi(bits=2, group=8, residual=0)"),
                                   ("snapkv(window=2)", "zipcache(high=8, low=2, group=8)")],
-                         ids=["one-format", "two-formats"])
+                         ids=["one-format", "one-format-scored", "two-formats"])
 def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     run = FakeRun(2, 2, 2, 16, [9, 3, 6], 8, seed=2)
@@ -139,6 +140,7 @@ def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompil
             assert torch.equal(compiled.k_pages, eager.k_pages)
             assert torch.equal(compiled.v_pages, eager.v_pages)
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(compiled.slot_score, eager.slot_score, rtol=1e-6, atol=1e-6)
             if compiled.side is None:  # (check_invariants counts one region's pages)
                 check_invariants(compiled)
 
@@ -318,3 +320,54 @@ def test_a_session_continues_over_quantized_rows():
     assert t_n == t_q  # 8 bits: the same greedy tokens on this model, so the follow-ups see the same text
     for a, b in zip(s_n, s_q, strict=True):  # and their logits differ by the rounding only
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+
+
+@st.composite
+def scored_cases(draw):
+    eviction = draw(st.sampled_from(["h2o(recent=1)", "a2sf", "tova", "scissorhands"]))
+    bits = draw(st.sampled_from([2, 4, 8]))
+    D, group = draw(st.sampled_from([(8, 4), (8, 8), (16, 8)]))
+    page_size = draw(st.sampled_from([1, 3, 4]))
+    lens = draw(st.lists(st.sampled_from([1, 2, 3, 5, 9]), min_size=1, max_size=3))
+    n_kv, gqa = draw(st.sampled_from([(1, 1), (2, 2), (1, 3)]))
+    budget = draw(st.sampled_from([0.5, 0.8]))
+    return eviction, QuantFormat(bits, group), D, page_size, lens, n_kv, gqa, budget, draw(st.integers(0, 99))
+
+
+@given(case=scored_cases())
+def test_scoring_eviction_over_quantized_rows_scores_what_it_attends(case):
+    """Eviction that scores while decoding (h2o's accumulated attention, a2sf's decayed one, tova's latest,
+    scissorhands' low-attention count) over one quantized format: at every step and layer the attention
+    equals dense attention over the rows held (dequantized), and every held token's score moves by exactly
+    what that attention gave it (the native update rule on those probabilities, the group's mean); rows are
+    never re-encoded (each kept row stays what was written) and the cache keeps to its budget."""
+    from kvkernels._modes import update_scores_ref
+
+    eviction, fmt, D, page_size, lens, n_kv, gqa, budget, seed = case
+    run = FakeRun(2, n_kv, gqa, D, lens, 4, seed=seed)
+    cache = run.cache(compose(eviction, f"kivi(bits={fmt.bits}, group={fmt.group}, residual=0)",
+                              budget=budget), page_size=page_size)
+    run.prefill(cache)
+    mode, decay, pos = cache.score_mode, cache.decay, run.step_positions
+    written = {}  # (layer, sequence, head, position) -> the dequantized row held for it
+    for t in range(run.n_steps):
+        cache.prepare_decode(t)
+        for l, (q, k, v) in enumerate(run.steps[t]):
+            cache.append(l, k, v, pos(t))
+            before = [cache.head_contents(l, b) for b in range(len(lens))]
+            out = cache.attend(l, q, pos(t), scale=run.scale)
+            for b, heads in enumerate(before):
+                after = cache.head_contents(l, b)
+                for h, (held, now) in enumerate(zip(heads, after, strict=True)):
+                    qh = q[b, h * gqa:(h + 1) * gqa].float()  # the query heads of KV head h
+                    p = torch.softmax(run.scale * qh @ held["k"].float().T, dim=-1)  # [G, n]
+                    torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa].float(), p @ held["v"].float(),
+                                               rtol=1e-4, atol=1e-4)
+                    want = update_scores_ref(held["score"], p.mean(0), mode, decay=decay, n_valid=p.shape[1])
+                    assert torch.equal(now["pos"], held["pos"])
+                    torch.testing.assert_close(now["score"], want, rtol=1e-4, atol=1e-5)
+                    for i, position in enumerate(held["pos"].tolist()):
+                        row = torch.stack([held["k"][i], held["v"][i]])
+                        assert torch.equal(written.setdefault((l, b, h, position), row), row)
+        cache.after_step(t)
+        check_invariants(cache)

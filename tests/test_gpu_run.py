@@ -57,9 +57,12 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert not errors, errors[0]["traceback"]
     kinds = {r["kind"] for r in records}
     assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
-            "prefill_sweep", "quant_decode", "prefill_policy", "gen", "hf_static", "capacity"} <= kinds
+            "prefill_sweep", "quant_decode", "quant_sweep", "prefill_policy", "gen", "hf_static",
+            "capacity"} <= kinds
     quant = {r["impl"]: r for r in records if r["kind"] == "quant_decode"}
-    assert set(quant) == {"native", "native-1split", "int4", "int8"}
+    assert set(quant) == {"native", "native-1split", "int4", "int4+h2o-score", "int8"}
+    sweep = [r for r in records if r["kind"] == "quant_sweep"]
+    assert sweep and all("us" in r for r in sweep), sweep  # the quantized decode's launch configs
     assert quant["int4"]["kv_bytes"] < quant["int8"]["kv_bytes"] < quant["native"]["kv_bytes"]
     assert quant["int8"]["max_abs_diff_vs_native"] < quant["int4"]["max_abs_diff_vs_native"] < 0.5
     gen = [r for r in records if r["kind"] == "gen"]
@@ -116,6 +119,10 @@ def test_summary_names_the_tuned_lines_to_commit(tmp_path):
                                                                             "num_stages": 3}},
         {"stage": "kernels", "kind": "prefill_sweep", "ms": 1.5, "config": {"block": 128, "num_warps": 8,
                                                                             "num_stages": 2}},
+        {"stage": "quant", "kind": "quant_sweep", "shape": "B64-L4096", "us": 300.0,
+         "config": {"block": 32, "num_warps": 4, "num_stages": 3}},
+        {"stage": "quant", "kind": "quant_sweep", "shape": "B64-L4096", "us": 250.0,
+         "config": {"block": 64, "num_warps": 8, "num_stages": 2}},
     ]
     (tmp_path / "kernels.jsonl").write_text("\n".join(json.dumps(r) for r in lines[1:]) + "\n")
     (tmp_path / "env.jsonl").write_text(json.dumps(lines[0]) + "\n")
@@ -123,6 +130,8 @@ def test_summary_names_the_tuned_lines_to_commit(tmp_path):
     assert ('TUNED[("decode", 90)] = LaunchConfig(block=32, num_warps=8, num_stages=4)  # best at B8-L4096'
             in summary)
     assert 'TUNED[("prefill_scores", 90)] = LaunchConfig(block=128, num_warps=8, num_stages=2)' in summary
+    assert ('TUNED[("quant_decode", 90)] = LaunchConfig(block=64, num_warps=8, num_stages=2)  # 4-bit, '
+            'B64-L4096' in summary)
 
 
 @given(st.integers(0, 80), st.integers(1, 8), st.integers(0, 56))

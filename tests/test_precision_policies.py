@@ -123,8 +123,9 @@ def test_the_transformers_bridge_refuses_quantized_storage_by_name():
 
 
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
-    """The paged cache stores one format (kivi, residual 0) with any policy that updates no scores while
-    decoding, and two formats (kivi's residual, zipcache, mikv) split once after a prompt-only compression;
+    """The paged cache stores one format (kivi, residual 0) with any eviction policy, those that update
+    scores while decoding too (the quantized decode kernel fuses the update), and two formats (kivi's
+    residual, zipcache, mikv) split once after a prompt-only compression;
     the rest is refused up front, each naming the fix."""
     from kvmodels.cache import PagedKVCache
     from kvmodels.decoder import Decoder
@@ -132,9 +133,10 @@ def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
 
     model = Llama(LlamaConfig(vocab_size=31, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=32,
                               max_seq_len=64)).eval()
-    with pytest.raises(ValueError, match="precision 'zipcache' .*eviction 'h2o' updates its scores"):
+    with pytest.raises(ValueError, match="precision 'zipcache' .*two formats.*eviction 'h2o' also evicts"):
         Decoder(model, compose("h2o", "zipcache(group=8)", budget=0.5))
     Decoder(model, compose("h2o", budget=0.5))  # native precision: fine
+    Decoder(model, compose("h2o", "kivi(residual=0, group=8)", budget=0.5))  # one format: scores fused
     for spec in ("kivi(residual=0, group=8)", "kivi(group=8)", "zipcache(group=8)", "mikv(group=8)"):
         Decoder(model, compose("snapkv", spec, budget=0.5))  # stored
     Decoder(model, compose("streaming", "kivi(residual=0, group=8)", budget=0.5))  # one format: evicts too
@@ -146,11 +148,11 @@ def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
         return PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=8, n_q_heads=2, max_batch=1, max_tokens=16,
                             policy=compose(*spec, budget=0.5), rows=rows)
 
-    with pytest.raises(ValueError, match="precision 'mikv'.*eviction 'h2o' updates its scores"):
+    with pytest.raises(ValueError, match="precision 'mikv'.*two formats.*eviction 'h2o' also evicts while"):
         cache("h2o", "mikv(group=8)")
     with pytest.raises(ValueError, match="two formats.*eviction 'streaming' also evicts while decoding"):
         cache("streaming", "kivi(group=8)")
-    with pytest.raises(ValueError, match="eviction 'h2o' updates its scores in the decode kernel"):
-        cache("h2o", "kivi(residual=0, group=8)")
+    cache("h2o", "kivi(residual=0, group=8)")  # one format: the quantized decode kernel fuses the scores
+    cache("keyformer", "kivi(bits=2, residual=0, group=8)")
     with pytest.raises(ValueError, match="two formats, which the paged cache holds for one row per sequence"):
         cache("snapkv", "adakv", "kivi(group=8)", rows="heads")

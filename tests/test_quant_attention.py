@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from devices import DEVICE
-from kvkernels.paged_attention import paged_decode_attention_ref
-from kvkernels.quant import QuantFormat, quantize_rows
+from kvkernels._modes import SCORE_MODES
+from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_ref
+from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
 from kvkernels.quant_attention import (
     Region,
     quant_decode_attention,
@@ -69,6 +70,30 @@ def run(impl, case, device):
     return impl(q, kq, vq, table, lens, scale=q.shape[-1] ** -0.5, k_format=k_fmt, v_format=v_fmt).cpu()
 
 
+def runs_triton(impl, device) -> bool:
+    """Whether ``impl`` on ``device`` runs the Triton kernel (the launcher always; the op on CUDA)."""
+    return impl is not quant_decode_attention_torch and (torch.device(device).type == "cuda" or
+                                                          impl is not quant_decode_attention)
+
+
+def reference(impl, device, q, kq, vq, table, lens, *, scale, k_format, v_format, second=None, scores=None):
+    """The reference on the dequantized pool; for the Triton kernel with float16 queries, on the pool as the
+    kernel multiplies it: each dequantized row rounded once to float16 (then float32 math)."""
+    if q.dtype == torch.float32 or not runs_triton(impl, device):
+        return quant_decode_attention_ref(q, kq, vq, table, lens, scale=scale, k_format=k_format,
+                                          v_format=v_format, second=second, scores=scores)
+
+    def seen(pool, fmt):
+        rows = pool.float() if fmt is None else dequantize_rows(pool, q.shape[-1], fmt)
+        return rows.to(q.dtype).float()
+
+    if second is not None:
+        second = Region(seen(second.k_pages, second.k_format), seen(second.v_pages, second.v_format),
+                        second.page_table, second.seq_lens)
+    return quant_decode_attention_ref(q, seen(kq, k_format), seen(vq, v_format), table, lens, scale=scale,
+                                      k_format=None, v_format=None, second=second, scores=scores)
+
+
 @pytest.mark.parametrize("impl,device", [
     (quant_decode_attention_torch, "cpu"),
     (quant_decode_attention, DEVICE),
@@ -78,7 +103,9 @@ def run(impl, case, device):
 ], ids=["torch", "op", "triton", "triton-3-splits"])
 @given(case=cases())
 def test_equals_the_reference_on_the_dequantized_pool(impl, device, case):
-    want = run(quant_decode_attention_ref, case, "cpu").float()
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
+    want = reference(impl, device, q, kq, vq, table, lens, scale=q.shape[-1] ** -0.5, k_format=k_fmt,
+                     v_format=v_fmt).float()
     got = run(impl, case, device).float()
     tol = 2e-3 if case[8] == torch.float16 else 2e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -170,8 +197,8 @@ def test_two_regions_are_one_softmax(impl, device, two):
     case, lens2, fmt2 = two
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
     second = build_second(case, lens2, fmt2, "cpu")
-    want = quant_decode_attention_ref(q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt,
-                                      second=second).float()
+    want = reference(impl, device, q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt,
+                     second=second).float()
     move = [t.to(device) for t in (q, kq, vq, table, lens)]
     second_dev = Region(*(t.to(device) for t in second[:4]), fmt2, fmt2)
     got = impl(*move, scale=0.3, k_format=k_fmt, v_format=v_fmt, second=second_dev).cpu().float()
@@ -210,3 +237,54 @@ def test_the_reference_of_two_regions_is_attention_over_all_their_rows():
                                      torch.tensor([len(r) for r in rows], dtype=torch.int32), scale=0.3,
                                      k_format=fmt, v_format=fmt)
     torch.testing.assert_close(both, one)
+
+
+@pytest.mark.parametrize("impl,device", [
+    (quant_decode_attention_torch, "cpu"),
+    (quant_decode_attention, DEVICE),
+    pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
+    pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
+                 marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton", "triton-3-splits"])
+@given(case=cases(), mode=st.sampled_from([m for m in SCORE_MODES if m != "none"]),
+       tau=st.sampled_from([None, 0.5]))
+def test_the_score_update_is_fused_as_on_native_pages(impl, device, case, mode, tau):
+    """Every score mode (H2O's accumulated attention, Keyformer's Gumbel score with and without a
+    temperature, decayed, replaced, count_low) on quantized pages: the output and the scores updated in
+    place equal the native reference on the dequantized pool; slots of no sequence keep their scores."""
+    if mode == "count_low" and case[8] != torch.float32:
+        case = (*case[:8], torch.float32, case[9])  # a threshold compare: float16 rounding may flip it
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
+    g = torch.Generator().manual_seed(case[9] + 7)
+    score = torch.rand(*kq.shape[:3], generator=g)
+    noise = torch.randn(q.shape[0], q.shape[1], table.shape[1] * kq.shape[1], generator=g)
+    temperature = None if tau is None else torch.tensor([tau])
+
+    def bundle(score, dev):
+        return ScoreUpdate(score, mode, 0.9, noise.to(dev) if mode == "gumbel" else None,
+                           None if temperature is None else temperature.to(dev))
+
+    want_score = score.clone()
+    want = reference(impl, device, q, kq, vq, table, lens, scale=0.4, k_format=k_fmt, v_format=v_fmt,
+                     scores=bundle(want_score, "cpu")).float()
+    got_score = score.clone().to(device)
+    got = impl(*(t.to(device) for t in (q, kq, vq, table, lens)), scale=0.4, k_format=k_fmt, v_format=v_fmt,
+               scores=bundle(got_score, device)).cpu().float()
+    tol = 2e-3 if case[8] == torch.float16 else 2e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_score.cpu(), want_score, rtol=tol, atol=tol)
+    if mode in ("accumulate", "gumbel", "decay"):
+        assert not torch.equal(want_score, score) or not any(case[6])  # the update ran (something was seen)
+
+
+def test_a_score_update_covers_one_region():
+    case = (4, 2, 2, 32, QuantFormat(4, 16), QuantFormat(4, 16), [5, 3], torch.float16, torch.float32, 0)
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
+    second = build_second(case, [1, 2], None, "cpu")
+    scores = ScoreUpdate(torch.zeros(kq.shape[:3]), "accumulate")
+    with pytest.raises(ValueError, match="second region"):
+        quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt,
+                               second=second, scores=scores)
+    with pytest.raises(ValueError, match="scores.score"):
+        quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt,
+                               scores=ScoreUpdate(torch.zeros(3, 4, 2), "accumulate"))

@@ -363,26 +363,16 @@ def paged_decode_attention_triton(
     # parallel: as one sweep at the end of each (sequence, KV head) program it was a serial, latency-bound
     # loop (+56% on the decode at batch 8 and 64 on an H200, bench/results/nvidia-h200-2026-11-26).
     one_split = num_splits == 1 and not keep_logits
-    dev, f32 = q.device, torch.float32
-    out = torch.empty_like(q)
-    dummy = torch.empty(1, device=dev, dtype=f32)  # stands in for absent tensors; constexpr flags keep the
-    # kernels from reading it
-    partials = (batch, n_q_heads, num_splits)
-    m = dummy if one_split else torch.empty(partials, device=dev, dtype=f32)  # per-split running max
-    l = dummy if one_split else torch.empty_like(m)  # per-split sum of exp
-    acc = dummy if one_split else torch.empty(*partials, head_dim, device=dev, dtype=f32)  # unnormalised out
-    logits = torch.empty(batch, n_q_heads, max_len, device=dev, dtype=f32) if keep_logits else dummy
-    # Visible slots per split, for count_low's 1 / n_valid.
-    nvis = (torch.empty(batch, n_kv_heads, num_splits, device=dev, dtype=torch.int32)
-            if keep_logits and not one_split else dummy)
-    gm = torch.empty_like(m) if gumbel and not one_split else dummy
-    gl = torch.empty_like(m) if gumbel and not one_split else dummy
+    parts = _partials(q, n_kv_heads, num_splits, max_len, one_split=one_split, keep_logits=keep_logits,
+                      gumbel=gumbel)
+    dummy = parts.dummy
     noise = gumbel_noise if gumbel and gumbel_noise is not None else dummy
     noise_len = noise.shape[-1]
 
     def opt(t: torch.Tensor | None) -> torch.Tensor:
         return dummy if t is None else t
 
+    out = torch.empty_like(q)
     consts = dict(HKV=n_kv_heads, G=group, D=head_dim, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d,
                   BLOCK_N=block_n)
     grid = (batch, n_kv_heads, num_splits)
@@ -391,7 +381,8 @@ def paged_decode_attention_triton(
         q, k_pages, v_pages, page_table, seq_lens,
         *((dummy, dummy, dummy) if alibi is None else alibi), opt(k_scale), opt(v_scale), opt(slot_mask),
         noise, opt(temperature),
-        m, l, acc, gm, gl, nvis, logits, out, opt(score) if keep_logits else dummy,
+        parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits, out,
+        opt(score) if keep_logits else dummy,
         float(scale), int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
         HAS_ALIBI=alibi is not None, HAS_KSCALE=k_scale is not None, HAS_VSCALE=v_scale is not None,
         HAS_MASK=slot_mask is not None, KEEP_LOGITS=keep_logits, GUMBEL=gumbel,
@@ -401,37 +392,71 @@ def paged_decode_attention_triton(
         ONE_SPLIT=one_split, SCORE_MODE=mode_id if keep_logits else 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **consts,
     )
-    if one_split:
-        return out
-    score_chunk = max(block_n, SCORE_CHUNK // block_n * block_n)
-    n_update = max(num_splits, math.ceil(max_len / score_chunk)) if keep_logits else num_splits
-    launch(
-        _decode_reduce_kernel, (batch, n_kv_heads, n_update),
-        out, m, l, acc, gm, gl, nvis, logits, noise, opt(temperature),
-        opt(score) if keep_logits else dummy, page_table, seq_lens, opt(slot_mask),
-        int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, score_chunk,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id if keep_logits else 0,
-        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, num_warps=cfg.num_warps, **consts,
-    )
+    if not one_split:
+        reduce_splits(out, parts, num_splits, page_table, seq_lens, scores=scores if keep_logits else None,
+                      slot_mask=slot_mask, mask_bit=mask_bit, num_warps=cfg.num_warps, **consts)
     return out
 
 
-def reduce_splits(out: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, num_splits: int, *,
-                  num_warps: int, HKV: int, G: int, D: int, S: int, BLOCK_G: int, BLOCK_D: int,
-                  BLOCK_N: int) -> None:
-    """Write ``out [B, Hq, D]`` from a split decode's partials (``m``, ``l`` ``[B, Hq, splits]`` float32: each
-    split's running max and sum of exponentials; ``acc [B, Hq, splits, D]`` its unnormalised output): the
-    reduce kernel without a score update, one program per (sequence, KV head). Shared with
-    :mod:`kvkernels.quant_attention`, whose splits write the same partials."""
-    batch, n_kv = out.shape[0], HKV
-    dummy = torch.empty(1, device=out.device, dtype=torch.float32)
+class _Partials(NamedTuple):
+    """Scratch of a split decode: per (sequence, query head, split) the running max ``m``, sum ``l`` and
+    unnormalised output ``acc [..., D]`` (float32); for a score update the logits ``[B, Hq, Lmax]``, the
+    visible slots per (sequence, KV head, split) ``nvis`` (count_low) and gumbel's noised ``gm`` / ``gl``.
+    Absent ones are ``dummy`` (one float the kernels never read)."""
+
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+    gm: torch.Tensor
+    gl: torch.Tensor
+    nvis: torch.Tensor
+    logits: torch.Tensor
+    dummy: torch.Tensor
+
+
+def _partials(q: torch.Tensor, n_kv_heads: int, num_splits: int, max_len: int, *, one_split: bool,
+              keep_logits: bool, gumbel: bool) -> _Partials:
+    """The scratch a decode launch of ``q [B, Hq, D]`` writes (shapes static: ``max_len`` is the page
+    table's width in slots, never the lengths' values)."""
+    batch, n_q_heads, head_dim = q.shape
+    dev, f32 = q.device, torch.float32
+    dummy = torch.empty(1, device=dev, dtype=f32)
+    split = (batch, n_q_heads, num_splits)
+    m = dummy if one_split else torch.empty(split, device=dev, dtype=f32)
+    return _Partials(
+        m=m, l=dummy if one_split else torch.empty_like(m),
+        acc=dummy if one_split else torch.empty(*split, head_dim, device=dev, dtype=f32),
+        gm=torch.empty_like(m) if gumbel and not one_split else dummy,
+        gl=torch.empty_like(m) if gumbel and not one_split else dummy,
+        nvis=(torch.empty(batch, n_kv_heads, num_splits, device=dev, dtype=torch.int32)
+              if keep_logits and not one_split else dummy),
+        logits=torch.empty(batch, n_q_heads, max_len, device=dev, dtype=f32) if keep_logits else dummy,
+        dummy=dummy)
+
+
+def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_table: torch.Tensor,
+                  seq_lens: torch.Tensor, *, scores: ScoreUpdate | None, slot_mask: torch.Tensor | None,
+                  mask_bit: int, num_warps: int, **consts: int) -> None:
+    """The second launch of a split decode: ``out`` from the splits' partials and, with ``scores``, the
+    score update over chunks of :data:`SCORE_CHUNK` slots in parallel. Shared with
+    :mod:`kvkernels.quant_attention`, whose partial kernel writes the same scratch."""
+    batch, n_kv_heads, block_n = out.shape[0], consts["HKV"], consts["BLOCK_N"]
+    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
+    mode_id = _MODE_IDS[score_mode] if score is not None else 0
+    dummy = parts.dummy
+    noise = gumbel_noise if mode_id == _MODE_IDS["gumbel"] and gumbel_noise is not None else dummy
+    max_len = page_table.shape[1] * consts["S"]
+    score_chunk = max(block_n, SCORE_CHUNK // block_n * block_n)
+    n_update = max(num_splits, math.ceil(max_len / score_chunk)) if mode_id else 1
     launch(
-        _decode_reduce_kernel, (batch, n_kv, 1),
-        out, m, l, acc, dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy, dummy,
-        0, 0.0, 0, 1, 0, num_splits, BLOCK_N,
-        HKV=HKV, G=G, D=D, S=S, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=0, HAS_MASK=False, HAS_TEMP=False,
-        num_warps=num_warps,
+        _decode_reduce_kernel, (batch, n_kv_heads, n_update),
+        out, parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits, noise,
+        dummy if temperature is None else temperature, dummy if score is None else score, page_table,
+        seq_lens, dummy if slot_mask is None else slot_mask,
+        int(mask_bit), float(decay), page_table.shape[1], noise.shape[-1], parts.logits.shape[-1],
+        num_splits, score_chunk,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id,
+        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, num_warps=num_warps, **consts,
     )
 
 
@@ -621,6 +646,40 @@ def _check_bundle(name: str, value: object, kind: Any) -> None:
                         f"{type(value).__name__}")
 
 
+def check_scores(scores: ScoreUpdate | None, q: torch.Tensor, page_table: torch.Tensor,
+                 slots: tuple[int, int, int]) -> None:
+    """The ``scores`` bundle of a decode over a pool of ``slots = (P, S, Hkv)`` (metadata only, no device
+    sync): each field's error names it (``scores.mode``, ``scores.gumbel_noise``). Shared with
+    :mod:`kvkernels.quant_attention`."""
+    _check_bundle("scores", scores, ScoreUpdate)
+    if scores is None:
+        return
+    ck, dev = _checks.check_tensor, q.device
+    batch, n_q_heads, _ = q.shape
+    page_size = slots[1]
+    mode = scores.mode
+    _checks.check_choice("scores.mode", mode, SCORE_MODES)
+    if scores.score is not None:
+        ck("scores.score", scores.score, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
+        _checks.check_shape("scores.score", scores.score, slots, "[P, S, Hkv] of the pool")
+    elif mode != "none":
+        raise ValueError(f"scores.mode={mode!r} updates scores in place: pass scores.score "
+                         "([P, S, Hkv] float32)")
+    if mode == "gumbel":
+        noise = scores.gumbel_noise
+        if noise is None:
+            raise ValueError("scores.mode='gumbel' needs scores.gumbel_noise ([B, Hq, Lmax] float32)")
+        ck("scores.gumbel_noise", noise, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
+        _checks.check_shape("scores.gumbel_noise", noise, (batch, n_q_heads, None), "[B, Hq, Lmax]")
+        if noise.shape[2] < page_table.shape[1] * page_size:
+            raise ValueError(f"scores.gumbel_noise has {noise.shape[2]} slots per head but the page "
+                             f"table covers {page_table.shape[1] * page_size}; allocate [B, Hq, M * S]")
+    if scores.temperature is not None:
+        ck("scores.temperature", scores.temperature, ndim=1, dtypes=(torch.float32,), device=dev,
+           contiguous=True)
+        _checks.check_shape("scores.temperature", scores.temperature, (1,), "a 1-element tensor")
+
+
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi, scores, restore,
                   num_splits) -> None:
     """Metadata checks (no device sync): ranks, shapes, dtypes, devices, contiguity, the bundles' fields.
@@ -647,34 +706,13 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi, sc
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 picks a heuristic), got {num_splits}")
     _check_bundle("alibi", alibi, Alibi)
-    _check_bundle("scores", scores, ScoreUpdate)
     _check_bundle("restore", restore, Restore)
 
     def per_slot(name: str, t: object, dtype: torch.dtype) -> None:
         t = ck(name, t, ndim=3, dtypes=(dtype,), device=dev, contiguous=True)
         _checks.check_shape(name, t, (num_pages, page_size, n_kv_heads), "[P, S, Hkv] of the pool")
 
-    if scores is not None:
-        mode = scores.mode
-        _checks.check_choice("scores.mode", mode, SCORE_MODES)
-        if scores.score is not None:
-            per_slot("scores.score", scores.score, torch.float32)
-        elif mode != "none":
-            raise ValueError(f"scores.mode={mode!r} updates scores in place: pass scores.score "
-                             "([P, S, Hkv] float32)")
-        if mode == "gumbel":
-            noise = scores.gumbel_noise
-            if noise is None:
-                raise ValueError("scores.mode='gumbel' needs scores.gumbel_noise ([B, Hq, Lmax] float32)")
-            ck("scores.gumbel_noise", noise, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
-            _checks.check_shape("scores.gumbel_noise", noise, (batch, n_q_heads, None), "[B, Hq, Lmax]")
-            if noise.shape[2] < page_table.shape[1] * page_size:
-                raise ValueError(f"scores.gumbel_noise has {noise.shape[2]} slots per head but the page "
-                                 f"table covers {page_table.shape[1] * page_size}; allocate [B, Hq, M * S]")
-        if scores.temperature is not None:
-            ck("scores.temperature", scores.temperature, ndim=1, dtypes=(torch.float32,), device=dev,
-               contiguous=True)
-            _checks.check_shape("scores.temperature", scores.temperature, (1,), "a 1-element tensor")
+    check_scores(scores, q, page_table, (num_pages, page_size, n_kv_heads))
     if restore is not None:
         if not 1 <= restore.mask_bit <= 255:
             raise ValueError(f"restore.mask_bit must be in [1, 255] (a bit of the uint8 restore.slot_mask), "

@@ -32,7 +32,18 @@ from torch import Tensor
 
 from kvkernels._checks import check_page_table, check_seq_lens, check_shape, check_tensor
 from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
-from kvkernels.paged_attention import _NEG_BIG, _masked_softmax, _pick_num_splits, reduce_splits
+from kvkernels.paged_attention import (
+    _NEG_BIG,
+    _NO_SCORES,
+    ScoreUpdate,
+    _masked_softmax,
+    _partials,
+    _pick_num_splits,
+    check_scores,
+    paged_decode_attention_ref,
+    paged_decode_attention_torch,
+    reduce_splits,
+)
 from kvkernels.quant import _PARAM_NAMES, QuantFormat, dequantize_rows
 from kvkernels.tuning import launch_config
 
@@ -107,15 +118,19 @@ if HAS_TRITON:
             return code.to(tl.float32) * s + z
 
     @triton.jit
-    def _attend_region(q, m_i, l_i, acc, k_ptr, v_ptr, page_table_ptr, b, kvh, start, end, scale, max_pages,
-                       offs_d, d_ok,
+    def _attend_region(q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr,
+                       noise_ptr, q_rows, g_ok, b, kvh, start, end, scale, tau, max_pages, logits_len,
+                       noise_len, offs_d, d_ok,
                        HKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
                        K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
                        V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr):
         """The online softmax state ``(m_i, l_i, acc)`` after slots ``[start, end)`` of one region of
         sequence ``b``. Each tile is dequantized in float32, rounded once to the query's dtype and multiplied
-        on the tensor cores (fp32 queries: exact fp32 products)."""
+        on the tensor cores (fp32 queries: exact fp32 products). ``KEEP_LOGITS``: the fp32 logits go to
+        the scratch by slot, with the visible count ``n_vis`` and (``GUMBEL``) the noised running max and
+        sum ``(gm_i, gl_i)``, for the reduce kernel's score update (as in the native decode kernel)."""
         offs_n = tl.arange(0, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             slots = n0 + offs_n
@@ -132,25 +147,38 @@ if HAS_TRITON:
             v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
-        return m_i, l_i, acc
+            if KEEP_LOGITS:
+                lmask = g_ok[:, None] & in_seq[None, :]
+                tl.store(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], x, mask=lmask)
+                n_vis += in_seq.to(tl.int32)
+                if GUMBEL:
+                    noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask,
+                                    other=0.0)
+                    y = (x + noise) / tau  # stays -inf past the length
+                    gm_new = tl.maximum(gm_i, tl.max(y, axis=1))
+                    gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
+                    gm_i = gm_new
+        return m_i, l_i, acc, gm_i, gl_i, n_vis
 
     @triton.jit
     def _quant_decode_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr,
-        k2_ptr, v2_ptr, page_table2_ptr, seq_lens2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-        scale, max_pages, max_pages2, num_splits, chunk,
+        k2_ptr, v2_ptr, page_table2_ptr, seq_lens2_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr,
+        logits_ptr, noise_ptr, temp_ptr, out_ptr,
+        scale, max_pages, max_pages2, num_splits, chunk, logits_len, noise_len,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
         HAS2: tl.constexpr, K2_BITS: tl.constexpr, K2_GROUP: tl.constexpr, K2_F32: tl.constexpr,
         V2_BITS: tl.constexpr, V2_GROUP: tl.constexpr, V2_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        ONE_SPLIT: tl.constexpr,
+        ONE_SPLIT: tl.constexpr, KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's slots, the first
         region's then (``HAS2``) the second's, laid end to end; the group's query heads together (one
-        ``tl.dot`` per tile). One split normalises and writes the output; several write partials that
-        ``paged_attention``'s reduce kernel combines (as for native pages)."""
+        ``tl.dot`` per tile). One split normalises and writes the output; several write the partials (and,
+        ``KEEP_LOGITS``, the first region's logits) that ``paged_attention.reduce_splits`` combines and
+        scores, as for native pages."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -161,6 +189,9 @@ if HAS_TRITON:
         q_rows = (b * HKV + kvh) * G + offs_g
         q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                     other=0.0)
+        tau = 1.0
+        if GUMBEL and HAS_TEMP:
+            tau = tl.load(temp_ptr)
         len1 = tl.load(seq_lens_ptr + b)
         total = len1
         if HAS2:
@@ -170,15 +201,20 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k_ptr, v_ptr, page_table_ptr, b, kvh, start,
-                                       tl.minimum(end, len1), scale, max_pages, offs_d, d_ok, HKV, D, S,
-                                       K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D,
-                                       DOT_PRECISION)
+        gm_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
+        gl_i = tl.zeros([BLOCK_G], tl.float32)
+        n_vis = tl.zeros([BLOCK_N], tl.int32)
+        m_i, l_i, acc, gm_i, gl_i, n_vis = _attend_region(
+            q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr, noise_ptr, q_rows,
+            g_ok, b, kvh, start, tl.minimum(end, len1), scale, tau, max_pages, logits_len, noise_len, offs_d,
+            d_ok, HKV, D, S, K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            KEEP_LOGITS, GUMBEL)
         if HAS2:  # the second region's slots follow the first's: [len1, total) of the sequence
-            m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k2_ptr, v2_ptr, page_table2_ptr, b, kvh,
-                                           tl.maximum(start, len1) - len1, end - len1, scale, max_pages2,
-                                           offs_d, d_ok, HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS,
-                                           V2_GROUP, V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION)
+            m_i, l_i, acc, gm_i, gl_i, n_vis = _attend_region(
+                q, m_i, l_i, acc, gm_i, gl_i, n_vis, k2_ptr, v2_ptr, page_table2_ptr, logits_ptr, noise_ptr,
+                q_rows, g_ok, b, kvh, tl.maximum(start, len1) - len1, end - len1, scale, tau, max_pages2,
+                logits_len, noise_len, offs_d, d_ok, HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS, V2_GROUP,
+                V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION, False, False)
         if ONE_SPLIT:
             inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # 0 for an empty sequence
             tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
@@ -188,6 +224,11 @@ if HAS_TRITON:
             tl.store(m_ptr + stat, m_i, mask=g_ok)
             tl.store(l_ptr + stat, l_i, mask=g_ok)
             tl.store(acc_ptr + stat[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+            if KEEP_LOGITS:
+                tl.store(nvis_ptr + (b * HKV + kvh) * num_splits + split, tl.sum(n_vis, axis=0))
+                if GUMBEL:
+                    tl.store(gm_ptr + stat, gm_i, mask=g_ok)
+                    tl.store(gl_ptr + stat, gl_i, mask=g_ok)
 
 
 class Region(NamedTuple):
@@ -212,10 +253,16 @@ def _rows(pages: Tensor, head_dim: int, fmt: QuantFormat | None) -> Tensor:
 
 def quant_decode_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor,
                                seq_lens: Tensor, *, scale: float, k_format: QuantFormat,
-                               v_format: QuantFormat, second: Region | None = None) -> Tensor:
+                               v_format: QuantFormat, second: Region | None = None,
+                               scores: ScoreUpdate | None = None) -> Tensor:
     """Reference: each sequence's rows of every region dequantized and laid end to end, then plain softmax
-    attention in float32, one sequence at a time."""
+    attention in float32, one sequence at a time. With ``scores`` (one region): the native reference on the
+    dequantized pool, which updates the scores in place."""
     batch, n_q, d = q.shape
+    if scores is not None and scores.mode != "none":
+        assert second is None, "a score update covers one region"
+        return paged_decode_attention_ref(q, _rows(k_pages, d, k_format), _rows(v_pages, d, v_format),
+                                          page_table, seq_lens, scale=scale, scores=scores)
     regions = [Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format)]
     if second is not None:
         regions.append(second)
@@ -255,10 +302,14 @@ def _gather(region: Region, width: int, head_dim: int) -> tuple[Tensor, Tensor, 
 
 def quant_decode_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor,
                                  seq_lens: Tensor, *, scale: float, k_format: QuantFormat,
-                                 v_format: QuantFormat, second: Region | None = None) -> Tensor:
+                                 v_format: QuantFormat, second: Region | None = None,
+                                 scores: ScoreUpdate | None = None) -> Tensor:
     """Batched torch path (no input checks): gathers and dequantizes the pages the longest sequence of each
-    region covers (one host read each), then one masked softmax over both regions' slots."""
+    region covers (one host read each), then one masked softmax over both regions' slots. With ``scores``
+    (one region): :func:`_scored_torch`."""
     batch, n_q, d = q.shape
+    if scores is not None and scores.mode != "none" and scores.score is not None and batch:
+        return _scored_torch(q, k_pages, v_pages, page_table, seq_lens, scale, k_format, v_format, scores)
     regions = [Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format)]
     if second is not None:
         regions.append(second)
@@ -274,6 +325,32 @@ def quant_decode_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, pa
     return torch.einsum("bhgn,bnhd->bhgd", p, v).reshape(batch, n_q, d).to(q.dtype)
 
 
+def _scored_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, seq_lens: Tensor,
+                  scale: float, k_format: QuantFormat, v_format: QuantFormat, scores: ScoreUpdate) -> Tensor:
+    """The pages each sequence holds, dequantized into a small float pool (plus one empty page for the
+    table's unused entries) with their scores, through the native torch path and its score update; the
+    updated scores written back to their pages (each page is one sequence's: no duplicates)."""
+    S = k_pages.shape[1]
+    width = int(seq_lens.max())
+    if width == 0:
+        return torch.zeros_like(q)
+    n_pages = -(-width // S)
+    own = torch.arange(n_pages, device=q.device) < (seq_lens[:, None] + S - 1) // S  # [B, n_pages]
+    pages = page_table[:, :n_pages].long()[own]  # [V] the pool's pages in use
+    table = torch.full(own.shape, pages.numel(), dtype=torch.int32, device=q.device)  # unused: the empty page
+    table[own] = torch.arange(pages.numel(), dtype=torch.int32, device=q.device)
+
+    def small(pool: Tensor, fmt: QuantFormat | None) -> Tensor:
+        rows = _rows(pool.index_select(0, pages), q.shape[-1], fmt)
+        return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])
+
+    score = torch.cat([scores.score[pages], scores.score.new_zeros(1, *scores.score.shape[1:])])
+    out = paged_decode_attention_torch(q, small(k_pages, k_format), small(v_pages, v_format), table, seq_lens,
+                                       scale=scale, scores=scores._replace(score=score))
+    scores.score[pages] = score[:-1]
+    return out
+
+
 def _launch_format(fmt: QuantFormat | None) -> tuple[int, int, bool]:
     """``(BITS, GROUP, PARAM_F32)`` of a region's pool for the kernel; ``BITS = 0``: float rows."""
     if fmt is None:
@@ -284,7 +361,7 @@ def _launch_format(fmt: QuantFormat | None) -> tuple[int, int, bool]:
 def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor,
                                   seq_lens: Tensor, *, scale: float, k_format: QuantFormat,
                                   v_format: QuantFormat, second: Region | None = None,
-                                  num_splits: int = 0) -> Tensor:
+                                  scores: ScoreUpdate | None = None, num_splits: int = 0) -> Tensor:
     """Triton launcher (no input checks): one program per (sequence, KV head, split); ``num_splits`` 0
     picks the split count as for native pages (enough programs to fill the GPU twice)."""
     require_triton()
@@ -304,25 +381,31 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
     if num_splits <= 0:
         num_splits = _pick_num_splits(batch, n_kv, max_len, block_n, q.device)
     chunk = max(block_n, math.ceil(max(1, max_len) / num_splits / block_n) * block_n)  # whole tiles per split
-    one_split = num_splits == 1
-    dummy = torch.empty(1, device=q.device, dtype=torch.float32)
-    m = dummy if one_split else torch.empty(batch, n_q, num_splits, device=q.device, dtype=torch.float32)
-    l = dummy if one_split else torch.empty_like(m)
-    acc = dummy if one_split else torch.empty(batch, n_q, num_splits, d, device=q.device, dtype=torch.float32)
+    score, mode, _, noise, temperature = _NO_SCORES if scores is None else scores
+    keep_logits = mode != "none" and score is not None  # the first region's slots only (second: refused)
+    gumbel = keep_logits and mode == "gumbel"
+    one_split = num_splits == 1 and not keep_logits
+    parts = _partials(q, n_kv, num_splits, page_table.shape[1] * page_size, one_split=one_split,
+                      keep_logits=keep_logits, gumbel=gumbel)
+    noise = noise if gumbel and noise is not None else parts.dummy
     consts = dict(HKV=n_kv, G=group, D=d, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     formats = [_launch_format(f) for f in (k_format, v_format, two.k_format, two.v_format)]
     launch(
         _quant_decode_kernel, (batch, n_kv, num_splits),
         q, k_pages, v_pages, page_table, seq_lens, two.k_pages, two.v_pages, two.page_table, two.seq_lens,
-        m, l, acc, out,
-        float(scale), page_table.shape[1], two.page_table.shape[1], num_splits, chunk,
+        parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits, noise,
+        parts.dummy if temperature is None else temperature, out,
+        float(scale), page_table.shape[1], two.page_table.shape[1], num_splits, chunk, parts.logits.shape[-1],
+        noise.shape[-1],
         **{f"{name}_{what}": value for name, fmt in zip(("K", "V", "K2", "V2"), formats, strict=True)
            for what, value in zip(("BITS", "GROUP", "F32"), fmt, strict=True)},
         HAS2=second is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ONE_SPLIT=one_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+        ONE_SPLIT=one_split, KEEP_LOGITS=keep_logits, GUMBEL=gumbel, HAS_TEMP=temperature is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
     )
     if not one_split:
-        reduce_splits(out, m, l, acc, num_splits, num_warps=cfg.num_warps, **consts)
+        reduce_splits(out, parts, num_splits, page_table, seq_lens, scores=scores if keep_logits else None,
+                      slot_mask=None, mask_bit=1, num_warps=cfg.num_warps, **consts)
     return out
 
 
@@ -356,6 +439,28 @@ def _quant_decode_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Te
 @_quant_decode_op.register_fake
 def _(q, k_pages, v_pages, page_table, seq_lens, scale, k_bits, k_group, k_params, v_bits, v_group,
       v_params, second, k2_bits, k2_group, k2_params, v2_bits, v2_group, v2_params):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kvkernels::quant_decode_attention_scored", mutates_args=("score",))
+def _quant_decode_scored_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor,
+                            seq_lens: Tensor, scale: float, k_bits: int, k_group: int, k_params: str,
+                            v_bits: int, v_group: int, v_params: str, score: Tensor, score_mode: str,
+                            decay: float, gumbel_noise: Tensor | None, temperature: Tensor | None) -> Tensor:
+    """One region with the fused score update (``score`` updated in place): an op of its own, since inductor
+    failed to lower one op holding both the second region's tensor list and a mutated tensor (torch 2.13).
+    The ``scores`` bundle is flattened field by field, as for ``kvkernels::paged_decode_attention``, and no
+    argument has a default (the same reason as there)."""
+    impl = quant_decode_attention_triton if use_triton(q) else quant_decode_attention_torch
+    return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
+                k_format=QuantFormat(k_bits, k_group, getattr(torch, k_params)),
+                v_format=QuantFormat(v_bits, v_group, getattr(torch, v_params)),
+                scores=ScoreUpdate(score, score_mode, decay, gumbel_noise, temperature))
+
+
+@_quant_decode_scored_op.register_fake
+def _(q, k_pages, v_pages, page_table, seq_lens, scale, k_bits, k_group, k_params, v_bits, v_group,
+      v_params, score, score_mode, decay, gumbel_noise, temperature):
     return torch.empty_like(q)
 
 
@@ -393,7 +498,7 @@ def _check_table(name: str, page_table: Tensor, seq_lens: Tensor, batch: int, de
 def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, seq_lens: Tensor,
                            *, scale: float, k_format: QuantFormat = _DEFAULT,
                            v_format: QuantFormat = _DEFAULT, second: Region | None = None,
-                           validate: bool = True) -> Tensor:
+                           scores: ScoreUpdate | None = None, validate: bool = True) -> Tensor:
     """One decode step's attention over quantized pages: ``out [B, Hq, D]`` in ``q``'s dtype.
 
     Parameters
@@ -411,6 +516,10 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
         Bits, group size and parameter dtype of each pool.
     second : :class:`Region`, optional
         More slots of each sequence in a second pool (another format, or float rows): one softmax over both.
+    scores : :class:`kvkernels.paged_attention.ScoreUpdate`, optional
+        The fused per-slot score update of the native decode (H2O's accumulated attention, Keyformer's
+        Gumbel score, decayed and count modes), ``score [P, S, Hkv]`` of this pool updated in place from the
+        attention over the dequantized rows. One region only.
     validate : bool
         Check the lengths and the page tables against the pools (reads the device: a host sync).
     """
@@ -422,6 +531,10 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
     if n_q % n_kv:
         raise ValueError(f"q has {n_q} heads, not a multiple of the pool's {n_kv} KV heads (GQA groups)")
     _check_table("", page_table, seq_lens, batch, q.device, num_pages, page_size, validate)
+    check_scores(scores, q, page_table, (num_pages, page_size, n_kv))
+    if second is not None and scores is not None and scores.score is not None:
+        raise ValueError("scores with a second region: the score update covers one region's slots; pass "
+                         "second=None (one format) or scores=None")
     extra: list[Tensor] = []
     if second is not None:
         if not isinstance(second, Region):
@@ -436,6 +549,10 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
                     second.k_pages.dtype if second.k_format is None else None)
         _check_table("second.", second.page_table, second.seq_lens, batch, q.device, p2, page_size, validate)
         extra = [second.k_pages, second.v_pages, second.page_table, second.seq_lens]
+    if scores is not None and scores.score is not None:  # (mode "none": a read-only call, the same op)
+        return torch.ops.kvkernels.quant_decode_attention_scored(
+            q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
+            *_format_args(v_format), *scores)
     two = second if second is not None else Region(k_pages, v_pages, page_table, seq_lens)
     return torch.ops.kvkernels.quant_decode_attention(
         q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
@@ -453,6 +570,8 @@ COMPILE_AXES: dict[str, tuple] = {
     "group": (32, 64),
     "gqa": (1, 4, 8),
     "second": ("none", "float", "4bit"),  # a second region: none, float rows of q's dtype, 4-bit rows
+    "splits": (1, 3),  # split-K partials and the shared reduce kernel
+    "score": ("none", "accumulate", "gumbel"),  # the fused score update (logits kept; gumbel's noised stats)
 }
 
 
@@ -465,7 +584,7 @@ def compile_variants(full: bool = False):
 
 
 def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int,
-                 second: str = "none") -> None:
+                 second: str = "none", splits: int = 1, score: str = "none") -> None:
     B, P, S, M, Hkv = 3, 40, 16, 12, 2
     meta = torch.device("meta")
 
@@ -480,6 +599,12 @@ def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: 
         width = head_dim if fmt2 is None else fmt2.row_bytes(head_dim)
         pool2 = t(P, S, Hkv, width, dt=dtype if fmt2 is None else torch.uint8)
         region = Region(pool2, pool2, t(B, M, dt=torch.int32), t(B, dt=torch.int32), fmt2, fmt2)
+    scores = None
+    if score != "none":
+        gumbel = score == "gumbel"
+        scores = ScoreUpdate(t(P, S, Hkv, dt=torch.float32), score, 1.0,
+                             t(B, Hkv * gqa, M * S, dt=torch.float32) if gumbel else None,
+                             t(1, dt=torch.float32) if gumbel else None)
     quant_decode_attention_triton(t(B, Hkv * gqa, head_dim, dt=dtype), pool, pool, t(B, M, dt=torch.int32),
                                   t(B, dt=torch.int32), scale=head_dim ** -0.5, k_format=fmt, v_format=fmt,
-                                  second=region)
+                                  second=region, scores=scores, num_splits=splits)

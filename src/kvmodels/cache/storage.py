@@ -78,10 +78,10 @@ class PackedRows(NativeRows):
 
     def attention(self, q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi=None, scores=None,
                   restore=None) -> torch.Tensor:
-        # row_storage refused the policies that would pass any of these.
-        assert alibi is None and restore is None and (scores is None or scores.mode == "none")
+        # The cache refuses ALiBi with quantized rows, and compose refuses merging (restore) with them.
+        assert alibi is None and restore is None
         return quant_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
-                                      k_format=self.fmt, v_format=self.fmt, validate=False)
+                                      k_format=self.fmt, v_format=self.fmt, scores=scores, validate=False)
 
 
 def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, PackedRows | None]:
@@ -93,10 +93,6 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, 
         return NativeRows(head_dim, dtype), None
     name = f"policy {policy.name!r}: precision {precision.name!r} ({precision})"
     ev = policy.eviction
-    if ev.score_mode != "none":
-        raise ValueError(f"{name}: eviction {ev.name!r} updates its scores in the decode kernel, which the "
-                         "quantized decode kernel does not fuse yet (issue 36); use a prompt-only policy "
-                         "(snapkv, knorm, chunkkv, streaming, ...)")
     # Merging (restored from magnitudes) with quantization is refused by compose itself.
     formats = sorted(precision.formats())  # (low, high): NATIVE_BITS = 16 is the cache's dtype
     if precision.name == "kivi" and not precision.residual:
