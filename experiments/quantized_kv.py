@@ -14,7 +14,8 @@ Tasks (one JSON line per (task, config, budget), appended to ``--out``; a rerun 
   text: the first ``--ppl-prefill`` tokens prefilled (unquantized attention, quantized storage), the rest
   teacher-forced one decode step each, every step reading the quantized rows. With ``full`` nothing is
   evicted (quantization alone); with ``streaming`` each layer keeps ``budget * ppl-tokens`` tokens, evicting
-  while it decodes.
+  while it decodes; with ``h2o`` each layer keeps the tokens of most accumulated attention, its scores updated
+  by every decode step's attention over the quantized rows (the score update fused into the quantized decode).
 
 Run: ``python -m experiments.quantized_kv --out experiments/results/quantized-kv.jsonl``;
 ``--report`` prints the tables and runs nothing.
@@ -38,7 +39,8 @@ PASSKEY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), (f"full+{KIVI2
 PASSKEY += [(p, b) for b in (0.2, 0.5)
             for p in (SNAPKV, f"{SNAPKV}+kivi(bits=4, residual=0)", f"{SNAPKV}+mikv")]
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
-              (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2)]
+              (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2),
+              ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2)]  # h2o: scores fused over packed rows
 
 
 def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:

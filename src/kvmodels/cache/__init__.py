@@ -9,10 +9,13 @@ Its parts, one module each:
   :class:`HeadRows`, one per sequence and KV head, for head budgets), a strategy the cache is built with;
 * ``mirror.py``: :class:`HostMirror`, the host copy of every row's length and state;
 * ``compaction.py``: :class:`Compactor`, the ``topk_compact`` / ``topk_evict`` calls and MiniCache regions;
-* ``paged.py``: :class:`PagedKVCache`, the lifecycle (start, finish_prefill, finish_sequence, report), with
-  its phases ``prefill.py`` (prompts), ``decode.py`` (the compiled step and decode-time eviction) and
+* ``paged.py``: :class:`PagedKVCache`, the lifecycle (start, finish_prefill, finish_sequence), with its
+  phases ``prefill.py`` (prompts), ``decode.py`` (the compiled step and decode-time eviction) and
   ``extend.py`` (pause, extension, restart);
-* ``report.py``: :class:`CacheReport`.
+* ``storage.py``: how a row holds a token (the cache's dtype, or packed quantized rows); ``tiers.py``: the
+  second region of a cache that keeps tokens in two formats;
+* ``report.py``: :class:`CacheReport`; ``contents.py``: the inspection methods (``report``,
+  ``head_contents``, ``layer_contents``).
 """
 
 from __future__ import annotations
