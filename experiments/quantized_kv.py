@@ -36,6 +36,9 @@ KIVI2 = "kivi(bits=2, group=16, residual=0)"
 PASSKEY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), (f"full+{KIVI2}", 1.0), ("full+kivi", 1.0),
            ("full+kivi(bits=2)", 1.0), (f"{SCORER}+zipcache", 1.0),
            (f"{SCORER}+zipcache(high=4, low=2, salient=0.2, group=16)", 1.0)]
+# ZipCache's channel-separable keys (kvkernels.quant.key_channel_scale) on the 2-bit settings above
+PASSKEY += [(f"full+{KIVI2[:-1]}, channel_scale=True)", 1.0), ("full+kivi(bits=2, channel_scale=True)", 1.0),
+            (f"{SCORER}+zipcache(channel_scale=True)", 1.0)]
 PASSKEY += [(p, b) for b in (0.2, 0.5)
             for p in (SNAPKV, f"{SNAPKV}+kivi(bits=4, residual=0)", f"{SNAPKV}+mikv")]
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),

@@ -111,8 +111,9 @@ def test_quantized_rows_save_what_they_claim_at_a_model_shape():
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [("streaming(sinks=1)", "kivi(bits=4, group=8, residual=0)"),
                                   ("h2o(recent=1)", "kivi(bits=2, group=8, residual=0)"),
+                                  ("knorm", "kivi(bits=2, group=8, residual=0, channel_scale=True)"),
                                   ("snapkv(window=2)", "zipcache(high=8, low=2, group=8)")],
-                         ids=["one-format", "one-format-scored", "two-formats"])
+                         ids=["one-format", "one-format-scored", "channel-separable", "two-formats"])
 def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     run = FakeRun(2, 2, 2, 16, [9, 3, 6], 8, seed=2)
@@ -295,17 +296,18 @@ def test_a_tiered_cache_refuses_a_continuation_by_name():
         cache.begin_extend(0, 2)
 
 
-def test_a_session_continues_over_quantized_rows():
+@pytest.mark.parametrize("channels", ["", ", channel_scale=True"], ids=["token-wise", "channel-separable"])
+def test_a_session_continues_over_quantized_rows(channels):
     """``Decoder``: prompts, a generation, a follow-up extension and another generation over one-format
-    quantized rows (the extension's attention reads the dequantized kept rows and appends quantized ones).
-    The prompts' logits are the unquantized cache's (the prompt attends to its own float K/V); the
-    follow-up's stay within 8-bit rounding of them."""
+    quantized rows (the extension's attention reads the dequantized kept rows and appends quantized ones;
+    with channel-separable keys, over each row's factors). The prompts' logits are the unquantized cache's
+    (the prompt attends to its own float K/V); the follow-up's stay within 8-bit rounding of them."""
     from kvmodels.decoder import Decoder
     from test_model_policy_matrix import PROMPTS, tiny_model
 
     model = tiny_model("llama")
     outs = {}
-    for name, spec in (("native", ()), ("quant", ("kivi(bits=8, group=2, residual=0)",))):
+    for name, spec in (("native", ()), ("quant", (f"kivi(bits=8, group=2, residual=0{channels})",))):
         dec = Decoder(model, compose("snapkv(window=2)", *spec, budget=0.5), max_tokens=48)
         first = dec.extend(PROMPTS[:2])
         gen = dec.generate(3)
@@ -371,3 +373,86 @@ def test_scoring_eviction_over_quantized_rows_scores_what_it_attends(case):
                         assert torch.equal(written.setdefault((l, b, h, position), row), row)
         cache.after_step(t)
         check_invariants(cache)
+
+
+@given(case=cases())
+def test_channel_separable_keys_store_each_key_over_its_row_factor(case):
+    """ZipCache's channel-separable keys (``channel_scale=True``): the same tokens are kept as without
+    (scores come from the float prompt); every kept K row is the round trip of ``k / c`` times ``c``, with
+    ``c = key_channel_scale`` of that row's prompt keys (per layer, sequence and KV head; a power of two),
+    the V rows as without; decode attention equals dense attention over those rows."""
+    from kvkernels.quant import key_channel_scale
+
+    eviction, fmt, D, page_size, lens, n_kv, gqa, budget, seed = case
+    run = FakeRun(2, n_kv, gqa, D, lens, 3, seed=seed)
+    spec = f"kivi(bits={fmt.bits}, group={fmt.group}, residual=0, channel_scale=True)"
+    rows = "heads" if "adakv" in eviction else "sequences"
+    native = run.cache(compose(eviction, budget=budget), page_size=page_size, rows=rows)
+    quant = run.cache(compose(eviction, spec, budget=budget), page_size=page_size, rows=rows)
+
+    def check():
+        for l in range(run.n_layers):
+            for b in range(len(lens)):
+                c = key_channel_scale(run.prompt[l][b][1])  # [Hkv, D]
+                assert bool(((c.log2() % 1) == 0).all())  # powers of two
+                for h, (want, got) in enumerate(zip(native.head_contents(l, b), quant.head_contents(l, b),
+                                                    strict=True)):
+                    assert torch.equal(got["pos"], want["pos"])
+                    assert torch.equal(got["k"], round_trip(want["k"] / c[h], fmt) * c[h]), (l, b, h)
+                    assert torch.equal(got["v"], round_trip(want["v"], fmt)), (l, b, h)
+
+    for cache in (native, quant):
+        run.prefill(cache)
+    check()
+    pos = run.step_positions
+    for t in range(run.n_steps):
+        for cache in (native, quant):
+            cache.prepare_decode(t)
+            for l, (q, k, v) in enumerate(run.steps[t]):
+                cache.append(l, k, v, pos(t))
+                out = cache.attend(l, q, pos(t), scale=run.scale)
+                if cache is quant:
+                    for b in range(len(lens)):
+                        for h, held in enumerate(quant.head_contents(l, b)):
+                            qh = q[b, h * gqa:(h + 1) * gqa]
+                            want = dense_attention(qh, held["k"][:, None], held["v"][:, None], run.scale)
+                            torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa], want.to(out.dtype),
+                                                       rtol=1e-4, atol=1e-4)
+            cache.after_step(t)
+        check()
+
+
+def test_channel_separable_keys_come_back_exactly_from_float_rows():
+    """With KIVI's float residual the unquantized region holds ``k / c`` too (one softmax over both regions
+    needs one scaling); ``c`` being a power of two, those keys read back bit for bit, and the quantized ones
+    are the round trip of ``k / c`` times ``c``."""
+    from kvkernels.quant import key_channel_scale
+
+    fmt = QuantFormat(2, 8)
+    run = FakeRun(2, 2, 2, 16, [9, 5], 4, seed=3)
+    spec = f"kivi(bits={fmt.bits}, group={fmt.group}, residual=2, channel_scale=True)"
+    native = run.cache(compose("snapkv(window=2)", budget=0.8))
+    quant = run.cache(compose("snapkv(window=2)", spec, budget=0.8))
+    for cache in (native, quant):
+        run.prefill(cache)
+    for t in range(run.n_steps):
+        for cache in (native, quant):
+            cache.prepare_decode(t)
+            for l, (q, k, v) in enumerate(run.steps[t]):
+                cache.append(l, k, v, run.step_positions(t))
+                cache.attend(l, q, run.step_positions(t), scale=run.scale)
+            cache.after_step(t)
+    seen = {"main": 0, "side": 0}
+    for l in range(2):
+        for b in range(2):
+            c = key_channel_scale(run.prompt[l][b][1])
+            main, side = quant.head_contents(l, b), quant.side.contents(l, b, key_scale=quant.key_scale[l, b])
+            for h, want in enumerate(native.head_contents(l, b)):
+                orig = {p: want["k"][i] for i, p in enumerate(want["pos"].tolist())}
+                for i, p in enumerate(main[h]["pos"].tolist()):
+                    assert torch.equal(main[h]["k"][i], orig[p])  # float rows: exact
+                    seen["main"] += 1
+                for i, p in enumerate(side[h]["pos"].tolist()):
+                    assert torch.equal(side[h]["k"][i], round_trip(orig[p][None] / c[h], fmt)[0] * c[h])
+                    seen["side"] += 1
+    assert seen["main"] and seen["side"], seen

@@ -153,3 +153,25 @@ def test_packed_row_errors_name_the_argument():
         dequantize_rows(torch.zeros(1, 5, dtype=torch.uint8), 8, QuantFormat(4, 8))
     with pytest.raises(ValueError, match="NaN"):
         quantize_rows(torch.full((1, 8), float("inf")), QuantFormat(4, 8))
+
+
+@given(st.integers(1, 9), st.integers(1, 3), st.sampled_from([4, 8, 16]),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.floats(1e-3, 1e3),
+       st.integers(0, 2**16))
+def test_key_channel_scale_is_a_power_of_two_near_the_root_of_each_channels_max(L, H, D, dtype, spread, seed):
+    """ZipCache's factor per (head, channel): ``c**2`` within a factor 2 of ``max |k|`` (the square root
+    rounded to a power of two in the log domain), 1 for an all-zero channel, and ``k / c * c == k`` bit for
+    bit in the keys' dtype."""
+    from kvkernels.quant import key_channel_scale
+
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(L, H, D, generator=g) * torch.rand(1, H, D, generator=g) * spread).to(dtype)
+    k[:, 0, 0] = 0  # an all-zero channel
+    c = key_channel_scale(k)
+    assert c.shape == (H, D) and c.dtype == torch.float32
+    assert bool(((c.log2() % 1) == 0).all())
+    amax = k.float().abs().amax(0)
+    ratio = c**2 / amax.clamp_min(1e-30)
+    assert bool(((ratio >= 0.5 - 1e-6) & (ratio <= 2 + 1e-6))[amax > 0].all())
+    assert float(c[0, 0]) == 1.0
+    assert torch.equal(k / c.to(dtype) * c.to(dtype), k)

@@ -26,6 +26,12 @@ parameter dtype), :meth:`QuantFormat.row_bytes` wide. A pool of such rows is a p
 ``[P, S, Hkv, W]`` that eviction moves like any other K/V rows; :func:`quantize_rows` (quantize + pack, a
 custom op so that ``torch.compile`` keeps the outward rounding of the parameters, which inductor's
 fusion would otherwise elide) writes it and :func:`dequantize_rows` reads it.
+
+**Channel-separable keys** (ZipCache): :func:`key_channel_scale` gives a factor per channel from a prompt's
+keys; the cache stores ``k / c`` (token-wise quantized) and attends with ``q * c``, so
+``(q * c) . (k / c) = q . k`` while one token's group no longer spends its levels on a few large channels.
+The factor is ``sqrt(max |k|)`` per channel, as in ZipCache, rounded to a power of two: dividing and
+multiplying by it is exact in floating point, so rows stored unquantized come back bit for bit.
 """
 
 from __future__ import annotations
@@ -251,3 +257,15 @@ def dequantize_rows(rows: Tensor, head_dim: int, fmt: QuantFormat,
         raise ValueError(f"rows are {rows.shape[-1]} bytes wide but {fmt} packs a row of head dim {head_dim} "
                          f"in {fmt.row_bytes(head_dim)}")
     return dequantize(unpack(rows, head_dim, fmt), fmt.bits, fmt.group, dtype)
+
+
+def key_channel_scale(k: Tensor) -> Tensor:
+    """ZipCache's channel-separable factor of a prompt's keys ``k [L, H, D]``: ``c [H, D]`` float32, per head
+    and channel ``sqrt(max_i |k[i, h, d]|)`` rounded to the nearest power of two (in the log domain); 1 for
+    a channel that is all zeros. A power of two, so ``k / c * c == k`` exactly (no overflow: ``|k / c|`` is
+    at most about ``sqrt(max |k|)``)."""
+    if k.dim() != 3 or k.shape[0] == 0:
+        raise ValueError(f"k must be [L, H, D] keys with L >= 1, got shape {tuple(k.shape)}")
+    amax = k.detach().abs().amax(dim=0).float()  # [H, D]
+    exp = torch.round(0.5 * torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny)))
+    return torch.where(amax > 0, torch.exp2(exp.clamp(-60.0, 60.0)), 1.0)

@@ -433,7 +433,9 @@ class PrecisionPolicy(Policy):
 
     A precision policy decides per (KV head, token) of a layer, from the eviction policy's decision and its
     prompt scores, how the token is stored (:meth:`assign`); storage adapters that hold quantized rows read
-    that decision. ``quantizes`` is False only for ``native``.
+    that decision. ``quantizes`` is False only for ``native``. A policy with a ``channel_scale`` field set
+    asks for ZipCache's channel-separable keys (each sequence's keys stored over a per-channel factor,
+    ``kvkernels.quant.key_channel_scale``).
     """
 
     role: ClassVar[Role] = "precision"

@@ -51,6 +51,8 @@ class InspectSteps:
         decode = self.storage.decode  # quantized rows come back dequantized, in the cache's dtype
         out = {"k": decode(rows(self.k_pages)), "v": decode(rows(self.v_pages)), "pos": rows(self.slot_pos),
                "score": rows(self.slot_score)}
+        if self.key_scale is not None:  # channel-separable keys: stored as k / c
+            out["k"] = out["k"] * self.key_scale[s, b].to(out["k"].dtype)
         if self.layout.merged[l]:
             assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
             m = self.layout.member[l]
@@ -74,6 +76,8 @@ class InspectSteps:
             per_layer = per_layer + self.side.pages_held() * self.side.pool.page_bytes
             peak += self.side.peak_pages * self.side.pool.page_bytes
             rows += f" and {self.side.storage.describe()}"
+        if self.key_scale is not None:  # (its [rows, Hkv, D] float32 factors are not in the page bytes)
+            rows += "; keys over per-channel factors (ZipCache's channel-separable keys)"
         full_pages = host.full_pages(self.page_size)
         budgets = None
         if self.plan is not None:  # the storage layers' budgets: a region's under its owner, 0 under b

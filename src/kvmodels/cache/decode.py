@@ -135,7 +135,10 @@ class DecodeSteps:
         page = self.page_table[s, :n].gather(1, col[:, None])[:, 0]  # [n]
         page = torch.where(active, page, self.trash_page).to(torch.int64)
         slot = torch.where(active, lens % S, 0).to(torch.int64)
-        self.k_pages[page, slot] = self.storage.encode(k)
+        stored_k = k  # channel-separable keys: k / c (prefill set each row's factor); scores read k itself
+        if self.key_scale is not None:
+            stored_k = k / self.key_scale[s, :n].to(k.dtype)
+        self.k_pages[page, slot] = self.storage.encode(stored_k)
         self.v_pages[page, slot] = self.storage.encode(v)
         self.slot_pos[page, slot] = positions.to(torch.int32)[:, None].expand(n, self.n_kv_heads)
         self.slot_score[page, slot] = self._token_scores(q, k, v, positions) if self.eviction.scores_tokens \
@@ -196,6 +199,9 @@ class DecodeSteps:
         if alibi_slopes is not None:  # from the slots' original positions
             alibi = Alibi(alibi_slopes, self.slot_pos, q_positions.to(torch.int32))
         noise = self.gumbel_noise[l, :n] if self.gumbel_noise is not None else None
+        if self.key_scale is not None:  # the pool holds k / c: (q * c) . (k / c) = q . k
+            qg = q.reshape(n, self.n_kv_heads, -1, q.shape[-1]) * self.key_scale[s, :n, :, None].to(q.dtype)
+            q = qg.reshape(q.shape)
         restore = None
         if self.layout.merged[l]:  # the pair's region through this layer's magnitudes and slot_mask bit
             restore = Restore(self.k_mag[member] if self.k_mag is not None else None,

@@ -198,9 +198,11 @@ class ExtendSteps:
         window = ev.prefill_window(n) if mode is not None else 0
         kwargs = ev.prefill_kwargs(n) if mode is not None else {}
         decay = float(kwargs.get("decay", 1.0))
+        kept_k = self.storage.decode(by_position(self.k_pages))
+        if self.key_scale is not None:  # channel-separable keys: the pool holds k / c
+            kept_k = kept_k * self.key_scale[l, b].to(kept_k.dtype)
         out, scores = extend_attention(
-            q, k, v, positions, self.storage.decode(by_position(self.k_pages)),
-            self.storage.decode(by_position(self.v_pages)),
+            q, k, v, positions, kept_k, self.storage.decode(by_position(self.v_pages)),
             by_position(self.slot_pos), scale=scale, alibi_slopes=alibi_slopes, mode=mode, window=window,
             decay=decay, seed=self.prefill_seed(l, b), temperature=float(kwargs.get("temperature", 1.0)))
         if scores is not None:
@@ -225,7 +227,8 @@ class ExtendSteps:
             self.page_table[l, b, held:total] = self.pool.take(total - held)
         slots = torch.arange(m, m + n, device=dev)
         page, offset = self.page_table[l, b, :total].to(torch.int64)[slots // S], slots % S
-        self.k_pages[page, offset] = self.storage.encode(k)
+        stored_k = k if self.key_scale is None else k / self.key_scale[l, b].to(k.dtype)
+        self.k_pages[page, offset] = self.storage.encode(stored_k)
         self.v_pages[page, offset] = self.storage.encode(v)
         self.slot_pos[page, offset] = positions.to(torch.int32)[:, None].expand(n, H)
         self.slot_score[page, offset] = new_scores.to(torch.float32)

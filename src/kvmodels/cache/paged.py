@@ -179,6 +179,13 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=dev)
         self.budgets = torch.ones(n_layers, max_batch, dtype=torch.int32, device=dev)
         self.cos_sim = torch.zeros(n_layers, max_batch, dtype=torch.float32, device=dev)
+        # ZipCache's channel-separable keys (a precision policy's channel_scale=True): each row's factor per
+        # KV head and channel, set by its prefill (kvkernels.quant.key_channel_scale). The pool stores k / c
+        # and decode steps attend with q * c; reads (contents, extensions) multiply back, exactly.
+        self.key_scale: torch.Tensor | None = None
+        if getattr(policy.precision, "channel_scale", False):
+            self.key_scale = torch.ones(n_layers, max_batch, n_kv_heads, head_dim, dtype=torch.float32,
+                                        device=dev)
         self.compactor = Compactor(pool, self.page_table, self.seq_lens, self.layout)
         # Tokens in a second format (kvmodels.cache.tiers): a pool of their own, as many (smaller) pages.
         self.side: SideRegion | None = None
@@ -216,7 +223,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         """Every device tensor the decode step reads or writes; allocated once, updated only in place."""
         bufs = [self.k_pages, self.v_pages, self.slot_pos, self.slot_score, self.free_pages, self.n_free,
                 self.page_table, self.seq_lens, self.active, self.budgets, self.cos_sim, self.temperature]
-        bufs += [t for t in (self.k_mag, self.v_mag, self.slot_mask, self.gumbel_noise) if t is not None]
+        bufs += [t for t in (self.k_mag, self.v_mag, self.slot_mask, self.gumbel_noise, self.key_scale)
+                 if t is not None]
         return bufs + (self.side.static_buffers() if self.side is not None else [])
 
     def _reset_pool(self) -> None:

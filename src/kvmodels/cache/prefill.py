@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvkernels import check_shape, check_tensor, prefill_seed
+from kvkernels.quant import key_channel_scale
 from kvkernels.score_update import (
     COLUMN_SUM_MODES,
     prefill_attention,
@@ -138,6 +139,10 @@ class PrefillSteps:
             scores = self._token_scores(q, k, v, positions, check=True).t()  # [H, L]
 
         score_rows = torch.zeros(L, H, device=dev) if scores is None else scores.t()  # [L, H]
+        if self.key_scale is not None:  # channel-separable keys: the row's factor, from its prompt
+            c = key_channel_scale(k)
+            self.key_scale[l, b] = c
+            k = k / c.to(k.dtype)  # a power of two: exact
         self.page_table[l, b, :n_pages] = self.pool.write_prompt(self.storage, k, v, positions, score_rows)
         if self.side is not None:  # the whole prompt in the second format too, until the split
             self.side.write_prompt(l, b, k, v, positions, score_rows)

@@ -129,12 +129,16 @@ class SideRegion:
                 seq_lens[l, b] = 0
                 lens[l, b] = 0
 
-    def contents(self, l: int, b: int) -> list[dict[str, torch.Tensor]]:
+    def contents(self, l: int, b: int,
+                 key_scale: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
         """Row ``b``'s tokens of layer ``l`` in this region, one dict per KV head: ``k``/``v`` ``[n, D]``
-        dequantized, ``pos [n]`` (syncs; for tests)."""
+        dequantized, ``pos [n]`` (syncs; for tests); ``key_scale [Hkv, D]``: the cache's channel factors of
+        the row (the keys are stored divided by them)."""
         n = int(self.lens[l, b])
         page, off = self._rows(self.page_table[l, b], n)
         k, v = (self.storage.decode(t[page, off]) for t in (self.pool.k_pages, self.pool.v_pages))
+        if key_scale is not None:
+            k = k * key_scale.to(k.dtype)
         pos = self.pool.slot_pos[page, off]
         return [{"k": k[:, h], "v": v[:, h], "pos": pos[:, h]} for h in range(k.shape[1])]
 

@@ -5,8 +5,10 @@ the most recent ``residual`` tokens each KV head keeps, which stay in the cache'
 a group at a time as they age; so does the paged cache: once more than ``residual + group`` wait, all
 but the newest ``residual`` are quantized). One deviation from the paper, for eviction's sake: keys are
 quantized **per token** like the values (the paper groups a channel across ``group`` tokens), so every
-slot carries its own parameters and can be evicted or moved alone; this costs accuracy at 2 bits
-(ZipCache's per-channel key normalisation, which recovers it, is not implemented in the storage yet).
+slot carries its own parameters and can be evicted or moved alone; this costs accuracy at 2 bits.
+``channel_scale=True`` divides the keys by ZipCache's per-channel factor first (``sqrt(max |k|)`` per channel
+over each sequence's prompt, a power of two; the queries are multiplied by it), which spreads a token's
+levels over all its channels instead of a few large ones.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import NATIVE_BITS, PrecisionPolicy, check_int
+from ..base import NATIVE_BITS, PrecisionPolicy, check_bool, check_int
 from ..registry import register_policy
 from ._checks import check_bits, check_group
 
@@ -28,11 +30,13 @@ class Kivi(PrecisionPolicy):
     bits: int = 4
     group: int = 32
     residual: int = 128
+    channel_scale: bool = False  # ZipCache's channel-separable keys (kvkernels.quant.key_channel_scale)
 
     def __post_init__(self) -> None:
         check_bits(self.name, "bits", self.bits)
         check_group(self.name, self.group)
         check_int(self.name, "residual", self.residual, 0)
+        check_bool(self.name, "channel_scale", self.channel_scale)
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         # The residual is the last `residual` tokens each KV head keeps (not the last positions, which an

@@ -4,7 +4,7 @@ Precision Quantization").
 The tokens the eviction policy keeps are stored at ``high`` bits (16: unquantized, the cache's dtype), and
 the tokens it would evict are **kept** at ``low`` bits instead of dropped, so nothing the model may need again
 is lost, at a fraction of its bytes. ``compose("h2o", "mikv", budget=0.2)``: a fifth of the tokens in full
-precision, the rest at 2 bits.
+precision, the rest at 2 bits. ``channel_scale=True``: ZipCache's channel-separable keys (see ``kivi``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import NATIVE_BITS, PrecisionPolicy
+from ..base import NATIVE_BITS, PrecisionPolicy, check_bool
 from ..registry import register_policy
 from ._checks import check_bits, check_group
 
@@ -26,6 +26,7 @@ class MiKV(PrecisionPolicy):
     high: int = NATIVE_BITS
     low: int = 2
     group: int = 32
+    channel_scale: bool = False  # ZipCache's channel-separable keys (kvkernels.quant.key_channel_scale)
 
     def __post_init__(self) -> None:
         check_bits(self.name, "high", self.high, native=True)
@@ -34,6 +35,7 @@ class MiKV(PrecisionPolicy):
             raise ValueError(f"{self.name}: low={self.low} must be below high={self.high} (bits of the "
                              "evicted and the kept tokens)")
         check_group(self.name, self.group)
+        check_bool(self.name, "channel_scale", self.channel_scale)
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         return torch.where(kept, self.high, self.low).to(torch.int64)
