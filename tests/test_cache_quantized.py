@@ -53,14 +53,22 @@ def cases(draw):
     return eviction, QuantFormat(bits, group), D, page_size, lens, n_kv, gqa, budget, draw(st.integers(0, 99))
 
 
-@given(case=cases())
-def test_quantized_cache_keeps_the_same_tokens_as_their_quantized_rows(case):
+def side_by_side(case, *, steps: int, extra: str = ""):
+    """A ``FakeRun`` of ``case`` and two caches on it, unquantized and ``kivi(residual=0{extra})`` in the
+    case's format: ``(run, rows, native, quant)``."""
     eviction, fmt, D, page_size, lens, n_kv, gqa, budget, seed = case
-    run = FakeRun(2, n_kv, gqa, D, lens, 4, seed=seed)
-    spec = f"kivi(bits={fmt.bits}, group={fmt.group}, residual=0)"
+    run = FakeRun(2, n_kv, gqa, D, lens, steps, seed=seed)
+    spec = f"kivi(bits={fmt.bits}, group={fmt.group}, residual=0{extra})"
     rows = "heads" if "adakv" in eviction else "sequences"
     native = run.cache(compose(eviction, budget=budget), page_size=page_size, rows=rows)
     quant = run.cache(compose(eviction, spec, budget=budget), page_size=page_size, rows=rows)
+    return run, rows, native, quant
+
+
+@given(case=cases())
+def test_quantized_cache_keeps_the_same_tokens_as_their_quantized_rows(case):
+    eviction, fmt, D, page_size, lens, n_kv, gqa, budget, seed = case
+    run, rows, native, quant = side_by_side(case, steps=4)
     W = fmt.row_bytes(D)
     assert quant.k_pages.dtype == torch.uint8 and quant.k_pages.shape[-1] == W
     heads_per_row = 1 if rows == "heads" else n_kv
@@ -384,11 +392,7 @@ def test_channel_separable_keys_store_each_key_over_its_row_factor(case):
     from kvkernels.quant import key_channel_scale
 
     eviction, fmt, D, page_size, lens, n_kv, gqa, budget, seed = case
-    run = FakeRun(2, n_kv, gqa, D, lens, 3, seed=seed)
-    spec = f"kivi(bits={fmt.bits}, group={fmt.group}, residual=0, channel_scale=True)"
-    rows = "heads" if "adakv" in eviction else "sequences"
-    native = run.cache(compose(eviction, budget=budget), page_size=page_size, rows=rows)
-    quant = run.cache(compose(eviction, spec, budget=budget), page_size=page_size, rows=rows)
+    run, rows, native, quant = side_by_side(case, steps=3, extra=", channel_scale=True")
 
     def check():
         for l in range(run.n_layers):

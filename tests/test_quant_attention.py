@@ -26,6 +26,16 @@ from kvkernels.quant_attention import (
     quant_decode_attention_triton,
 )
 
+# Every implementation: the torch path, the op (Triton on CUDA), the Triton launcher (the interpreter on CPU)
+# with one split and with three.
+IMPLS = pytest.mark.parametrize("impl,device", [
+    (quant_decode_attention_torch, "cpu"),
+    (quant_decode_attention, DEVICE),
+    pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
+    pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
+                 marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton", "triton-3-splits"])
+
 
 @st.composite
 def cases(draw):
@@ -94,13 +104,7 @@ def reference(impl, device, q, kq, vq, table, lens, *, scale, k_format, v_format
                                       k_format=None, v_format=None, second=second, scores=scores)
 
 
-@pytest.mark.parametrize("impl,device", [
-    (quant_decode_attention_torch, "cpu"),
-    (quant_decode_attention, DEVICE),
-    pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
-    pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
-                 marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton", "triton-3-splits"])
+@IMPLS
 @given(case=cases())
 def test_equals_the_reference_on_the_dequantized_pool(impl, device, case):
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
@@ -183,13 +187,7 @@ def build_second(case, lens2, fmt2, device):
                   torch.tensor(lens2, dtype=torch.int32, device=device), fmt2, fmt2)
 
 
-@pytest.mark.parametrize("impl,device", [
-    (quant_decode_attention_torch, "cpu"),
-    (quant_decode_attention, DEVICE),
-    pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
-    pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
-                 marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton", "triton-3-splits"])
+@IMPLS
 @given(two=two_region_cases())
 def test_two_regions_are_one_softmax(impl, device, two):
     """Slots in a second pool (float rows, or packed in another format) join the same softmax: equal to the
@@ -239,13 +237,7 @@ def test_the_reference_of_two_regions_is_attention_over_all_their_rows():
     torch.testing.assert_close(both, one)
 
 
-@pytest.mark.parametrize("impl,device", [
-    (quant_decode_attention_torch, "cpu"),
-    (quant_decode_attention, DEVICE),
-    pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
-    pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
-                 marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton", "triton-3-splits"])
+@IMPLS
 @given(case=cases(), mode=st.sampled_from([m for m in SCORE_MODES if m != "none"]),
        tau=st.sampled_from([None, 0.5]))
 def test_the_score_update_is_fused_as_on_native_pages(impl, device, case, mode, tau):

@@ -196,10 +196,21 @@ if HAS_TRITON:
                     gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
                     gm_i = gm_new
 
+        _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
+                      n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
+                      KEEP_LOGITS, GUMBEL)
+
+    @triton.jit
+    def _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
+                      n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits,
+                      HKV: tl.constexpr, D: tl.constexpr, ONE_SPLIT: tl.constexpr, KEEP_LOGITS: tl.constexpr,
+                      GUMBEL: tl.constexpr):
+        """The end of a partial program (shared with ``kvkernels.quant_attention``). ``ONE_SPLIT``: the whole
+        sequence was this program's and nothing is scored (the launcher picks this only without a score
+        update), so its (max, sum) are final: it normalises itself, with no partials written and no second
+        launch. Otherwise it writes its split's partials (and, ``KEEP_LOGITS``, the visible count and
+        gumbel's noised stats) for the reduce kernel."""
         if ONE_SPLIT:
-            # The whole sequence was this program's and nothing is scored (the launcher picks this only
-            # without a score update): its (max, sum) are final, so it normalises itself, with no partials
-            # written and no second launch.
             inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # 0 for an empty sequence
             tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
                      (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

@@ -51,6 +51,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from kvkernels.paged_attention import _finish_split  # the partial programs' shared epilogue
+
     _NEG_BIG_C = tl.constexpr(_NEG_BIG)  # jit code may only read globals that are constexpr
 
     @triton.jit
@@ -215,20 +217,9 @@ if HAS_TRITON:
                 q_rows, g_ok, b, kvh, tl.maximum(start, len1) - len1, end - len1, scale, tau, max_pages2,
                 logits_len, noise_len, offs_d, d_ok, HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS, V2_GROUP,
                 V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION, False, False)
-        if ONE_SPLIT:
-            inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # 0 for an empty sequence
-            tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
-                     (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-        else:
-            stat = q_rows * num_splits + split  # [BLOCK_G] into [B, Hq, splits]
-            tl.store(m_ptr + stat, m_i, mask=g_ok)
-            tl.store(l_ptr + stat, l_i, mask=g_ok)
-            tl.store(acc_ptr + stat[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-            if KEEP_LOGITS:
-                tl.store(nvis_ptr + (b * HKV + kvh) * num_splits + split, tl.sum(n_vis, axis=0))
-                if GUMBEL:
-                    tl.store(gm_ptr + stat, gm_i, mask=g_ok)
-                    tl.store(gl_ptr + stat, gl_i, mask=g_ok)
+        _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
+                      n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
+                      KEEP_LOGITS, GUMBEL)
 
 
 class Region(NamedTuple):
