@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     from evals.sweep import append_record, device_name, read_records
 
     out = Path(args.out)
-    if args.report:
-        print(table(read_records(out)))
+    if args.report:  # the records of one --context (a later record of a cell replaces an earlier one)
+        print(table([r for r in read_records(out) if r.get("context", args.context) == args.context]))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
