@@ -53,6 +53,17 @@ def cases(draw):
     return eviction, QuantFormat(bits, group), D, page_size, lens, n_kv, gqa, budget, draw(st.integers(0, 99))
 
 
+def check_attention_over_held(cache, l: int, q: torch.Tensor, out: torch.Tensor, gqa: int, scale: float):
+    """Layer ``l``'s decode attention ``out`` equals dense attention of ``q`` over exactly the rows the cache
+    holds (dequantized, as ``head_contents`` reads them), per sequence and KV head."""
+    for b in range(cache.n_sequences):
+        for h, held in enumerate(cache.head_contents(l, b)):
+            qh = q[b, h * gqa:(h + 1) * gqa]  # the query heads of KV head h
+            want = dense_attention(qh, held["k"][:, None], held["v"][:, None], scale)
+            torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa], want.to(out.dtype), rtol=1e-4,
+                                       atol=1e-4)
+
+
 def side_by_side(case, *, steps: int, extra: str = ""):
     """A ``FakeRun`` of ``case`` and two caches on it, unquantized and ``kivi(residual=0{extra})`` in the
     case's format: ``(run, rows, native, quant)``."""
@@ -82,16 +93,9 @@ def test_quantized_cache_keeps_the_same_tokens_as_their_quantized_rows(case):
             cache.prepare_decode(t)
             for l, (q, k, v) in enumerate(run.steps[t]):
                 cache.append(l, k, v, pos(t))
+                out = cache.attend(l, q, pos(t), scale=run.scale)
                 if cache is quant:  # attention over exactly the rows the cache holds (before eviction)
-                    out = cache.attend(l, q, pos(t), scale=run.scale)
-                    for b in range(len(lens)):
-                        for h, held in enumerate(quant.head_contents(l, b)):
-                            qh = q[b, h * gqa:(h + 1) * gqa]  # the query heads of KV head h
-                            want = dense_attention(qh, held["k"][:, None], held["v"][:, None], run.scale)
-                            torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa], want.to(out.dtype),
-                                                       rtol=1e-4, atol=1e-4)
-                else:
-                    cache.attend(l, q, pos(t), scale=run.scale)
+                    check_attention_over_held(quant, l, q, out, gqa, run.scale)
             cache.after_step(t)
         if rows == "sequences":  # (its report's counts are per sequence; head caches: test_head_cache)
             check_invariants(quant)
@@ -416,12 +420,7 @@ def test_channel_separable_keys_store_each_key_over_its_row_factor(case):
                 cache.append(l, k, v, pos(t))
                 out = cache.attend(l, q, pos(t), scale=run.scale)
                 if cache is quant:
-                    for b in range(len(lens)):
-                        for h, held in enumerate(quant.head_contents(l, b)):
-                            qh = q[b, h * gqa:(h + 1) * gqa]
-                            want = dense_attention(qh, held["k"][:, None], held["v"][:, None], run.scale)
-                            torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa], want.to(out.dtype),
-                                                       rtol=1e-4, atol=1e-4)
+                    check_attention_over_held(quant, l, q, out, gqa, run.scale)
             cache.after_step(t)
         check()
 
