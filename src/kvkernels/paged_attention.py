@@ -335,11 +335,17 @@ if HAS_TRITON:
 SCORE_CHUNK = 256  # slots per program of the score update (rounded down to a multiple of the tile)
 
 
-def _pick_num_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
-    """Enough (sequence, KV head, split) programs to fill the GPU twice, each split >= 256 slots."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    want = math.ceil(2 * sms / max(1, batch * n_kv_heads))
-    return max(1, min(want, math.ceil(max_len / max(256, block_n)), 64))
+def _split_plan(batch: int, n_kv_heads: int, max_len: int, block_n: int, device: torch.device,
+                num_splits: int) -> tuple[int, int]:
+    """``(num_splits, chunk)`` of a split decode over ``max_len`` slots: ``num_splits`` as given, or (0)
+    enough (sequence, KV head, split) programs to fill the GPU twice, each split >= 256 slots; ``chunk`` the
+    slots per split, a multiple of ``block_n`` so only the last tile of a split is partial. Shared with
+    :mod:`kvkernels.quant_attention`."""
+    if num_splits <= 0:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        want = math.ceil(2 * sms / max(1, batch * n_kv_heads))
+        num_splits = max(1, min(want, math.ceil(max_len / max(256, block_n)), 64))
+    return num_splits, max(block_n, math.ceil(max(1, max_len) / num_splits / block_n) * block_n)
 
 
 def paged_decode_attention_triton(
@@ -359,10 +365,7 @@ def paged_decode_attention_triton(
     block_n = cfg.block
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if num_splits <= 0:
-        num_splits = _pick_num_splits(batch, n_kv_heads, max_len, block_n, q.device)
-    # Split boundaries are multiples of BLOCK_N so only the last block of a split is partial.
-    chunk = max(block_n, math.ceil(max(1, max_len) / num_splits / block_n) * block_n)
+    num_splits, chunk = _split_plan(batch, n_kv_heads, max_len, block_n, q.device, num_splits)
 
     k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
     score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores

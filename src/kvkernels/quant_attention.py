@@ -24,7 +24,6 @@ per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages 
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -38,7 +37,7 @@ from kvkernels.paged_attention import (
     ScoreUpdate,
     _masked_softmax,
     _partials,
-    _pick_num_splits,
+    _split_plan,
     check_scores,
     paged_decode_attention_ref,
     paged_decode_attention_torch,
@@ -369,9 +368,7 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
     # Static: the scratch shape never depends on the lengths' values (CUDA graphs).
     max_len = page_table.shape[1] * page_size + (two.page_table.shape[1] * page_size if second is not None
                                                  else 0)
-    if num_splits <= 0:
-        num_splits = _pick_num_splits(batch, n_kv, max_len, block_n, q.device)
-    chunk = max(block_n, math.ceil(max(1, max_len) / num_splits / block_n) * block_n)  # whole tiles per split
+    num_splits, chunk = _split_plan(batch, n_kv, max_len, block_n, q.device, num_splits)
     score, mode, _, noise, temperature = _NO_SCORES if scores is None else scores
     keep_logits = mode != "none" and score is not None  # the first region's slots only (second: refused)
     gumbel = keep_logits and mode == "gumbel"
