@@ -37,7 +37,9 @@ if str(ROOT / "src") not in sys.path:
 BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
 # int4+float: KIVI's float residual as a second region; +h2o: the fused score update (logits kept).
 CASES = ("native", "native+h2o", "int8", "int4", "int2", "int4+float", "int4+h2o")
-OPS = {"hmma": "HMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL", "stl": "STL"}
+OPS = {"hmma": "HMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL", "stl": "STL",
+       "sts": "STS", "lds": "LDS", "ldsm": "LDSM", "bar": "BAR", "shfl": "SHFL", "prmt": "PRMT", "i2f": "I2F",
+       "f2fp": "F2FP"}  # shared-memory stores/loads, barriers, shuffles: layout conversions between steps
 
 
 def _launch(case: str) -> None:

@@ -24,6 +24,7 @@ per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -364,7 +365,10 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
     q = q.contiguous()
     two = second if second is not None else Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format)
     cfg = launch_config("quant_decode", q.device)
-    block_n, block_g, block_d = cfg.block, max(16, triton.next_power_of_2(group)), triton.next_power_of_2(d)
+    # tl.dot needs every dimension >= 16 on the GPU (the interpreter does not): head dims under 16 are padded
+    # (and masked), as small groups are; they take _dequant_rows's per-channel path.
+    block_n = cfg.block
+    block_g, block_d = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
     # Static: the scratch shape never depends on the lengths' values (CUDA graphs).
     max_len = page_table.shape[1] * page_size + (two.page_table.shape[1] * page_size if second is not None
                                                  else 0)
@@ -553,7 +557,7 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
 
 COMPILE_AXES: dict[str, tuple] = {
     "dtype": (torch.float32, torch.float16, torch.bfloat16),
-    "head_dim": (64, 128),
+    "head_dim": (64, 128, 96, 8),  # 96: not a power of two; 8: under tl.dot's minimum of 16 (padded)
     "bits": (2, 4, 8),
     "group": (32, 64),
     "gqa": (1, 4, 8),
@@ -579,11 +583,11 @@ def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: 
     def t(*shape: int, dt: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dt, device=meta)
 
-    fmt = QuantFormat(bits, group)
+    fmt = QuantFormat(bits, math.gcd(group, head_dim))
     pool = t(P, S, Hkv, fmt.row_bytes(head_dim), dt=torch.uint8)
     region = None
     if second != "none":
-        fmt2 = None if second == "float" else QuantFormat(4, 32)
+        fmt2 = None if second == "float" else QuantFormat(4, math.gcd(32, head_dim))
         width = head_dim if fmt2 is None else fmt2.row_bytes(head_dim)
         pool2 = t(P, S, Hkv, width, dt=dtype if fmt2 is None else torch.uint8)
         region = Region(pool2, pool2, t(B, M, dt=torch.int32), t(B, dt=torch.int32), fmt2, fmt2)

@@ -68,13 +68,16 @@ TUNED: dict[tuple[str, int], LaunchConfig] = {
     # prefill scorer: 11 of 12, 0.757 ms at L4096). Sweep again when the kernels change.
     ("decode", 90): LaunchConfig(block=64, num_warps=4, num_stages=3),
     ("prefill_scores", 90): LaunchConfig(block=64, num_warps=4, num_stages=3),
+    # Decode over 4-bit pages, B64-L4096 (bench/results/nvidia-h200-2026-11-27/run8): 392 us against 439 us at
+    # the default; block 16 took twice block 32's time (a per-tile cost, not per-byte, bounds this kernel).
+    ("quant_decode", 90): LaunchConfig(block=64, num_warps=4, num_stages=2),
 }
 
 #: What ``bench/gpu.py`` sweeps per kernel (the product of these values).
 SWEEP: dict[str, dict[str, tuple[int, ...]]] = {
     "decode": {"block": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
     "prefill_scores": {"block": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)},
-    "quant_decode": {"block": (16, 32, 64), "num_warps": (4, 8), "num_stages": (2, 3)},
+    "quant_decode": {"block": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)},
 }
 
 _INTERPRETER = LaunchConfig(block=16, num_warps=4, num_stages=3)
