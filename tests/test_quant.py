@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from devices import DEVICE
 from kvkernels.quant import (
     BITS,
     QuantFormat,
@@ -21,6 +22,8 @@ from kvkernels.quant import (
     quantize,
     quantize_ref,
     quantize_rows,
+    quantize_rows_triton,
+    triton_quantizes,
     unpack,
 )
 
@@ -142,6 +145,26 @@ def test_compiled_quantize_rows_keeps_the_outward_rounding():
 
     compiled = torch.compile(write, fullgraph=True)
     assert torch.equal(compiled(x), write(x))
+
+
+@given(case=rows(), ties=st.booleans(), n_extra=st.sampled_from([0, 1, 70]))
+def test_triton_quantize_rows_equals_the_torch_path_bit_for_bit(case, ties, n_extra):
+    """The Triton write (one launch; the interpreter on CPU) == quantize + pack, for every format it takes:
+    codes, outward-rounded float16 parameters and half-to-even ties (``ties``: values on a quarter grid,
+    so many codes land exactly between two levels); ``n_extra`` rows more than one program's tile."""
+    x, bits, group, _ = case
+    fmt = QuantFormat(bits, group, torch.float16)
+    if not triton_quantizes(x.shape[-1], fmt) or x.shape[-1] * bits % 16:
+        return  # the torch path runs these (quantize_rows' dispatch); odd code bytes: refused by check
+    if x.dtype == torch.bfloat16 and DEVICE != "cuda":
+        x = x.float()  # the interpreter has no bfloat16
+    if ties:
+        x = (x.float() * 4).round().clamp(-40, 40).div(4).to(x.dtype)
+    x = torch.cat([x.reshape(-1, x.shape[-1]), torch.randn(n_extra, x.shape[-1]).to(x.dtype)])
+    want = pack(quantize(x, bits, group, torch.float16))
+    got = quantize_rows_triton(x.to(DEVICE), fmt).cpu()
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(quantize_rows(x.to(DEVICE), fmt).cpu(), want)  # the op's dispatch (Triton on CUDA)
 
 
 def test_packed_row_errors_name_the_argument():

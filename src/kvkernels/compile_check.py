@@ -61,11 +61,11 @@ class Variant:
 
 
 def _modules() -> list[Any]:
-    from kvkernels import _noise, merge, paged_attention, quant_attention, score_update
+    from kvkernels import _noise, merge, paged_attention, quant, quant_attention, score_update
     from kvkernels import topk_compact as _  # noqa: F401  (the package attribute is the op)
 
     topk = sys.modules["kvkernels.topk_compact"]
-    return [_noise, merge, paged_attention, quant_attention, score_update, topk]
+    return [_noise, merge, paged_attention, quant, quant_attention, score_update, topk]
 
 
 def cases(full: bool = False) -> Iterator[tuple[str, Callable[[], object]]]:

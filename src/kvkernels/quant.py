@@ -25,7 +25,9 @@ vectorised :func:`quantize` / :func:`dequantize` must equal them bit for bit.
 parameter dtype), :meth:`QuantFormat.row_bytes` wide. A pool of such rows is a plain ``uint8`` tensor
 ``[P, S, Hkv, W]`` that eviction moves like any other K/V rows; :func:`quantize_rows` (quantize + pack, a
 custom op so that ``torch.compile`` keeps the outward rounding of the parameters, which inductor's
-fusion would otherwise elide) writes it and :func:`dequantize_rows` reads it.
+fusion would otherwise elide) writes it and :func:`dequantize_rows` reads it. On CUDA the op is one Triton
+launch (:func:`quantize_rows_triton`, float16 parameters and power-of-two head dims; the torch path's ~20
+kernels otherwise), equal to the torch path bit for bit.
 
 **Channel-separable keys** (ZipCache): :func:`key_channel_scale` gives a factor per channel from a prompt's
 keys; the cache stores ``k / c`` (token-wise quantized) and attends with ``q * c``, so
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor
 
 from kvkernels._checks import FLOAT_DTYPES, check_choice, check_tensor
+from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, tl, triton, use_triton
 
 BITS = (2, 4, 8)
 PARAM_DTYPES = (torch.float16, torch.float32)
@@ -112,7 +115,8 @@ def _outward(lo: Tensor, hi: Tensor, levels: int, param_dtype: torch.dtype) -> t
     for _ in range(3):  # up an ulp while the top code (in dequantize's float32 arithmetic) falls short
         short = zero.float() + levels * scale.float() < hi
         scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
-    return scale, zero
+    # +0 for -0: which zero a min or max returns is the implementation's choice (the Triton write's too).
+    return scale.masked_fill(scale == 0, 0.0), zero.masked_fill(zero == 0, 0.0)
 
 
 def _check_input(x: Tensor, bits: int, group: int, param_dtype: torch.dtype) -> None:
@@ -222,7 +226,10 @@ _PARAM_NAMES = {torch.float16: "float16", torch.float32: "float32"}
 
 @torch.library.custom_op("kvkernels::quantize_rows", mutates_args=())
 def _quantize_rows_op(x: Tensor, bits: int, group: int, param_dtype: str) -> Tensor:
-    return pack(_quantize_fast(x, bits, group, getattr(torch, param_dtype)))
+    fmt = QuantFormat(bits, group, getattr(torch, param_dtype))
+    if use_triton(x) and triton_quantizes(x.shape[-1], fmt):
+        return quantize_rows_triton(x, fmt)
+    return pack(_quantize_fast(x, bits, group, fmt.param_dtype))
 
 
 @_quantize_rows_op.register_fake
@@ -248,6 +255,99 @@ def quantize_rows(x: Tensor, fmt: QuantFormat, *, validate: bool = True) -> Tens
     return torch.ops.kvkernels.quantize_rows(x, fmt.bits, fmt.group, _PARAM_NAMES[fmt.param_dtype])
 
 
+# ----------------------------------------------------------------------------------------------------
+# Triton: quantize and pack rows in one launch (what a decode step's cache write runs on CUDA)
+# ----------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _round_half_even(v):
+        """``torch.round`` (half to even) from ``floor``: ``v - floor(v)`` is exact below ``2**23``."""
+        f = tl.floor(v)
+        r = v - f
+        odd = (f - 2.0 * tl.floor(0.5 * f)) == 1.0
+        return tl.where((r > 0.5) | ((r == 0.5) & odd), f + 1.0, f)
+
+    @triton.jit
+    def _fp16_step(h, UP: tl.constexpr):
+        """``torch.nextafter(h, +inf if UP else -inf)`` for float16 ``h`` (not NaN), on its bits."""
+        bits = h.to(tl.int16, bitcast=True)
+        mag = bits & 0x7FFF
+        if UP:  # h >= 0 here (a scale): +0 -> the smallest subnormal, inf stays
+            out = tl.where(mag == 0x7C00, bits, tl.where(mag == 0, 1, bits + 1).to(tl.int16))
+        else:  # toward -inf: +-0 -> -smallest subnormal; positives shrink, negatives grow; -inf stays
+            down = tl.where(bits > 0, bits - 1, bits + 1).to(tl.int16)
+            out = tl.where(mag == 0, -32767, tl.where(bits == -1024, bits, down)).to(tl.int16)
+        return out.to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, out_ptr, n_rows, D: tl.constexpr, GROUP: tl.constexpr,
+                              BITS: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Rows ``[pid * BLOCK_R, ...)`` of ``x [n_rows, D]`` to packed rows ``codes | scale | zero`` with
+        float16 parameters, bit for bit :func:`_quantize_fast` + :func:`pack`: IEEE division (``div_rn``;
+        Triton's ``/`` is approximate on the GPU), half-to-even rounding, and outward rounding of the
+        parameters on their bits. ``levels * scale`` is exact in float32 (8 x 11 significant bits), so a
+        fused multiply-add of ``zero + levels * scale`` cannot change the comparison it feeds."""
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        PER_BYTE: tl.constexpr = 8 // BITS
+        CODES: tl.constexpr = D // PER_BYTE
+        NG: tl.constexpr = D // GROUP
+        WIDTH: tl.constexpr = CODES + 4 * NG
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+        g = tl.reshape(x.to(tl.float32), (BLOCK_R, NG, GROUP))
+        lo, hi = tl.min(g, axis=2), tl.max(g, axis=2)  # [BLOCK_R, NG]
+        zero = lo.to(tl.float16)
+        zero = tl.where(zero.to(tl.float32) > lo, _fp16_step(zero, False), zero)
+        zf = zero.to(tl.float32)
+        scale = tl.math.div_rn(hi - zf, tl.full(hi.shape, LEVELS, tl.float32)).to(tl.float16)
+        for _ in tl.static_range(3):  # up an ulp while the top code falls short of the maximum
+            short = zf + LEVELS * scale.to(tl.float32) < hi
+            scale = tl.where(short, _fp16_step(scale, True), scale)
+        scale = tl.where(scale == 0, 0.0, scale).to(tl.float16)  # +0 for -0, as _outward
+        zero = tl.where(zero == 0, 0.0, zero).to(tl.float16)
+        sf = scale.to(tl.float32)
+        safe = tl.where(sf > 0, sf, 1.0)
+        v = tl.math.div_rn(g - zf[:, :, None], tl.broadcast_to(safe[:, :, None], (BLOCK_R, NG, GROUP)))
+        code = tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS).to(tl.int32)
+        # Planar packing: channel i * CODES + j is part i of byte j.
+        parts = tl.reshape(code, (BLOCK_R, PER_BYTE, CODES))
+        shift = (tl.arange(0, PER_BYTE) * BITS)[None, :, None]
+        byte = tl.sum(parts << shift, axis=1).to(tl.uint8)  # disjoint bit fields: sum == or
+        base = out_ptr + rows64 * WIDTH
+        tl.store(base[:, None] + tl.arange(0, CODES)[None, :], byte, mask=ok[:, None])
+        params = (base + CODES).to(tl.pointer_type(tl.float16))[:, None] + tl.arange(0, NG)[None, :]
+        tl.store(params, scale, mask=ok[:, None])
+        tl.store(params + NG, zero, mask=ok[:, None])
+
+
+def triton_quantizes(head_dim: int, fmt: QuantFormat) -> bool:
+    """Whether :func:`quantize_rows_triton` takes this format: float16 parameters (the exactness argument
+    of its kernel) and a power-of-two head dim (its tiles); other formats run the torch path."""
+    return fmt.param_dtype == torch.float16 and head_dim & (head_dim - 1) == 0
+
+
+def quantize_rows_triton(x: Tensor, fmt: QuantFormat) -> Tensor:
+    """Triton launcher of :func:`quantize_rows` (no input checks): one launch for every row of ``x [..., D]``
+    (:func:`triton_quantizes` formats), equal bit for bit to the torch path."""
+    require_triton()
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], fmt.row_bytes(D), dtype=torch.uint8, device=x.device)
+    n = rows.shape[0]
+    if n == 0:
+        return out
+    block_r = max(1, min(64, 4096 // D))  # a 4096-value tile
+    launch(_quantize_rows_kernel, (triton.cdiv(n, block_r),), rows, out, n, D=D, GROUP=fmt.group,
+           BITS=fmt.bits, BLOCK_R=block_r, num_warps=4)
+    return out
+
+
 def dequantize_rows(rows: Tensor, head_dim: int, fmt: QuantFormat,
                     dtype: torch.dtype = torch.float32) -> Tensor:
     """Values ``[..., head_dim]`` in ``dtype`` of packed rows ``[..., W]`` (:func:`quantize_rows`)."""
@@ -269,3 +369,25 @@ def key_channel_scale(k: Tensor) -> Tensor:
     amax = k.detach().abs().amax(dim=0).float()  # [H, D]
     exp = torch.round(0.5 * torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny)))
     return torch.where(amax > 0, torch.exp2(exp.clamp(-60.0, 60.0)), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compile variants (kvkernels.compile_check)
+# ----------------------------------------------------------------------------------------------------
+
+COMPILE_AXES: dict[str, tuple] = {
+    "dtype": (torch.float32, torch.float16, torch.bfloat16),
+    "bits": (2, 4, 8),
+    "head_dim": (64, 128, 8),
+    "group": (32, 16, 8),
+}
+
+
+def compile_variants(full: bool = False):
+    """``(label, thunk)`` pairs: :func:`quantize_rows_triton` on ``meta`` rows, one per configuration of
+    :data:`COMPILE_AXES` (a pairwise covering set, or all with ``full``)."""
+    for cfg in covering(COMPILE_AXES, full=full):
+        label = "quantize_rows " + " ".join(f"{k}={v}" for k, v in cfg.items())
+        yield label, (lambda cfg=cfg: quantize_rows_triton(
+            torch.empty(5, 3, cfg["head_dim"], dtype=cfg["dtype"], device="meta"),
+            QuantFormat(cfg["bits"], min(cfg["group"], cfg["head_dim"]))))
