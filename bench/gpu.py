@@ -649,6 +649,10 @@ def stage_quant(st: Stage) -> None:
 
     copy = st.copy_bandwidth()
     st.emit("copy", **copy)
+    try:
+        _quant_write(st)
+    except Exception:  # noqa: BLE001
+        st.error("quant write")
     for batch, ctx in st.shapes.quant:
         shape = f"B{batch}-L{ctx}"
         if st.left() < 8:
@@ -661,6 +665,25 @@ def stage_quant(st: Stage) -> None:
         if st.cuda:
             torch.cuda.empty_cache()
     _quant_sweep(st)
+
+
+def _quant_write(st: Stage) -> None:
+    """One decode step's K write for one layer at the target's batch: ``quantize_rows`` (one Triton launch
+    on CUDA) against the torch path it replaced (``quantize`` + ``pack``, ~20 kernels); do they agree."""
+    import torch
+
+    from kvkernels.quant import QuantFormat, _quantize_fast, pack, quantize_rows
+
+    batch = st.shapes.quant[0][0]
+    _, hkv, d = st.shapes.heads
+    fmt = QuantFormat(4, st.shapes.quant_group)
+    x = torch.randn(batch, hkv, d, generator=torch.Generator().manual_seed(0)).to(st.device, st.dtype)
+    torch_path = lambda: pack(_quantize_fast(x, fmt.bits, fmt.group, fmt.param_dtype))  # noqa: E731
+    ours, how = st.seconds(lambda: quantize_rows(x, fmt, validate=False))
+    ref, _ = st.seconds(torch_path)
+    equal = bool(torch.equal(quantize_rows(x, fmt, validate=False), torch_path()))
+    st.emit("quant_write", rows=batch * hkv, head_dim=d, bits=4, us=ours * 1e6, torch_path_us=ref * 1e6,
+            speedup=ref / ours, bit_equal=equal, timed_by=how)
 
 
 def _quant_sweep(st: Stage) -> None:
@@ -1244,6 +1267,9 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     lines += _table(kinds.get("quant_decode", []), ["shape", "impl", "us", "over_native", "gb_s",
                                                     "pct_of_copy", "row_bytes", "max_abs_diff_vs_native",
                                                     "timed_by"])
+    lines += ["", "One decode step's 4-bit K write (one layer):", ""]
+    lines += _table(kinds.get("quant_write", []), ["rows", "head_dim", "us", "torch_path_us", "speedup",
+                                                   "bit_equal", "timed_by"])
     lines += ["", "## Prefill scorer (one layer)", ""]
     lines += _table(kinds.get("prefill", []), ["impl", "mode", "L", "ms", "over_attention"])
     sweep = [r for r in kinds.get("prefill_sweep", []) if "ms" in r]
