@@ -149,10 +149,17 @@ def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompil
                 cache.prepare_decode(t)
                 outs.append(fn(cache, run.steps[t], run.step_positions(t), run.scale))
                 cache.after_step(t)
-            # Bit for bit: the compiled write keeps quantize's outward rounding (a custom op).
-            assert torch.equal(compiled.k_pages, eager.k_pages)
-            assert torch.equal(compiled.v_pages, eager.v_pages)
-            torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+            # Bit for bit: the compiled write keeps quantize's outward rounding (a custom op). Each check
+            # names the step and the differing (page, slot, head) rows: the GPU run records the message.
+            for name in ("k_pages", "v_pages"):
+                a, b = getattr(compiled, name), getattr(eager, name)
+                where = (a != b).flatten(3).any(-1).nonzero().tolist() if a.shape == b.shape else "shape"
+                assert torch.equal(a, b), f"step {t}: {name} differ at (page, slot, head) {where[:8]}"
+            if compiled.side is not None:
+                for name in ("k_pages", "v_pages"):
+                    a, b = getattr(compiled.side.pool, name), getattr(eager.side.pool, name)
+                    assert torch.equal(a, b), f"step {t}: side {name} differ"
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6, msg=lambda m: f"step {t}: {m}")
             torch.testing.assert_close(compiled.slot_score, eager.slot_score, rtol=1e-6, atol=1e-6)
             if compiled.side is None:  # (check_invariants counts one region's pages)
                 check_invariants(compiled)
