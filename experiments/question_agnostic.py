@@ -11,12 +11,13 @@ How the question is fed (``protocol`` in each record):
 
 * ``feed`` (every config): the question's tokens go through decode steps, teacher-forced, each attending to
   the compressed context and the question's tokens before it; nothing is evicted after the context's
-  compression (``evict_every`` is set past the question and the answer). Per-head caches (``adakv``,
-  ``duo``) cannot take an ``extend`` after the prompt yet (``HeadRows.check_extendable``), so this is
-  the one protocol every config can run, and the table compares configs on it.
-* ``extend`` (configs without head budgets): ``Decoder.extend([question])`` then ``Decoder.generate``: the
-  question is prefilled into the compressed cache and the sequence is compressed again to the budget of
-  everything seen (the question's window votes re-rank the kept tokens), the Decoder's own path.
+  compression (``evict_every`` is set past the question and the answer). ``adakv``'s per-head cache cannot
+  take an ``extend`` after the prompt (``HeadRows.check_extendable``), so this is the one protocol every
+  config can run, and the table compares configs on it.
+* ``extend`` (every config but ``adakv``'s; ``duo``'s per-head pages since 2026-11-27):
+  ``Decoder.extend([question])`` then ``Decoder.generate``: the question is prefilled into the compressed
+  cache and the sequence is compressed again to the budget of everything seen (the question's window votes
+  re-rank the kept tokens), the Decoder's own path.
 
 One JSON line per (config, budget, protocol), appended to ``--out``; a rerun skips the lines already there.
 ``--report`` prints the table (answers out of N per config and budget) and runs nothing.
@@ -170,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budgets", default="0.2,0.5")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated names of {list(CONFIGS)}")
-    p.add_argument("--protocols", default="feed,extend", help="feed and/or extend (extend: configs without "
-                   "head budgets only)")
+    p.add_argument("--protocols", default="feed,extend", help="feed and/or extend (extend: every config but "
+                   "adakv's)")
     p.add_argument("--new", type=int, default=10, help="tokens generated after the question")
     p.add_argument("--fraction", type=float, default=0.25, help="duo's share of retrieval heads")
     p.add_argument("--threads", type=int, default=0)
@@ -206,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         for protocol in protocols:
             if protocol not in ("feed", "extend"):
                 raise SystemExit(f"--protocols: unknown protocol {protocol!r}; choose feed or extend")
-            if protocol == "extend" and policy.heads.per_head:
-                continue
+            if protocol == "extend" and policy.heads.per_head and policy.heads.split_reads_scores:
+                continue  # adakv: its split reads the prompt's scores (the cache refuses to extend it)
             key = (f"passkey-qa|{runner.model_name}|ctx={args.context}|n={args.n}|seed={args.seed}|{name}|"
                    f"{budget:g}|{protocol}|new={args.new}")
             if key not in done:

@@ -159,7 +159,8 @@ def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompil
                 for name in ("k_pages", "v_pages"):
                     a, b = getattr(compiled.side.pool, name), getattr(eager.side.pool, name)
                     assert torch.equal(a, b), f"step {t}: side {name} differ"
-            torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6, msg=lambda m: f"step {t}: {m}")
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6,
+                                       msg=lambda m, t=t: f"step {t}: {m}")
             torch.testing.assert_close(compiled.slot_score, eager.slot_score, rtol=1e-6, atol=1e-6)
             if compiled.side is None:  # (check_invariants counts one region's pages)
                 check_invariants(compiled)

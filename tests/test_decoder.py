@@ -336,7 +336,7 @@ class NoExtendLlama(Llama):
     (lambda: Decoder(tiny_model("llama"), compose("h2o", "minicache", budget=0.5)),
      lambda d: d.extend([list(range(10))], chunk=4), NotImplementedError, "merges layers"),
     (lambda: Decoder(MODEL, compose("h2o", "adakv", budget=0.5)),
-     lambda d: d.extend([list(range(10))], chunk=4), NotImplementedError, "own budgets"),
+     lambda d: d.extend([list(range(10))], chunk=4), NotImplementedError, "own budgets from the prompt's"),
     (lambda: Decoder(tiny_model("lckv")), lambda d: d.extend([list(range(10))], chunk=4), NotImplementedError,
      "^LCKV cannot continue"),
     (lambda: Decoder(MODEL), lambda d: d.generate(4), RuntimeError, r"before extend\(\)"),

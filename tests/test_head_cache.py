@@ -97,10 +97,10 @@ def test_caches_refuse_what_they_cannot_hold():
         HeadPagedKVCache(1, 2, 4, 2, 1, 8, policy=compose("tova"))
 
 
-def head_cache(run: FakeRun, policy, page_size: int = 4) -> HeadPagedKVCache:
+def head_cache(run: FakeRun, policy, page_size: int = 4, extra: int = 0) -> HeadPagedKVCache:
     return HeadPagedKVCache(n_layers=run.n_layers, n_kv_heads=run.n_kv_heads, head_dim=run.head_dim,
                             n_q_heads=run.n_q_heads, max_batch=len(run.prompt_lens),
-                            max_tokens=max(run.prompt_lens) + run.n_steps, page_size=page_size,
+                            max_tokens=max(run.prompt_lens) + run.n_steps + extra, page_size=page_size,
                             dtype=run.dtype, device=DEVICE, policy=policy)
 
 
@@ -125,6 +125,59 @@ def test_head_pages_with_even_budgets_equal_the_paged_cache(lens, n_kv, group, a
         for b in range(len(lens)):
             want = paged.layer_contents(l, b)
             for h, got in enumerate(heads.head_contents(l, b)):
+                assert torch.equal(got["pos"], want["pos"][:, h])
+                assert torch.equal(got["k"], want["k"][:, h]) and torch.equal(got["v"], want["v"][:, h])
+    assert heads.report().total_bytes == paged.report().total_bytes
+
+
+@given(lens=lens_st, n_kv=st.integers(1, 3), group=st.sampled_from([1, 2]), alibi=st.booleans(),
+       name=st.sampled_from(["snapkv", "h2o", "knorm", "full", "streaming", "chunkkv"]),
+       n_new=st.integers(1, 7), who=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_head_pages_take_a_follow_up_as_the_paged_cache_does(lens, n_kv, group, alibi, name, n_new, who,
+                                                             seed):
+    """A sequence that takes tokens after its prompt (begin_extend / extend_attend / end_extend, between
+    decode steps) on rows per KV head: the same attention outputs, re-plan and compression as on rows per
+    sequence, then the same decode steps and kept tokens in every head."""
+    policy = compose(name, budget=0.4, **({"snapkv": {"window": 3}} if name == "snapkv" else {}))
+    run = FakeRun(2, n_kv, group, 4, lens, 3, seed=seed, alibi=alibi)
+    paged, heads = run.cache(policy, max_new=run.n_steps + n_new), head_cache(run, policy, extra=n_new)
+    b, B = who % len(lens), len(lens)
+    g = torch.Generator().manual_seed(seed + 1)
+    new = [tuple(torch.randn(n_new, h, run.head_dim, generator=g).to(DEVICE)
+                 for h in (run.n_q_heads, n_kv, n_kv)) for _ in range(run.n_layers)]
+    shift = torch.tensor([n_new if i == b else 0 for i in range(B)], dtype=torch.int32, device=DEVICE)
+    for cache in (paged, heads):
+        run.prefill(cache)
+    for t in range(run.n_steps):
+        if t == 1:  # between steps 0 and 1, sequence b takes n_new tokens after the ones it has seen
+            start = lens[b] + 1
+            positions = torch.arange(start, start + n_new, dtype=torch.int32, device=DEVICE)
+            outs = []
+            for cache in (paged, heads):
+                cache.begin_extend(b, n_new)
+                outs.append([cache.extend_attend(l, b, *new[l], positions, scale=run.scale,
+                                                 alibi_slopes=run.alibi) for l in range(run.n_layers)])
+                cache.end_extend(b)
+            for want, got in zip(*outs, strict=True):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert heads.slots_held(b) == paged.slots_held(b) and heads.decode_room(b) == paged.decode_room(b)
+        pos = run.step_positions(t) + (shift if t >= 1 else 0)
+        steps = []
+        for cache in (paged, heads):
+            cache.prepare_decode(t)
+            outs = []
+            for l in range(run.n_layers):
+                q, k, v = run.steps[t][l]
+                cache.append(l, k, v, pos)
+                outs.append(cache.attend(l, q, pos, scale=run.scale, alibi_slopes=run.alibi))
+            cache.after_step(t)
+            steps.append(outs)
+        for want, got in zip(*steps, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for l in range(run.n_layers):
+        for s in range(B):
+            want = paged.layer_contents(l, s)
+            for h, got in enumerate(heads.head_contents(l, s)):
                 assert torch.equal(got["pos"], want["pos"][:, h])
                 assert torch.equal(got["k"], want["k"][:, h]) and torch.equal(got["v"], want["v"][:, h])
     assert heads.report().total_bytes == paged.report().total_bytes

@@ -207,3 +207,80 @@ def test_decoder_gives_retrieval_heads_more_tokens():
     even = Decoder(model, compose("snapkv(window=4)", budget=0.25), page_size=4)
     even.extend([prompt])
     assert sum(rep.head_tokens[0][0]) == 2 * even.cache.report().tokens_per_layer[0][0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Follow-up turns on per-head pages (Decoder.extend after the prompt, chunked prefill)
+# ----------------------------------------------------------------------------------------------------
+
+DUO_WEIGHTS = ((1.0, 0.0), (0.0, 0.5))  # layer 0's head 0 and layer 1's head 1 retrieve (fraction 0.5)
+
+
+@given(prompt=st.lists(st.integers(0, 49), min_size=1, max_size=30),
+       follow=st.lists(st.integers(0, 49), min_size=1, max_size=12), chunk=st.sampled_from([None, 4, 7]))
+@settings(max_examples=8, deadline=None)
+def test_duo_with_room_for_everything_continues_as_the_full_cache(prompt, follow, chunk):
+    """Budget 1.0: every head keeps everything, so two turns (and a chunked first prompt) on per-head pages
+    give the full cache's greedy tokens."""
+    model = tiny_llama(n_layers=2, n_heads=4, n_kv_heads=2)
+    policy = compose("snapkv(window=4)", ("duo", {"weights": DUO_WEIGHTS, "fraction": 0.5}), budget=1.0)
+    duo, full = Decoder(model, policy, page_size=4), Decoder(model, compose("full"), page_size=4)
+    for dec in (duo, full):
+        dec.extend([prompt], chunk=chunk)
+    assert duo.cache.rows.name == "heads"
+    assert duo.generate(3).tokens == full.generate(3).tokens
+    for dec in (duo, full):
+        dec.extend([follow])
+    assert duo.generate(4).tokens == full.generate(4).tokens
+
+
+def test_duo_follow_up_keeps_retrieval_heads_whole_and_the_model_kv():
+    """A compressing duo over three turns: after each extension every (layer, head) row holds at most its
+    head budget, the retrieval heads hold every token the budget allows (more than the streaming heads),
+    and every kept K/V is the one the model computed at that position (bit for bit)."""
+    model = tiny_llama(n_layers=2, n_heads=4, n_kv_heads=2)
+    policy = compose("snapkv(window=4)", ("duo", {"weights": DUO_WEIGHTS, "fraction": 0.5}), budget=0.25)
+    dec = Decoder(model, policy, page_size=4, max_tokens=96)
+    kv = {}
+    g = torch.Generator().manual_seed(3)
+
+    def wrap(cache):
+        prefill_attend, extend_attend, append = cache.prefill_attend, cache.extend_attend, cache.append
+
+        def store(l, k, v, positions):
+            for i, p in enumerate(positions.tolist()):
+                kv[l, p] = (k[i].clone(), v[i].clone())
+
+        def on_prefill(l, b, q, k, v, positions, **kw):
+            store(l, k, v, positions)
+            return prefill_attend(l, b, q, k, v, positions, **kw)
+
+        def on_extend(l, b, q, k, v, positions, **kw):
+            store(l, k, v, positions)
+            return extend_attend(l, b, q, k, v, positions, **kw)
+
+        def on_append(l, k, v, positions, q=None):
+            store(l, k, v, positions)
+            return append(l, k, v, positions, q=q)
+
+        cache.prefill_attend, cache.extend_attend, cache.append = on_prefill, on_extend, on_append
+
+    build = dec._build_cache
+    dec._build_cache = lambda batch: (build(batch), wrap(dec.cache))[0]
+    for turn, n in ((40, 3), (12, 4), (9, 2)):
+        dec.extend([[int(x) for x in torch.randint(0, 50, (turn,), generator=g)]])
+        cache, rep = dec.cache, dec.cache.report()
+        seen = dec.lengths[0]
+        for l in range(cache.n_layers):
+            budgets = cache.plan.rows.budgets[l].tolist()  # [Hkv] this sequence's head budgets
+            held = rep.head_tokens[l][0]
+            assert all(h <= bud for h, bud in zip(held, budgets, strict=True)), (l, held, budgets)
+            retrieval = DUO_WEIGHTS[l].index(max(DUO_WEIGHTS[l]))
+            assert held[retrieval] > max(h for i, h in enumerate(held) if i != retrieval)
+            for h, got in enumerate(cache.head_contents(l, 0)):
+                pos = got["pos"].tolist()
+                assert len(set(pos)) == len(pos) and max(pos) < seen
+                for i, p in enumerate(pos):
+                    k, v = kv[l, p]
+                    assert torch.equal(got["k"][i], k[h]) and torch.equal(got["v"][i], v[h])
+        dec.generate(n)

@@ -198,9 +198,11 @@ class Decoder:
         if continues and policy.merge_layout(model.n_cache_layers).pairs:
             raise NotImplementedError(f"policy {policy.name!r} merges layers, which cannot take tokens after "
                                       "the prompt (extend, chunk=); use a policy without merging")
-        if continues and policy.heads.per_head:
-            raise NotImplementedError(f"policy {policy.name!r} gives KV heads their own budgets (per-head "
-                                      "pages), which cannot take tokens after the prompt (extend, chunk=)")
+        if continues and policy.heads.per_head and policy.heads.split_reads_scores:
+            raise NotImplementedError(f"policy {policy.name!r} gives KV heads their own budgets from the "
+                                      f"prompt's token scores ({policy.heads.name}), which evicted tokens no "
+                                      "longer have, so it cannot take tokens after the prompt (extend, "
+                                      "chunk=); duo's per-head budgets can")
         window = policy.eviction.prefill_window(1 << 30) if policy.eviction.prefill_mode else 0
         if chunk is not None and window > 1 and chunk < window:
             name = policy.eviction.name

@@ -386,6 +386,11 @@ class HeadBudgetPolicy(Policy):
 
     role: ClassVar[Role] = "heads"
     per_head: ClassVar[bool] = False
+    # Whether split() ranks heads by the tokens' scores. A sequence that takes more tokens after its prompt
+    # (a follow-up turn, a chunked prefill) is re-split from the tokens its heads still hold: a split that
+    # reads scores would then see only the survivors of the first split (``adakv``), so the cache refuses to
+    # extend it; one that reads the scores' shape only (``duo``: which heads retrieve is fixed) can continue.
+    split_reads_scores: ClassVar[bool] = True
 
     @property
     def needs_calibration(self) -> bool:

@@ -64,13 +64,14 @@ class ExtendSteps:
                                       "36); use kivi(residual=0) or native precision")
 
     def slots_held(self, b: int) -> int:
-        """The most slots any cache layer holds for sequence ``b`` now (host mirror, no sync)."""
-        return int(self.host.lens[:, b].max(initial=0))
+        """The most slots any cache layer (any of its rows) holds for sequence ``b`` now (host mirror)."""
+        return int(self.host.lens[:, self.rows.rows(b)].max(initial=0))
 
     def decode_room(self, b: int) -> int:
         """Decode steps sequence ``b`` can take before one of its storage layers (a merged region takes two
         slots a step) runs out of the slots ``max_tokens`` gives it, evicting nothing (host mirror)."""
-        room = [(self.max_pages * self.page_size - int(self.host.lens[l, b])) // w
+        held = self.host.lens[:, self.rows.rows(b)].max(axis=1)
+        room = [(self.max_pages * self.page_size - int(held[l])) // w
                 for l, w in enumerate(self.layout.width) if w]
         return min(room)
 
@@ -102,13 +103,14 @@ class ExtendSteps:
             raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
                                "finish_prefill(), between decode steps")
         self.check_extendable()
-        check_sequence(b, self.batch_size)
-        if not self.host.holding()[b]:
+        check_sequence(b, self.n_sequences)
+        rows = self.rows.rows(b)
+        if not self.host.holding()[rows].all():
             raise ValueError(f"sequence {b} is finished (its pages went back to the pool); it cannot be "
                              "extended")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r} must be a positive int (the tokens to add)")
-        seen = int(self.host.seen[b]) + n
+        seen = int(self.host.seen[rows[0]]) + n
         budget_len = seen if budget_len is None else int(budget_len)
         if budget_len < seen:
             raise ValueError(f"budget_len={budget_len} is less than the {seen} tokens sequence {b} will have "
@@ -118,9 +120,10 @@ class ExtendSteps:
                 raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
             self.max_new_tokens = max_new_tokens
         S, capacity = self.page_size, self.max_pages * self.page_size
-        lens = self.host.lens[:, b]
+        lens = self.host.lens[:, rows]  # [Lc, rows of b]
         if (lens + n > capacity).any():
-            l = int(np.argmax(lens + n > capacity))
+            l = int(np.argmax((lens + n > capacity).any(axis=1)))
+            lens = lens.max(axis=1)
             raise ValueError(f"sequence {b} holds {lens[l]} tokens in layer {l}; {n} more make "
                              f"{lens[l] + n}, past the {capacity} slots per layer of max_tokens="
                              f"{self.max_tokens}; extend in smaller chunks (chunk=) or build the cache with "
@@ -173,15 +176,26 @@ class ExtendSteps:
             raise ValueError(f"sequence b={b!r} is not the one being extended ({ext.b})")
         if ext.done[l]:
             raise RuntimeError(f"layer {l} of sequence {b} is already extended; call end_extend({b})")
-        n, H, D, S, dev = ext.n, self.n_kv_heads, self.head_dim, self.page_size, self.device
+        n, D, dev = ext.n, self.head_dim, self.device
         for name, t in (("q", q), ("k", k), ("v", v)):
             check_tensor(name, t, ndim=3, dtypes=(self.dtype,), device=dev)
-        check_shape("q", q, [n, self.n_q_heads, D], "n x n_q_heads x head_dim")
-        check_shape("k", k, [n, H, D], "n x n_kv_heads x head_dim")
-        check_shape("v", v, [n, H, D], "n x n_kv_heads x head_dim")
+        check_shape("q", q, [n, self.q_heads, D], "n x n_q_heads x head_dim")
+        check_shape("k", k, [n, self.kv_heads, D], "n x n_kv_heads x head_dim")
+        check_shape("v", v, [n, self.kv_heads, D], "n x n_kv_heads x head_dim")
         check_tensor("positions", positions, ndim=1, dtypes=INT_DTYPES, device=dev)
         check_shape("positions", positions, [n], "n (the tokens begin_extend announced)")
+        outs = [self._extend_row(l, row, *args, positions, scale=scale)
+                for row, args in self.rows.extension_rows(b, q, k, v, alibi_slopes)]
+        ext.done[l] = True
+        self.host.track_peak(self.page_size)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
+    def _extend_row(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    alibi_slopes: torch.Tensor | None, positions: torch.Tensor, *,
+                    scale: float) -> torch.Tensor:
+        """:meth:`extend_attend` on pool row ``b`` (checked): ``q [n, G*Hkv, D]``, ``k, v [n, Hkv, D]`` in the
+        pool's heads of a row."""
+        n, H, S, dev = q.shape[0], self.n_kv_heads, self.page_size, self.device
         # The kept tokens in slot order, then per KV head in position order (pooling reads neighbours).
         m = int(self.host.lens[l, b])
         table = self.page_table[l, b, :ceil_div(m, S)].to(torch.int64)
@@ -234,9 +248,8 @@ class ExtendSteps:
         self.slot_score[page, offset] = new_scores.to(torch.float32)
         self.seq_lens[l, b] = m + n
         self.host.lens[l, b] = m + n
-        ext.done[l] = True
-        self.host.track_peak(self.page_size)
         return out
+
 
     def end_extend(self, b: int) -> None:
         """Finish sequence ``b``'s extension: re-plan the batch (``b``'s budget from ``budget_len``, its
@@ -250,12 +263,15 @@ class ExtendSteps:
             l = int(np.argmin(ext.done))
             raise RuntimeError(f"layer {l} of sequence {b} was not extended; call extend_attend for every "
                                "cache layer")
-        self.host.seen[b] += ext.n
-        self.prompt_lens[b] = ext.budget_len
-        self.budget_tokens[b] = self.policy.checked_budget_tokens(torch.tensor([ext.budget_len]))[0]
-        self.active[b] = True
-        self.host.active[b] = True
-        self.host.parked[b] = False
+        rows = self.rows.rows(b)
+        self.host.seen[rows] += ext.n
+        for row in rows:
+            self.prompt_lens[row] = ext.budget_len
+        self.budget_tokens[rows] = self.policy.checked_budget_tokens(torch.tensor([ext.budget_len]))[0]
+        self.active[rows] = True
+        self.host.active[rows] = True
+        self.host.parked[rows] = False
+        self.rows.replanned(b)
         self._extension = None
         self._state = "decode"
         self._replan()

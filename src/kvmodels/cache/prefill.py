@@ -205,9 +205,10 @@ class PrefillSteps:
         ext = self._extension
         if ext is not None and ext.b == b:
             self._check_layer(l)
-            n_old, n_new = int(self.host.stat_tokens[l, b]), stat.numel()
-            self.cos_sim[l, b] = (self.cos_sim[l, b] * n_old + stat.float().sum()) / (n_old + n_new)
-            self.host.stat_tokens[l, b] = n_old + n_new
+            for row in self.rows.rows(b):  # every row of the sequence holds its statistic
+                n_old, n_new = int(self.host.stat_tokens[l, row]), stat.numel()
+                self.cos_sim[l, row] = (self.cos_sim[l, row] * n_old + stat.float().sum()) / (n_old + n_new)
+                self.host.stat_tokens[l, row] = n_old + n_new
         else:
             self.record_cos_sim(l, b, stat.mean())
 

@@ -65,6 +65,9 @@ class SequenceRows:
     def start(self) -> None:
         pass
 
+    def replanned(self, b: int) -> None:
+        """Sequence ``b`` took more tokens (``end_extend``): its next plan is made anew."""
+
     def rows(self, b: int) -> list[int]:
         """The rows of sequence ``b``."""
         return [b]
@@ -78,6 +81,11 @@ class SequenceRows:
         """``prefill_layer``'s arguments per row of sequence ``b``: ``(row, (q, k, v, alibi_slopes, lse,
         scores))`` (checked by the cache per row)."""
         return [(b, (q, k, v, alibi_slopes, lse, scores))]
+
+    def extension_rows(self, b, q, k, v, alibi_slopes) -> list[tuple]:
+        """``extend_attend``'s arguments per row of sequence ``b``: ``(row, (q, k, v, alibi_slopes))``; the
+        rows' outputs, concatenated over the head dim, are the sequence's."""
+        return [(b, (q, k, v, alibi_slopes))]
 
     def check_new_tokens(self, cache, k, v, positions, q) -> None:
         """Model-level checks of ``append``'s input before translation (rows check the rest)."""
@@ -136,11 +144,17 @@ class HeadRows(SequenceRows):
                              "the same tokens, which a cache of separate heads cannot see; use PagedKVCache")
 
     def check_extendable(self, policy) -> None:
-        raise NotImplementedError(f"extending a sequence with head budgets ({policy.heads.name!r}, "
-                                  "HeadPagedKVCache) is not supported; use a policy without per-head budgets")
+        if policy.heads.split_reads_scores:
+            raise NotImplementedError(
+                f"extending a sequence with head budgets {policy.heads.name!r} is not supported: its split "
+                "ranks heads by the prompt's token scores, and after the first split the evicted tokens' "
+                "scores are gone; use a split that does not read them (duo, even)")
 
     def start(self) -> None:
         self.plans = {}
+
+    def replanned(self, b: int) -> None:
+        self.plans.pop(b, None)
 
     def rows(self, b: int) -> list[int]:
         H = self.kv_heads
@@ -170,6 +184,13 @@ class HeadRows(SequenceRows):
                               None if lse is None else lse[group],
                               None if scores is None else scores[h:h + 1])))
         return out
+
+    def extension_rows(self, b, q, k, v, alibi_slopes) -> list[tuple]:
+        """``q [n, Hq, D]``, ``k, v [n, Hkv, D]``: each KV head to its own row with its group's queries."""
+        G = self.pool_q_heads
+        return [(row, (q[:, h * G:(h + 1) * G], k[:, h:h + 1], v[:, h:h + 1],
+                       None if alibi_slopes is None else alibi_slopes[h * G:(h + 1) * G]))
+                for h, row in enumerate(self.rows(b))]
 
     def _check_batch(self, cache, name: str, t: torch.Tensor, heads: int) -> None:
         check_tensor(name, t, ndim=3, dtypes=(cache.dtype,), device=cache.device)
@@ -209,7 +230,9 @@ class HeadRows(SequenceRows):
         """As :meth:`SequenceRows.plan` for rows ``rows`` (whole sequences): the policy plans each sequence
         once, the first time it is asked (``compress_prompt`` or ``finish_prefill``), with its heads'
         uncompressed prompt scores (``plan(head_scores=...)``); its ``rows`` are then ``[Lc, len(rows)]``, one
-        column per (sequence, KV head)."""
+        column per (sequence, KV head). After an extension (:meth:`replanned`) the sequence is planned again
+        from what its heads hold then: rows of different lengths, their scores padded with 0 to the longest
+        (a split that reads the scores is refused for extension, ``check_extendable``)."""
         H, S = self.kv_heads, cache.page_size
         plans = []
         for j in range(0, len(rows), H):
@@ -219,13 +242,19 @@ class HeadRows(SequenceRows):
                 first = rows[j]
 
                 def head_scores(l: int, _: int, first: int = first) -> torch.Tensor:
-                    L = int(cache.host.lens[l, first])
+                    lens = [int(x) for x in cache.host.lens[l, first:first + H]]
+                    L = max(lens)
                     pages = cache.page_table[l, first:first + H, :ceil_div(L, S)].long()  # [H, pages]
-                    return cache.slot_score[pages].reshape(H, -1)[:, :L]  # [H, L] in position order
+                    scores = cache.slot_score[pages].reshape(H, -1)[:, :L]  # [H, L] in position order
+                    if min(lens) < L:  # (an extension: each row's slots past its own length are not its)
+                        n_held = torch.tensor(lens, device=scores.device)[:, None]
+                        held = torch.arange(L, device=scores.device) < n_held
+                        scores = torch.where(held, scores, 0.0)
+                    return scores
 
                 stats = LayerStats(cos_sim=cache.cos_sim[:, [first]].cpu())  # every row of b holds b's
                 self.plans[b] = cache.policy.plan(
-                    torch.tensor([cache.sequence_prompt_lens[b]]), cache.n_layers, stats,
+                    torch.tensor([cache.prompt_lens[first]]), cache.n_layers, stats,
                     max_new_tokens=cache.max_new_tokens, budget_tokens=cache.budget_tokens[[first]],
                     head_scores=head_scores)
             plans.append(self.plans[b])

@@ -72,6 +72,7 @@ class Duo(HeadBudgetPolicy):
     fraction: float = 0.25
 
     per_head: ClassVar[bool] = True
+    split_reads_scores: ClassVar[bool] = False  # which heads retrieve comes from the weights, not the prompt
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", _check_weights(self.name, self.weights))  # hashable

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..base import HeadBudgetPolicy
 from ..registry import register_policy
@@ -12,3 +13,5 @@ from ..registry import register_policy
 @dataclass(frozen=True)
 class Even(HeadBudgetPolicy):
     """Every KV head keeps the layer's budget (the default)."""
+
+    split_reads_scores: ClassVar[bool] = False
