@@ -169,6 +169,20 @@ def test_each_answer_equals_the_decoder_oracle(capsys, sharp_ckpt, context_file,
     assert skipped[0] != got[1]
 
 
+def test_duo_answers_equal_the_decoder_oracle(capsys, sharp_ckpt, context_file):
+    """``duo``'s per-head pages take the questions too: kvgen calibrates it on the model (retrieval heads)
+    and each answer equals a Decoder's with the same calibrated policy."""
+    from kvmodels.cli import _calibrated
+
+    n = 6
+    rc, out, err = ask(capsys, sharp_ckpt, context_file, QUESTIONS, "--policy", "snapkv(window=4)+duo",
+                       "--budget", "0.4", "--max-new-tokens", str(n))
+    assert rc == 0, err
+    lm = load_checkpoint(str(sharp_ckpt))
+    policy = _calibrated(compose("snapkv(window=4)", "duo", budget=0.4), lm.model)
+    assert answers(out, QUESTIONS) == oracle(sharp_ckpt, policy, QUESTIONS, n)
+
+
 def test_questions_from_stdin_equal_the_same_questions_as_arguments(capsys, tiny_ckpt, context_file,
                                                                     monkeypatch):
     rc, want, _ = ask(capsys, tiny_ckpt, context_file, QUESTIONS, "--policy", "h2o", "--budget", "0.5",

@@ -451,10 +451,11 @@ def _check_continuable(model: Any, policy: Any) -> None:
         raise CliError(f"--policy {policy.label}: merging layers ({policy.merge.name}) cannot take questions "
                        "after the compressed context; use a policy without a merge part with --context, or "
                        "put the question in the prompt")
-    if policy.heads.per_head:
+    if policy.heads.per_head and policy.heads.split_reads_scores:
         raise CliError(f"--policy {policy.label}: per-head budgets ({policy.heads.name}) cannot take "
-                       "questions after the compressed context; use a policy without a head part with "
-                       "--context, or put the question in the prompt")
+                       "questions after the compressed context (its split reads the prompt's scores, which "
+                       "evicted tokens no longer have); use duo or no head part with --context, or put the "
+                       "question in the prompt")
 
 
 def _held(report: Any, seen: int) -> str:
