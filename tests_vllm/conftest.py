@@ -62,13 +62,14 @@ class VllmFailed(RuntimeError):
 
 
 def run_vllm(tmp_path: Path, model: str, batch: list[list[int]], max_tokens: int, policy: str | None,
-             engine: dict | None = None, timeout: float = 300) -> dict:
+             engine: dict | None = None, timeout: float = 300, preempt: dict | None = None) -> dict:
     """Greedy tokens and block accounting of one vLLM engine (its own process) with ``policy`` in
-    ``KVPOLICIES_VLLM_POLICY`` (None: plain vLLM). Raises :class:`VllmFailed` with the process's stderr."""
+    ``KVPOLICIES_VLLM_POLICY`` (None: plain vLLM); ``preempt``: ``{request index: tokens cached}`` at which to
+    preempt it once (tests_vllm/vllm_job.py). Raises :class:`VllmFailed` with the process's stderr."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"model": model, "prompts": batch, "max_tokens": max_tokens,
-                               "engine": engine or {}}))
+                               "engine": engine or {}, "preempt": preempt or {}}))
     env = {k: v for k, v in os.environ.items() if k != "KVPOLICIES_VLLM_POLICY"} | ENV
     if policy is not None:
         env["KVPOLICIES_VLLM_POLICY"] = policy
@@ -88,3 +89,32 @@ def run_bridge(model: transformers.LlamaForCausalLM, prompt: list[int], max_toke
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                              do_sample=False, past_key_values=cache, pad_token_id=0, use_cache=True)
     return out[0, ids.shape[1]:].tolist(), cache
+
+
+def assert_blocks_follow_kept_lengths(result: dict, policy) -> int:
+    """After every step each request holds the blocks the scheduler allocated for it in that step:
+    ``cdiv(c - dropped(c0), block_size)`` (``c0``/``c``: tokens cached before / after the step, ``dropped``:
+    ``kvpolicies.vllm.kept_lengths``, the prompt's evicted tokens and, with decode-time eviction, those
+    evicted while decoding; 0 before the prompt is processed); the blocks an eviction in the step emptied go
+    back to the pool when the scheduler next schedules the request. Returns how many times a request past
+    its prompt held fewer blocks than in the step before (blocks freed while decoding)."""
+    import math
+
+    from kvpolicies.vllm import kept_lengths
+
+    bs = result["block_size"]
+    prev: dict[str, tuple[int, int]] = {}
+    checked = shrank = 0
+    for step in result["steps"]:
+        for rid, (L, computed, held) in step["requests"].items():
+            c0, h0 = prev.get(rid, (0, 0))
+            if computed < c0:  # preempted: recomputed from its first token
+                c0 = h0 = 0
+            if computed:
+                assert held == math.ceil((computed - kept_lengths(policy, L).dropped(c0)) / bs), (
+                    rid, L, c0, computed, held)
+                checked += computed > L
+                shrank += c0 > L and held < h0
+            prev[rid] = (computed, held)
+    assert checked > 0
+    return shrank

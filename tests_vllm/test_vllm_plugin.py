@@ -2,11 +2,11 @@
 
 * ``full`` generates what plain vLLM generates, with the same blocks;
 * ``streaming`` and ``knorm`` (selections that do not depend on attention numerics) generate what the
-  transformers bridge generates with the same policy, prompt compression only (the plugin does not evict
-  while decoding yet, so the bridge runs with ``evict_every`` past the generation), for several concurrent
-  requests of different lengths, with chunked prefill on and off;
+  transformers bridge generates with the same policy (prompt compression and eviction at every decode step;
+  longer generations and other schedules: test_vllm_decode.py), for several concurrent requests of
+  different lengths, with chunked prefill on and off;
 * ``snapkv`` keeps the bridge's tokens per (layer, KV head), up to ties, with chunked prefill on and off;
-* after its prompt is compressed, each request holds ``cdiv(kept + generated, block_size)`` blocks (the rest
+* after its prompt is compressed, each request holds the blocks of its kept tokens (the rest
   went back to the pool), so the pool's free count after prefill is higher than plain vLLM's, and in a pool
   too small for plain vLLM to run all requests at once the freed blocks admit the queued ones;
 * a spec the plugin cannot apply fails vLLM's start-up with one line.
@@ -17,35 +17,20 @@ Each engine runs in its own process (~10-20 s to start on 2 cores); there are fe
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
-from conftest import VllmFailed, prompts, run_bridge, run_vllm
+from conftest import VllmFailed, assert_blocks_follow_kept_lengths, prompts, run_bridge, run_vllm
 from kvpolicies import compose
 from kvpolicies.vllm import prompt_budget
 
 NEW = 8
 #: Lengths of the concurrent prompts: a block and a bit, several blocks, shorter than a block, at a border.
 LENS = [45, 130, 20, 96, 71]
-NEVER = 10**6  # evict_every past any generation: the bridge then compresses the prompt only
 
 
 def spec(name: str, budget: float = 0.2) -> str:
     return json.dumps({"policies": [name], "budget": budget})
-
-
-def assert_blocks_follow_kept_lengths(result: dict, policy) -> None:
-    """After every step, a request past its prompt holds exactly the blocks its kept tokens plus the tokens
-    generated since need; before, the blocks of all its tokens."""
-    bs = result["block_size"]
-    checked = 0
-    for step in result["steps"]:
-        for L, computed, held in step["requests"].values():
-            dropped = L - prompt_budget(policy, L)[0] if computed > L else 0
-            assert held == math.ceil((computed - dropped) / bs), (L, computed, held)
-            checked += computed > L
-    assert checked > 0
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +54,8 @@ def test_equals_bridge(name, chunked, plain, model_dir, hf_model, tmp_path):
     engine = {"enable_chunked_prefill": True, "max_num_batched_tokens": 32} if chunked else {}
     ours = run_vllm(tmp_path, model_dir, batch, NEW, spec(name), engine)
     policy = compose(name, budget=0.2)
-    bridge = compose(name, budget=0.2, evict_every=NEVER)
     for b, p in enumerate(batch):
-        tokens, _ = run_bridge(hf_model, p, NEW, bridge)
+        tokens, _ = run_bridge(hf_model, p, NEW, policy)
         assert ours["tokens"][b] == tokens, (name, b, len(p))
     assert ours["tokens"] != plain["tokens"]  # compression changed something
     assert_blocks_follow_kept_lengths(ours, policy)
@@ -91,8 +75,8 @@ def test_freed_blocks_serve_queued_requests(model_dir, hf_model, tmp_path):
 
     ours = run_vllm(tmp_path / "ours", model_dir, batch, NEW, spec("streaming"), engine)
     plain = run_vllm(tmp_path / "plain", model_dir, batch, NEW, None, engine)
-    bridge = compose("streaming", budget=0.2, evict_every=NEVER)
-    assert ours["tokens"] == [run_bridge(hf_model, p, NEW, bridge)[0] for p in batch]
+    policy = compose("streaming", budget=0.2)
+    assert ours["tokens"] == [run_bridge(hf_model, p, NEW, policy)[0] for p in batch]
     assert most_running(plain) <= 3 and most_running(ours) == len(batch), (most_running(plain),
                                                                              most_running(ours))
     assert_blocks_follow_kept_lengths(ours, compose("streaming", budget=0.2))

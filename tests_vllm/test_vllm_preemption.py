@@ -35,10 +35,13 @@ NEW = 63
 MAX_LEN = max(LENS) + NEW  # 256: exactly the longest request, no spare block
 POOL = 14  # blocks (one is vLLM's null block): the 192-token requests preempt one another late
 NEVER = 10**6
-SPEC = json.dumps({"policies": ["streaming"], "budget": 0.2})
+#: evict_every past the generation: prompt compression only, so the requests grow while decoding and are
+#: preempted late (preemption with decode-time eviction: test_vllm_decode.py).
+SPEC = json.dumps({"policies": ["streaming"], "budget": 0.2, "evict_every": NEVER})
 #: Whole prefill: a preempted request is recomputed in one step past its prompt; chunks of 64 tokens: the
 #: prompt completes at a chunk border and the generated tokens follow in later chunks.
-ENGINES = {"whole-prefill": {}, "chunked-prefill": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}}
+ENGINES = {"whole-prefill": {},
+           "chunked-prefill": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}}
 
 
 def preempted_after_compression(result: dict) -> dict[str, int]:
@@ -80,7 +83,7 @@ def unpressured(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("mode", list(ENGINES))
 def test_requests_at_max_model_len_survive_preemption(mode, unpressured, model_dir, hf_model, tmp_path):
     batch = prompts(LENS)
-    policy = compose("streaming", budget=0.2)
+    policy = compose("streaming", budget=0.2, evict_every=NEVER)
     ours = run_vllm(tmp_path, model_dir, batch, NEW, SPEC,
                     {"num_gpu_blocks_override": POOL, "max_model_len": MAX_LEN} | ENGINES[mode])
     late = preempted_after_compression(ours)
@@ -91,10 +94,10 @@ def test_requests_at_max_model_len_survive_preemption(mode, unpressured, model_d
         L = LENS[int(rid.split("-")[0])]
         d = L - prompt_budget(policy, L)[0]
         if mode == "whole-prefill":
-            assert math.ceil(cached / bs) - math.ceil((cached - d) / bs) + math.ceil((L + NEW - d) / bs) > width
+            columns = math.ceil(cached / bs) - math.ceil((cached - d) / bs) + math.ceil((L + NEW - d) / bs)
+            assert columns > width
     assert [len(t) for t in ours["tokens"]] == [NEW] * len(batch)
     assert ours["tokens"] == unpressured["tokens"]
-    bridge = compose("streaming", budget=0.2, evict_every=NEVER)
-    assert ours["tokens"] == [run_bridge(hf_model, p, NEW, bridge)[0] for p in batch]
+    assert ours["tokens"] == [run_bridge(hf_model, p, NEW, policy)[0] for p in batch]
     assert_blocks_follow_kept_lengths(ours, policy)
     assert_blocks_follow_kept_lengths(unpressured, policy)

@@ -7,7 +7,9 @@ policy (``KVPOLICIES_VLLM_POLICY``) is fixed for the process's life.
 ``JOB.json``: ``{"model": DIR, "prompts": [[ids], ...], "max_tokens": n, "engine": {LLM kwargs}}``.
 ``OUT.json``: ``{"tokens": [[ids], ...], "steps": [...], "block_size": bs, "num_blocks": n, "seconds": t}``;
 each step lists the free blocks and, per running request, ``[prompt_len, num_computed_tokens, blocks held]``;
-``"preempted"``: how many times each preempted request was preempted.
+``"preempted"``: how many times each preempted request was preempted. ``"preempt": {"i": n}`` in the job
+preempts request ``i`` once, between steps, as soon as it has ``n`` tokens cached (vLLM's own
+``Scheduler._preempt_request``: its blocks are freed and it is recomputed from its first token).
 """
 
 from __future__ import annotations
@@ -37,11 +39,18 @@ def main(job_path: str, out_path: str) -> None:
     tokens: dict[str, list[int]] = {}
     steps = []
     preempted: dict[str, int] = {}  # request id -> times preempted
+    force = {str(i): int(n) for i, n in job.get("preempt", {}).items()}
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
+        for req in list(scheduler.running):
+            at = force.get(req.request_id.split("-")[0])
+            if at is not None and req.num_computed_tokens >= at:
+                del force[req.request_id.split("-")[0]]
+                scheduler.running.remove(req)
+                scheduler._preempt_request(req, time.monotonic())
         held = {rid: [req.num_prompt_tokens, req.num_computed_tokens, len(manager.req_to_blocks.get(rid, []))]
                 for rid, req in scheduler.requests.items()}
         for rid, req in scheduler.requests.items():

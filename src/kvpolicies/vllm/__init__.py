@@ -18,9 +18,19 @@ package, and this file imports vLLM only inside :func:`register`.
 
 from __future__ import annotations
 
-from .config import ENV, PolicySpecError, parse, policy_from_env, prompt_budget
+from .config import (
+    ENV,
+    KeptLengths,
+    PolicySpecError,
+    decode_evicts,
+    kept_lengths,
+    parse,
+    policy_from_env,
+    prompt_budget,
+)
 
-__all__ = ["ENV", "PolicySpecError", "parse", "policy_from_env", "prompt_budget", "register"]
+__all__ = ["ENV", "KeptLengths", "PolicySpecError", "decode_evicts", "kept_lengths", "parse",
+           "policy_from_env", "prompt_budget", "register"]
 
 
 def register() -> None:
@@ -42,6 +52,10 @@ def register() -> None:
     manager.install()
     log = init_logger(__name__)
     log.info("kvpolicies: compressing every prompt with %s (budget %s)", policy.name, policy.budget)
-    if policy.schedule.decode_evict:
+    if decode_evicts(policy):
+        log.info("kvpolicies: %s also evicts while decoding (every %d steps, back to the budget)",
+                 policy.eviction.name, policy.evict_every)
+    elif policy.schedule.decode_evict:
         log.warning("kvpolicies: %s also evicts while decoding elsewhere; this plugin compresses the prompt "
-                    "only (decode-time eviction is not applied yet, docs/vllm.md)", policy.eviction.name)
+                    "only (decode-time eviction of this rule is not applied, docs/vllm.md)",
+                    policy.eviction.name)

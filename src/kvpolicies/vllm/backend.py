@@ -28,10 +28,16 @@ on the request is *compacted*: the builder hands the stock CPU kernel seq_len ``
 position ``p`` to slot ``p - d``. Positions are untouched: RoPE was applied before caching, so a kept key
 keeps its original rotation wherever it is stored, and the attention kernel needs no positions.
 
-``kept`` comes from ``ComposedPolicy.plan`` (:func:`kvpolicies.vllm.config.prompt_budget`), as on the
-scheduler side. Only in-process state is kept here, per worker process: the compacted requests
-(``_COMPACTED``) and, with chunked prefill, the observation-window queries of earlier chunks
-(``_WINDOW_QUERIES``) until the compaction uses them.
+Decode-time eviction (``streaming``, ``window``, ``knorm``): a request past its prompt with ``c`` tokens
+cached holds ``stored(c)`` slots (``KeptLengths``), reads ``seq_len - d(c)`` and writes new tokens ``d(c) =
+c - stored(c)`` slots earlier. The step's tokens past the prompt are split after each eviction point
+(``config.step_pieces``); after the batch's attention each layer runs rounds: a second attention for the
+pieces the batch's pass gave the wrong slots (a recomputed request's generated tokens), then the evictions
+(:func:`evict`), which keep ``budget`` slots in order and move the step's later tokens behind them.
+
+``kept`` and ``stored`` come from ``ComposedPolicy.plan`` (:func:`kvpolicies.vllm.config.kept_lengths`), as
+on the scheduler side. Only in-process state is kept here, per worker process: with chunked prefill, the
+observation-window queries of earlier chunks (``_WINDOW_QUERIES``) until the compaction uses them.
 """
 
 from __future__ import annotations
@@ -53,22 +59,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..base import NewTokens
 from ..compose import ComposedPolicy
-from .config import policy_from_env, prompt_budget
+from .config import kept_lengths, policy_from_env, step_pieces
 
 #: The model runner of this worker process (set when it is built; the builder reads its batch's requests).
 _RUNNER: Any = None
 
-
-@dataclass(frozen=True)
-class Compacted:
-    """A request whose prompt was compressed: ``dropped`` slots fewer from then on. Its row of the worker's
-    block table holds exactly the scheduler's blocks (the ones compaction emptied were cut out of it)."""
-
-    dropped: int
-
-
-#: Compacted requests of this worker, by request id.
-_COMPACTED: dict[str, Compacted] = {}
 
 #: With ``KVPOLICIES_VLLM_RECORD_KEPT=1`` (tests), each compaction's kept positions ``[Hkv, kept]`` by
 #: ``(request id, layer name)``.
@@ -98,11 +93,38 @@ class Compaction:
     blocks: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Eviction:
+    """One decode-time eviction of one request, run in every layer after the attention of the tokens that
+    precede it: of the request's first ``held`` slots (in its ``blocks``), keep ``budget`` (the first
+    ``n_sink``, the last ``n_recent``, then the top scores of a scoring rule, in order) at slots
+    ``[0, budget)``; the ``pending`` slots after them (tokens of this step that come later) follow."""
+
+    request: str
+    blocks: torch.Tensor
+    held: int
+    budget: int
+    n_sink: int
+    n_recent: int
+    pending: int
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of a step's decode-time work, after the batch's attention: a second attention for some
+    requests' tokens (``redo``: their query rows ``[n]`` and the metadata of an attention over each one's
+    held slots, replacing the first outputs), then ``evictions``."""
+
+    redo: tuple[torch.Tensor, Any] | None
+    evictions: list[Eviction]
+
+
 class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
-    """``CPU_ATTN``'s builder, plus: compacted requests read ``seq_len - dropped`` slots through their
-    blocks and write new tokens ``dropped`` slots earlier; requests whose prompt completes in this step are
-    listed for compaction (``metadata.kvp_compactions``), their block-table rows cut to the blocks the
-    scheduler keeps, and the tokens past their prompt given a second attention (``metadata.kvp_redo``)."""
+    """``CPU_ATTN``'s builder, plus: a request past its prompt reads its ``stored(c) + q`` held slots
+    (``KeptLengths``) and writes its new tokens after them; requests whose prompt completes in this step are
+    listed for compaction (``metadata.kvp_compactions``); decode-time evictions and the second attention of
+    tokens that must see fewer slots than the batch's pass gave them are listed as rounds
+    (``metadata.kvp_rounds``); and block-table rows are cut to the blocks the scheduler keeps."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -119,8 +141,6 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.policy is None or batch is None or len(batch.req_ids) < n or n == 0:
             return super().build(common_prefix_len, cm, fast_build)  # warm-up and dummy runs
         live = getattr(runner, "requests", {})
-        for rid in [r for r in _COMPACTED if r not in live]:  # finished requests
-            del _COMPACTED[rid]
         for key in [k for k in _WINDOW_QUERIES if k[0] not in live]:
             del _WINDOW_QUERIES[key]
         ev = self.policy.eviction
@@ -128,50 +148,64 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         qsl = cm.query_start_loc_cpu.tolist()
         held = batch.block_table[0].num_blocks_per_row
         table, seq_lens, slots = cm.block_table_tensor, cm.seq_lens, cm.slot_mapping
-        new_table: torch.Tensor | None = None
         new_lens: torch.Tensor | None = None
         new_slots: torch.Tensor | None = None
         jobs: list[Compaction] = []
         stash: list[tuple[str, int, int, int]] = []  # (request, first row, first position, rows)
-        cuts: list[tuple[int, str, int]] = []  # (row, request, blocks kept) of this step's compactions
+        cuts: list[tuple[int, str, int]] = []  # (row, request, blocks kept after this step)
+        # Per round k: requests' k-th pieces of tokens past the prompt that need a second attention
+        # (first row, rows, held slots before them, blocks), and evictions after their k-th pieces.
+        redo: list[list[tuple[int, int, int, torch.Tensor]]] = []
+        evictions: list[list[Eviction]] = []
         for r in range(n):
             rid = batch.req_ids[r]
             L, c = int(batch.num_prompt_tokens[r]), int(batch.num_computed_tokens_cpu[r])
             q = qsl[r + 1] - qsl[r]
-            done = _COMPACTED.get(rid)
-            if done is not None and c < L:  # preempted and now recomputed from its first token
-                del _COMPACTED[rid]
-                done = None
-            if done is not None:
+            if c + q < L:  # a prompt chunk: keep its window queries
+                if ev.prefill_mode is not None:
+                    if c == 0:  # (re)starting: drop what a preempted run left
+                        for key in [k for k in _WINDOW_QUERIES if k[0] == rid]:
+                            del _WINDOW_QUERIES[key]
+                    first = max(c, L - ev.prefill_window(L))
+                    if c + q > first:
+                        stash.append((rid, qsl[r] + first - c, first, c + q - first))
+                continue
+            lengths = kept_lengths(self.policy, L)
+            end = c + q
+            blocks = table[r, :int(held[r])].to(torch.int64).clone()
+            compacting = c < L and lengths.kept < L
+            if c >= L and (d := lengths.dropped(c)):  # the held slots, then this step's tokens
                 if new_lens is None or new_slots is None:
                     new_lens, new_slots = seq_lens.clone(), slots.clone()
-                row = table[r, :int(held[r])]  # the scheduler's blocks: the kept slots, then the new ones
-                new_lens[r] -= done.dropped
-                pos = cm.positions[qsl[r]:qsl[r + 1]].to(torch.int64) - done.dropped  # logical slots
-                new_slots[qsl[r]:qsl[r + 1]] = (row[pos // bs].to(torch.int64) * bs + pos % bs).to(
-                    slots.dtype)
-            elif c + q < L and ev.prefill_mode is not None:  # a prompt chunk: keep its window queries
-                if c == 0:  # (re)starting: drop what a preempted run left
-                    for key in [k for k in _WINDOW_QUERIES if k[0] == rid]:
-                        del _WINDOW_QUERIES[key]
-                first = max(c, L - ev.prefill_window(L))
-                if c + q > first:
-                    stash.append((rid, qsl[r] + first - c, first, c + q - first))
-            elif c < L <= c + q:
-                kept, n_sink, n_recent = prompt_budget(self.policy, L)
-                if kept < L:
-                    blocks = table[r, :int(held[r])].to(torch.int64).clone()
-                    jobs.append(Compaction(rid, qsl[r], c, c + q, L, kept, n_sink, n_recent, blocks))
-                    _COMPACTED[rid] = Compacted(L - kept)
-                    cuts.append((r, rid, cdiv(c + q - (L - kept), bs)))
+                new_lens[r] -= d
+                pos = cm.positions[qsl[r]:qsl[r + 1]].to(torch.int64) - d  # logical slots
+                new_slots[qsl[r]:qsl[r + 1]] = (blocks[pos // bs] * bs + pos % bs).to(slots.dtype)
+            if compacting:
+                jobs.append(Compaction(rid, qsl[r], c, end, L, lengths.kept, lengths.n_sink,
+                                       lengths.n_recent, blocks))
+            for k, piece in enumerate(step_pieces(lengths, c, q)):
+                while len(redo) <= k:
+                    redo.append([])
+                    evictions.append([])
+                if piece.redo:
+                    redo[k].append((qsl[r] + piece.start - c, piece.end - piece.start, piece.stored, blocks))
+                if piece.evicted:
+                    evictions[k].append(Eviction(rid, blocks, piece.stored + piece.end - piece.start,
+                                                 lengths.budget, lengths.dec_sink, lengths.dec_recent,
+                                                 piece.pending))
+            keep = cdiv(lengths.stored(end), bs)
+            if keep < int(held[r]):
+                cuts.append((r, rid, keep))
+        new_table: torch.Tensor | None = None
         if cuts:
-            # This step still reads the whole prompt; from the next one on the request's row holds only the
+            # This step still reads the held blocks; from the next one on the request's row holds only the
             # blocks the scheduler keeps (it frees the rest when it next schedules the request), so new
             # blocks are appended right after them and the row never outgrows cdiv(max_model_len, bs).
             new_table = table.clone()  # ``table`` is a view of the batch's block table on CPU
             for r, rid, keep in cuts:
                 cut_block_table_row(runner, r, rid, keep)
-        redo = self._redo_metadata(cm, jobs, fast_build)
+        rounds = [Round(self._redo_metadata(cm, parts, fast_build), evs)
+                  for parts, evs in zip(redo, evictions)]
         if new_table is not None or new_lens is not None:
             cm = dataclasses.replace(cm, block_table_tensor=table if new_table is None else new_table,
                                      seq_lens=seq_lens if new_lens is None else new_lens,
@@ -180,28 +214,27 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         meta.kvp_compactions = jobs
         meta.kvp_window_queries = stash
         meta.kvp_slot_mapping = new_slots
-        meta.kvp_redo = redo
+        meta.kvp_rounds = [rd for rd in rounds if rd.redo is not None or rd.evictions]
         return meta
 
-    def _redo_metadata(self, cm: Any, jobs: list[Compaction],
+    def _redo_metadata(self, cm: Any, parts: list[tuple[int, int, int, torch.Tensor]],
                        fast_build: bool) -> tuple[torch.Tensor, Any] | None:
-        """For requests whose step goes past their prompt (a preempted request recomputing its generated
-        tokens too): the rows of those tokens ``[n]`` and the metadata of a second attention over each
-        request's compacted slots (``kept`` tokens, then these), which replaces their first outputs.
-        Without it they would have attended to the whole prompt, which no uninterrupted decode does."""
-        parts = [j for j in jobs if j.total > j.prompt_len]
+        """For pieces of tokens past a prompt ``(first row, rows, held slots before them, blocks)``: their
+        query rows ``[n]`` and the metadata of an attention over each one's held slots and themselves
+        (causal), whose outputs replace the batch's pass's. That pass gave them the whole prompt (a
+        preempted request recomputing its generated tokens in the step that compresses its prompt) or the
+        tokens a later eviction drops (several decode steps recomputed in one step); the second attention
+        gives them what an uninterrupted decode gives them."""
         if not parts:
             return None
         rows, starts, lens, table_rows = [], [0], [], []
         width = cm.block_table_tensor.shape[1]
-        for j in parts:
-            first = j.start + j.prompt_len - j.computed
-            extra = j.total - j.prompt_len
-            rows.append(torch.arange(first, first + extra))
-            starts.append(starts[-1] + extra)
-            lens.append(j.kept + extra)
+        for first, count, stored, blocks in parts:
+            rows.append(torch.arange(first, first + count))
+            starts.append(starts[-1] + count)
+            lens.append(stored + count)
             row = torch.zeros(width, dtype=cm.block_table_tensor.dtype)
-            row[:j.blocks.numel()] = j.blocks.to(row.dtype)
+            row[:blocks.numel()] = blocks.to(row.dtype)
             table_rows.append(row)
         idx = torch.cat(rows)
         qsl = torch.tensor(starts, dtype=cm.query_start_loc.dtype)
@@ -256,13 +289,18 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 kept = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier)
                 if RECORD_KEPT:
                     KEPT[job.request, layer.layer_name] = kept
-        redo = getattr(attn_metadata, "kvp_redo", None)
-        if redo is not None:  # tokens past a prompt in its compaction step: attend to the kept tokens only
-            idx, meta = redo
-            again = output.new_empty((idx.numel(), *output.shape[1:]))
-            super().forward(layer, query[idx].contiguous(), key[idx].contiguous(), value[idx].contiguous(),
-                            kv_cache, meta, again, *args, **kwargs)
-            output[idx] = again
+        for rd in getattr(attn_metadata, "kvp_rounds", ()):
+            if rd.redo is not None:  # tokens that must attend to the held slots only: attend again
+                idx, meta = rd.redo
+                again = output.new_empty((idx.numel(), *output.shape[1:]))
+                super().forward(layer, query[idx].contiguous(), key[idx].contiguous(),
+                                value[idx].contiguous(), kv_cache, meta, again, *args, **kwargs)
+                output[idx] = again
+            if rd.evictions:
+                policy = policy_from_env()
+                assert policy is not None
+                for e in rd.evictions:
+                    evict(policy, e, kv_cache, layer.isa)
         return out
 
 
@@ -365,24 +403,30 @@ def slot_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -
     return offsets
 
 
+def slot_index(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> Any:
+    """``index(slots, part)``: the ``[T, Hkv, D]`` positions in ``kv_cache.view(-1)`` of the keys (part 0)
+    or values (1) of a request's ``slots [T]`` (slot ``j``: slot ``j % bs`` of block ``blocks[j // bs]``)."""
+    nb, H, bs, two_d = kv_cache.shape
+    D = two_d // 2
+    offsets = slot_layout(isa, kv_cache.dtype, bs, D)  # [2, bs, D] within one (block, head)
+    heads = torch.arange(H)
+
+    def index(slots: torch.Tensor, part: int) -> torch.Tensor:
+        unit = blocks[slots // bs][:, None] * H + heads[None, :]  # [T, H]: (block, head) of each element
+        base = unit * (2 * bs * D) + part * bs * D
+        return base[:, :, None] + offsets[part, slots % bs][:, None, :]
+
+    return index
+
+
 def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cache: torch.Tensor,
             scale: float, isa: str, earlier: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """Compress one request's prompt in one layer's ``kv_cache [num_blocks, Hkv, bs, 2 * D]`` in place:
     its kept tokens to slots ``[0, kept)``, the tokens after the prompt (if any) right behind them.
     ``query``: the step's queries ``[tokens, Hq, D]``; ``earlier``: ``(first position, [n, Hq, D])`` window
     queries of earlier prefill chunks. Returns the kept positions ``[Hkv, kept]`` int64."""
-    nb, H, bs, two_d = kv_cache.shape
-    D = two_d // 2
-    offsets = slot_layout(isa, kv_cache.dtype, bs, D)  # [2, bs, D] within one (block, head)
     flat = kv_cache.view(-1)
-    heads = torch.arange(H)
-
-    def index(slots: torch.Tensor, part: int) -> torch.Tensor:
-        """``[T, H, D]`` positions in ``flat`` of the keys (0) or values (1) of the request's ``slots``."""
-        unit = job.blocks[slots // bs][:, None] * H + heads[None, :]  # [T, H]: (block, head) of each element
-        base = unit * (2 * bs * D) + part * bs * D
-        return base[:, :, None] + offsets[part, slots % bs][:, None, :]
-
+    index = slot_index(kv_cache, job.blocks, isa)
     slots = torch.arange(job.total)
     k, v = flat[index(slots, 0)], flat[index(slots, 1)]  # [total, H, D] copies
     L = job.prompt_len
@@ -406,6 +450,35 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
     flat[index(dest, 0)] = new_k
     flat[index(dest, 1)] = new_v
     return positions
+
+
+def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str) -> None:
+    """One decode-time eviction of one request in one layer's ``kv_cache``, in place: of its ``e.held``
+    slots keep ``e.budget`` at slots ``[0, budget)`` in order, the ``e.pending`` slots after them right
+    behind. A selection with no scores (``streaming``, ``window``: every kept slot forced) keeps the first
+    ``n_sink`` and shifts the last ``n_recent`` and the pending slots down over the evicted ones; an open
+    score rule (``knorm``) scores the held keys and values (``token_scores``, per KV head) and selects
+    with ``kvkernels.topk_compact`` as the prompt's compaction does. Kept keys and values are moved, bit
+    for bit."""
+    flat = kv_cache.view(-1)
+    index = slot_index(kv_cache, e.blocks, isa)
+    if e.n_sink + e.n_recent >= e.budget and not policy.eviction.scores_tokens:
+        first = e.held - e.n_recent  # the oldest recent slot kept
+        src = torch.arange(first, e.held + e.pending)
+        dst = src - (first - e.n_sink)
+    else:
+        held = torch.arange(e.held)
+        k, v = flat[index(held, 0)], flat[index(held, 1)]  # [held, H, D] copies
+        scores = prompt_scores(policy, k, v, None, 0.0)
+        kk, vk, _ = select(k, v, scores, e.budget, e.n_sink, e.n_recent)
+        dest = torch.arange(e.budget)
+        flat[index(dest, 0)] = kk
+        flat[index(dest, 1)] = vk
+        src = torch.arange(e.held, e.held + e.pending)
+        dst = src - (e.held - e.budget)
+    if src.numel():
+        for part in range(2):
+            flat[index(dst, part)] = flat[index(src, part)]
 
 
 def install() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -92,3 +93,117 @@ def prompt_budget(policy: ComposedPolicy, prompt_len: int) -> tuple[int, int, in
         return prompt_len, 0, 0
     budget, n_sink, n_recent = (int(x[0]) for x in plan.storage.row(0))
     return min(prompt_len, budget), n_sink, n_recent
+
+
+#: ``max_new_tokens`` for the plan of decode-time eviction: the budget is not capped at the prompt (a
+#: request's generation length is unknown to the plan here, and a budget past ``prompt + generated`` tokens
+#: never evicts anything, so capping it would change nothing).
+_UNCAPPED = 1 << 40
+
+
+@dataclass(frozen=True)
+class KeptLengths:
+    """How many slots a request of ``prompt_len`` tokens holds after ``t`` tokens were processed, the one
+    function of ``t`` the scheduler (blocks) and the workers (slots, evictions) both derive from the plan.
+
+    The prompt is compressed to ``kept`` when it completes; with decode-time eviction (``budget > 0``) the
+    decode steps append, and the step that processes token ``t`` (``t - prompt_len`` a multiple of
+    ``every``, ``every`` = the plan's ``evict_every``) ends by evicting back to ``budget`` (keeping the
+    ``n_sink`` first and ``n_recent`` last of the held tokens, plus the top scores), as the library's caches
+    do after decode step ``s = t - prompt_len - 1`` (``EvictionSchedule.evicts_after``)."""
+
+    prompt_len: int
+    kept: int
+    n_sink: int  # the prompt compaction's forced counts
+    n_recent: int
+    budget: int = 0  # decode-time eviction holds the request at this many slots (0: no decode eviction)
+    dec_sink: int = 0
+    dec_recent: int = 0
+    every: int = 1
+
+    def stored(self, t: int) -> int:
+        """Slots held after ``t`` tokens were processed (``t >= prompt_len``; before: ``t``)."""
+        L = self.prompt_len
+        if t < L:
+            return t
+        last = L + self.every * ((t - L) // self.every)  # the last eviction point at or before t
+        if self.budget <= 0 or last == L or self.kept + (last - L) <= self.budget:
+            return self.kept + (t - L)
+        return self.budget + (t - last)
+
+    def dropped(self, t: int) -> int:
+        """Tokens of the first ``t`` evicted from every layer: ``t - stored(t)``."""
+        return t - self.stored(t)
+
+    def evicted_at(self, t: int) -> int:
+        """Tokens evicted at the end of the step that processes token ``t`` (1-based count; 0: none)."""
+        if t <= self.prompt_len or self.budget <= 0:
+            return 0
+        return self.stored(t - 1) + 1 - self.stored(t)
+
+    def segments(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Tokens ``[start, end)`` past the prompt (``start >= prompt_len``), split after each eviction:
+        ``(a, b, evicted)`` pieces whose tokens attend to the ``stored(a)`` held slots and to each other
+        (causally), after which ``evicted`` tokens leave (0 for a last piece that ends before an eviction)."""
+        out: list[tuple[int, int, int]] = []
+        a = start
+        for t in range(start + 1, end + 1):
+            x = self.evicted_at(t)
+            if x or t == end:
+                out.append((a, t, x))
+                a = t
+        return out
+
+
+@lru_cache(maxsize=4096)
+def kept_lengths(policy: ComposedPolicy, prompt_len: int) -> KeptLengths:
+    """The :class:`KeptLengths` of a prompt of ``prompt_len`` tokens under ``policy``: the prompt's kept
+    length and forced counts (:func:`prompt_budget`) and, when the policy evicts while decoding, its budget
+    and forced counts read off ``policy.plan`` with the budget uncapped by the generation length."""
+    kept, n_sink, n_recent = prompt_budget(policy, prompt_len)
+    if not decode_evicts(policy):
+        return KeptLengths(prompt_len, kept, n_sink, n_recent)
+    plan = policy.plan(torch.tensor([prompt_len]), 1, max_new_tokens=_UNCAPPED)
+    budget, dec_sink, dec_recent = (int(x[0]) for x in plan.storage.row(0))
+    return KeptLengths(prompt_len, kept, n_sink, n_recent, budget, dec_sink, dec_recent,
+                       plan.schedule.evict_every)
+
+
+def decode_evicts(policy: ComposedPolicy) -> bool:
+    """Whether the plugin evicts while decoding under ``policy``: its plan says so, the prompt is compressed
+    too, and the selection needs no scores (``streaming``, ``window``) or is ``knorm``, whose score (the key
+    norm) the workers recompute from the held keys. Other open score rules (which may read positions, which
+    a held slot does not record) stay prompt-only."""
+    ev, schedule = policy.eviction, policy.schedule
+    if not (schedule.decode_evict and schedule.prefill_compress) or ev.prefill_mode is not None:
+        return False
+    return not ev.scores_tokens or ev.name == "knorm"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``[start, end)`` past the prompt that one step processes together: they attend to the
+    ``stored`` slots held before them and to each other (causally); ``redo``: the batch's attention did not
+    give them that, so they attend again; then ``evicted`` tokens leave (0: none), the ``pending`` tokens
+    of the step that follow them moving down with the kept ones."""
+
+    start: int
+    end: int
+    stored: int
+    redo: bool
+    evicted: int
+    pending: int
+
+
+def step_pieces(lengths: KeptLengths, computed: int, scheduled: int) -> list[Piece]:
+    """What a worker does, after the batch's attention, for a request with ``computed`` tokens cached whose
+    step processes ``scheduled`` more: the step's tokens past the prompt split after each decode-time
+    eviction (:meth:`KeptLengths.segments`). The batch's attention gives a request already past its prompt
+    its held slots and its own tokens, right for the first piece only; in the step that compresses the
+    prompt it gave every token the whole prompt, so with compression every piece attends again. After the
+    step the request holds ``lengths.stored(computed + scheduled)`` slots."""
+    L, end = lengths.prompt_len, computed + scheduled
+    compacting = computed < L and lengths.kept < L
+    pieces = lengths.segments(max(computed, L), end) if end > L else []
+    return [Piece(a, b, lengths.stored(a), k > 0 or compacting, x, end - b)
+            for k, (a, b, x) in enumerate(pieces)]

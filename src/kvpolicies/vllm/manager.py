@@ -8,10 +8,14 @@ on: this manager frees its blocks past ``cdiv(c - d, bs)`` (``c``: the tokens pr
 preempted request recomputes its output too) and sizes every later allocation for ``num_tokens - d`` slots.
 Freed blocks go back to the block pool at once, so they serve other requests from the next step on.
 
-Both sides derive ``kept`` from the prompt length alone (:func:`kvpolicies.vllm.config.prompt_budget`), and
-the workers cut their block table to its first ``cdiv(c - d, bs)`` blocks in the compaction step
-(``vllm.backend``), before any block allocated after it is appended, so both sides hold the same blocks of
-every request without a message between them.
+With decode-time eviction (``streaming``, ``window``, ``knorm``) ``d`` grows while decoding: ``d(c) = c -
+stored(c)`` (:class:`kvpolicies.vllm.config.KeptLengths`), recomputed at every scheduling of the request, so
+the blocks an eviction emptied in the previous step go back to the pool too.
+
+Both sides derive ``d(c)`` from the prompt length and the tokens processed alone
+(:func:`kvpolicies.vllm.config.kept_lengths`), and the workers cut their block table to its first
+``cdiv(c - d(c), bs)`` blocks in the step that empties blocks (``vllm.backend``), before any block allocated
+after it is appended, so both sides hold the same blocks of every request without a message between them.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from typing import Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from .config import policy_from_env, prompt_budget
+from .config import kept_lengths, policy_from_env
 
 
 class CompressingManager(FullAttentionManager):
     """:class:`FullAttentionManager` whose requests hold ``num_tokens - dropped`` slots once their prompt is
-    compressed (``dropped``: the prompt tokens every layer evicted)."""
+    compressed (``dropped``: the tokens every layer evicted, from the prompt and, with decode-time eviction,
+    while decoding: ``KeptLengths.dropped`` of the tokens processed, updated at every scheduling)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -35,7 +40,7 @@ class CompressingManager(FullAttentionManager):
                              "rewrites; start vLLM with enable_prefix_caching=False "
                              "(--no-enable-prefix-caching)")
         self.policy = policy_from_env()
-        self.dropped: dict[str, int] = {}  # request id -> prompt tokens evicted from every layer
+        self.dropped: dict[str, int] = {}  # request id -> tokens evicted from every layer
 
     def _slots(self, request_id: str, num_tokens: int) -> int:
         return num_tokens - self.dropped.get(request_id, 0)
@@ -43,18 +48,22 @@ class CompressingManager(FullAttentionManager):
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        if (self.policy is None or num_prompt_tokens is None or request_id in self.dropped
+        if (self.policy is None or num_prompt_tokens is None
                 or processed_computed_tokens < num_prompt_tokens):
             return
-        kept = prompt_budget(self.policy, num_prompt_tokens)[0]
-        self.dropped[request_id] = dropped = num_prompt_tokens - kept
+        c = processed_computed_tokens
+        lengths = kept_lengths(self.policy, num_prompt_tokens)
+        if lengths.kept == num_prompt_tokens and lengths.budget <= 0:
+            return  # nothing is ever evicted
+        self.dropped[request_id] = dropped = lengths.dropped(c)
         blocks = self.req_to_blocks.get(request_id)
         if not blocks or dropped == 0:
             return
-        keep = cdiv(processed_computed_tokens - dropped, self.block_size)
-        freed = blocks[keep:]
-        del blocks[keep:]
-        self.block_pool.free_blocks(reversed(freed))
+        keep = cdiv(c - dropped, self.block_size)
+        if len(blocks) > keep:
+            freed = blocks[keep:]
+            del blocks[keep:]
+            self.block_pool.free_blocks(reversed(freed))
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
         rest = list(args)

@@ -1,0 +1,162 @@
+"""Decode-time eviction's arithmetic without an engine: the kept lengths the scheduler frees blocks by and
+the pieces / evictions the workers run, against a token-by-token simulation of the library's schedule
+(``EvictionSchedule.evicts_after``), and one eviction in a CPU KV cache laid out by vLLM's own kernel."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kvpolicies import compose
+from kvpolicies.vllm import decode_evicts, kept_lengths, prompt_budget
+from kvpolicies.vllm.config import step_pieces
+
+
+def library_positions(policy, L: int, T: int) -> list[list[int]]:
+    """Positions held after each number of tokens processed ``t`` in ``[L, T]`` (index ``t - L``), token by
+    token as the library's caches do for a selection with no scores: the prompt compressed to its plan's
+    budget with the forced counts, then each decode step appends and, when ``evicts_after(step)``, every
+    layer over its budget keeps its ``n_sink`` first and ``n_recent`` last tokens."""
+    plan = policy.plan(torch.tensor([L]), 1, max_new_tokens=T - L)
+    b, s, r = (int(x[0]) for x in plan.storage.row(0))
+    held = list(range(L))
+    if len(held) > b:
+        held = held[:s] + held[len(held) - r:]
+    out = [list(held)]
+    for step, t in enumerate(range(L, T)):
+        held.append(t)
+        if plan.evicts_after(step) and len(held) > b:
+            held = held[:s] + held[len(held) - r:]
+        out.append(list(held))
+    return out
+
+
+SPECS = [("streaming", 0.2, 1), ("streaming", 0.2, 3), ("window", 0.3, 1), ("streaming", 40, 1),
+         ("streaming", 40, 4), ("window", 33, 2), ("streaming", 0.5, 5)]
+
+
+@pytest.mark.parametrize("name,budget,every", SPECS)
+def test_kept_lengths_follow_the_library(name, budget, every):
+    """For ragged prompts (shorter than the budget, at and around block borders), every step's held count
+    equals the library's; blocks held (``cdiv(stored, 32)``) are what the scheduler keeps."""
+    policy = compose(name, budget=budget, evict_every=every)
+    assert decode_evicts(policy)
+    for L in [1, 5, 20, 31, 32, 33, 40, 41, 64, 95, 130, 193]:
+        lengths = kept_lengths(policy, L)
+        assert (lengths.kept, lengths.n_sink, lengths.n_recent) == prompt_budget(policy, L)
+        want = library_positions(policy, L, L + 90)
+        for t in range(L, L + 91):
+            assert lengths.stored(t) == len(want[t - L]), (L, t)
+            assert lengths.dropped(t) == t - len(want[t - L])
+            if t > L:
+                assert lengths.evicted_at(t) == len(want[t - L - 1]) + 1 - len(want[t - L])
+        assert max(lengths.stored(t) for t in range(L + 1, L + 91)) <= max(L, lengths.budget + every - 1)
+
+
+def simulate_worker(lengths, L: int, steps: list[int]) -> list[list[int]]:
+    """The positions in a request's slots after each of ``steps`` (tokens per step) as the worker moves
+    them: the prompt's compaction, then per piece its tokens behind the held slots and its eviction (the
+    first ``dec_sink`` and last ``dec_recent`` of the held slots kept, the step's pending tokens behind)."""
+    slots: list[int] = []
+    c = 0
+    after = []
+    for q in steps:
+        end = c + q
+        slots.extend(range(c, end))  # the batch's pass writes the step's tokens behind the held slots
+        if c < L <= end and lengths.kept < L:
+            prompt = slots[:L]
+            slots = prompt[:lengths.n_sink] + prompt[L - lengths.n_recent:] + slots[L:]
+        for piece in step_pieces(lengths, c, q):
+            n = piece.stored + piece.end - piece.start
+            assert slots[piece.stored:n] == list(range(piece.start, piece.end))  # its tokens, in order
+            assert len(slots) == n + piece.pending
+            if piece.evicted:
+                kept = slots[:lengths.dec_sink] + slots[n - lengths.dec_recent:n]
+                assert len(kept) == lengths.budget == n - piece.evicted
+                slots = kept + slots[n:]
+        c = end
+        after.append(list(slots))
+    return after
+
+
+@pytest.mark.parametrize("name,budget,every", SPECS)
+def test_worker_pieces_agree_with_the_scheduler(name, budget, every):
+    """Whole prefill then decode, chunked prefill, and recomputation of a preempted request (the prompt and
+    many generated tokens in one or a few steps): after every step the worker holds ``stored(c)`` slots
+    (the scheduler's count, so both free the same blocks) with the library's positions, in order."""
+    policy = compose(name, budget=budget, evict_every=every)
+    rng = random.Random(0)
+    for L in [5, 31, 32, 33, 70, 130]:
+        lengths = kept_lengths(policy, L)
+        total = L + 60
+        want = library_positions(policy, L, total)
+        splits = [[L] + [1] * 60, [total], [L + 17, 43], [20] * (total // 20) + [total % 20]]
+        splits.append([rng.randint(1, 40) for _ in range(total)])
+        for steps in splits:
+            steps = [q for q in steps if q]
+            while sum(steps) > total:
+                steps[-1] -= sum(steps) - total
+                steps = [q for q in steps if q > 0]
+            if sum(steps) < total:
+                steps.append(total - sum(steps))
+            c = 0
+            for q, slots in zip(steps, simulate_worker(lengths, L, steps)):
+                c += q
+                if c >= L:
+                    assert slots == want[c - L], (L, steps, c)
+                    assert len(slots) == lengths.stored(c)
+                    assert math.ceil(len(slots) / 32) == math.ceil((c - lengths.dropped(c)) / 32)
+
+
+def test_no_decode_eviction_for_prompt_only_rules():
+    for spec in ["snapkv", "chunkkv", "full", "knorm(decode=False)"]:
+        policy = compose(spec, budget=0.2)
+        assert not decode_evicts(policy)
+        lengths = kept_lengths(policy, 130)
+        assert lengths.budget == 0 and lengths.stored(200) == lengths.kept + 70
+    assert decode_evicts(compose("knorm", budget=0.2))
+
+
+@pytest.mark.parametrize("name", ["streaming", "window", "knorm"])
+def test_eviction_in_vllm_cache_is_bit_identical(name):
+    """Write a request's K/V with vLLM's CPU kernel into scattered blocks, evict (budget + 3 held, 2 pending
+    tokens behind), and read it back through the kernel's layout: the kept tokens (sinks and the most recent,
+    or knorm's lowest key norms per KV head) at slots [0, budget) with the same bits, the pending behind."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpolicies.vllm import backend
+
+    torch.manual_seed(0)
+    nb, H, bs, D = 8, 2, 32, 32
+    isa = _get_attn_isa(torch.float32, bs, D, "auto")
+    kv_cache = torch.zeros(nb, H, bs, 2 * D)
+    k_cache, v_cache = kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+    blocks = torch.tensor([5, 1, 6])
+    policy = compose(name, budget=40)
+    lengths = kept_lengths(policy, 40)
+    held, pending = lengths.budget + 3, 2
+    total = held + pending
+    k, v = torch.randn(total, H, D), torch.randn(total, H, D)
+    slots = blocks[torch.arange(total) // bs] * bs + torch.arange(total) % bs
+    ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    e = backend.Eviction("r", blocks, held, lengths.budget, lengths.dec_sink, lengths.dec_recent, pending)
+    backend.evict(policy, e, kv_cache, isa)
+    if name == "knorm":
+        scores = backend.prompt_scores(policy, k[:held], v[:held], None, 0.0)
+        want_k, want_v, pos = backend.select(k[:held], v[:held], scores, lengths.budget, 0, 0)
+        assert not torch.equal(pos[0], torch.arange(lengths.budget))
+    else:
+        keep = list(range(lengths.dec_sink)) + list(range(held - lengths.dec_recent, held))
+        want_k, want_v = k[keep], v[keep]
+    offsets = backend.slot_layout(isa, torch.float32, bs, D)
+    n = lengths.budget + pending
+    flat = kv_cache.view(nb, H, 2 * bs * D)
+    got = [torch.stack([flat[blocks[j // bs], :, part * bs * D + offsets[part, j % bs]] for j in range(n)])
+           for part in range(2)]
+    assert torch.equal(got[0], torch.cat([want_k, k[held:]]))
+    assert torch.equal(got[1], torch.cat([want_v, v[held:]]))
