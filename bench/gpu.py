@@ -39,6 +39,7 @@ otherwise); compare numbers only within one run or one device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -51,7 +52,7 @@ import sys
 import tarfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -631,6 +632,13 @@ def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> 
         emit(f"int{bits}", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits,
              group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]),
              max_abs_diff_vs_native=float((got - want).abs().max()))
+        other = not _quant_prefetch_default()
+        with _quant_prefetch(other):  # the kernel with its loads a tile ahead by hand, or without
+            s, how = st.seconds(lambda qargs=qargs, kw=kw: quant_decode_attention_triton(*qargs, **kw))
+            same = torch.equal(quant_decode_attention_triton(*qargs, **kw).float(), got)
+        emit(f"int{bits} prefetch={'on' if other else 'off'}", s, how,
+             t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits, group=fmt.group,
+             row_bytes=fmt.row_bytes(t["q"].shape[-1]), bit_equal_to_default=same)
         if bits == 4 and st.left() > 5:  # H2O's score update fused into the 4-bit decode (issue 36)
             score = ScoreUpdate(torch.zeros(kq.shape[:3], device=kq.device), "accumulate")
             s, how = st.seconds(lambda qargs=qargs, kw=kw, score=score: quant_decode_attention_triton(
@@ -665,6 +673,24 @@ def stage_quant(st: Stage) -> None:
         if st.cuda:
             torch.cuda.empty_cache()
     _quant_sweep(st)
+
+
+def _quant_prefetch_default() -> bool:
+    from kvkernels import quant_attention
+
+    return quant_attention.PREFETCH_TILES
+
+
+@contextlib.contextmanager
+def _quant_prefetch(on: bool) -> Iterator[None]:
+    """``kvkernels.quant_attention.PREFETCH_TILES`` set to ``on`` inside the block."""
+    from kvkernels import quant_attention
+
+    old, quant_attention.PREFETCH_TILES = quant_attention.PREFETCH_TILES, on
+    try:
+        yield
+    finally:
+        quant_attention.PREFETCH_TILES = old
 
 
 def _quant_write(st: Stage) -> None:
@@ -704,17 +730,19 @@ def _quant_sweep(st: Stage) -> None:
     fmt = QuantFormat(4, st.shapes.quant_group)
     args = (t["q"], quantize_rows(t["k_pages"], fmt), quantize_rows(t["v_pages"], fmt), t["table"], t["lens"])
     del t["k_pages"], t["v_pages"]
-    for i, cfg in enumerate(configs):
+    both = [(cfg, on) for cfg in configs for on in (_quant_prefetch_default(), not _quant_prefetch_default())]
+    for i, (cfg, on) in enumerate(both):
         if st.left() < 6:
-            st.skipped("quant sweep", f"time box: {i} of {len(configs)} configs measured")
+            st.skipped("quant sweep", f"time box: {i} of {len(both)} configs measured")
             return
         try:
-            with override(quant_decode=cfg):
+            with override(quant_decode=cfg), _quant_prefetch(on):
                 s, how = st.seconds(lambda: quant_decode_attention_triton(
                     *args, scale=t["scale"], k_format=fmt, v_format=fmt), reps=5)
-            st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__, us=s * 1e6, timed_by=how)
+            st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__, prefetch=on, us=s * 1e6,
+                    timed_by=how)
         except Exception:  # noqa: BLE001 -- e.g. out of shared memory for this tile
-            st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__,
+            st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__, prefetch=on,
                     error=traceback.format_exc(limit=2)[-800:])
     if st.cuda:
         torch.cuda.empty_cache()
@@ -1266,7 +1294,7 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     lines += ["", "## Quantized pages (issue 36)", ""]
     lines += _table(kinds.get("quant_decode", []), ["shape", "impl", "us", "over_native", "gb_s",
                                                     "pct_of_copy", "row_bytes", "max_abs_diff_vs_native",
-                                                    "timed_by"])
+                                                    "bit_equal_to_default", "timed_by"])
     lines += ["", "One decode step's 4-bit K write (one layer):", ""]
     lines += _table(kinds.get("quant_write", []), ["rows", "head_dim", "us", "torch_path_us", "speedup",
                                                    "bit_equal", "timed_by"])
@@ -1282,7 +1310,8 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     best_quant = min(qsweep, key=lambda r: r["us"]) if qsweep else None
     if best_quant:
         lines += ["", f"Sweep of the 4-bit decode at {best_quant['shape']}: {len(qsweep)} configs, best "
-                  f"{best_quant['config']} at {best_quant['us']:.3g} us; default {_fmt(qsweep[0]['us'])} us."]
+                  f"{best_quant['config']} (prefetch={best_quant.get('prefetch')}) at "
+                  f"{best_quant['us']:.3g} us; default {_fmt(qsweep[0]['us'])} us."]
     cc = env.get("capability")
     if cc and (best or best_prefill or best_quant):
         cc_int = int(cc.replace(".", ""))
@@ -1301,6 +1330,8 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
             lines.append(f'TUNED[("quant_decode", {cc_int})] = LaunchConfig(block={c["block"]}, '
                          f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})  # 4-bit, '
                          f'{best_quant["shape"]}')
+            if best_quant.get("prefetch") is not None:
+                lines.append(f"# kvkernels/quant_attention.py: PREFETCH_TILES = {best_quant['prefetch']}")
         lines.append("```")
     lines += ["", "## Compaction and eviction", ""]
     lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",

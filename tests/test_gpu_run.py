@@ -60,7 +60,11 @@ def test_smoke_run_every_stage_ok(tmp_path):
             "prefill_sweep", "quant_decode", "quant_sweep", "prefill_policy", "gen", "hf_static",
             "capacity"} <= kinds
     quant = {r["impl"]: r for r in records if r["kind"] == "quant_decode"}
-    assert set(quant) == {"native", "native-1split", "int4", "int4+h2o-score", "int8"}
+    assert set(quant) == {"native", "native-1split", "int4", "int4 prefetch=on", "int4+h2o-score", "int8",
+                          "int8 prefetch=on"}
+    assert all(quant[f"int{b} prefetch=on"]["bit_equal_to_default"] for b in (4, 8))  # the same results
+    assert {r["kind"] for r in records if r["stage"] == "quant"} >= {"quant_write"}
+    assert all(r["bit_equal"] for r in records if r["kind"] == "quant_write")
     sweep = [r for r in records if r["kind"] == "quant_sweep"]
     assert sweep and all("us" in r for r in sweep), sweep  # the quantized decode's launch configs
     assert quant["int4"]["kv_bytes"] < quant["int8"]["kv_bytes"] < quant["native"]["kv_bytes"]

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from devices import DEVICE
+from kvkernels import quant_attention
 from kvkernels._modes import SCORE_MODES
 from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_ref
 from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
@@ -26,15 +27,32 @@ from kvkernels.quant_attention import (
     quant_decode_attention_triton,
 )
 
+
+def prefetching(impl):
+    """``impl`` with ``quant_attention.PREFETCH_TILES`` on: the kernel's loads a tile ahead by hand."""
+
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        old, quant_attention.PREFETCH_TILES = quant_attention.PREFETCH_TILES, True
+        try:
+            return impl(*args, **kwargs)
+        finally:
+            quant_attention.PREFETCH_TILES = old
+
+    return run
+
+
 # Every implementation: the torch path, the op (Triton on CUDA), the Triton launcher (the interpreter on CPU)
-# with one split and with three.
+# with one split and with three, and with its loads prefetched by hand (PREFETCH_TILES).
 IMPLS = pytest.mark.parametrize("impl,device", [
     (quant_decode_attention_torch, "cpu"),
     (quant_decode_attention, DEVICE),
     pytest.param(quant_decode_attention_triton, DEVICE, marks=pytest.mark.interpret),
     pytest.param(functools.partial(quant_decode_attention_triton, num_splits=3), DEVICE,
                  marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton", "triton-3-splits"])
+    pytest.param(prefetching(functools.partial(quant_decode_attention_triton, num_splits=3)), DEVICE,
+                 marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton", "triton-3-splits", "triton-prefetch"])
 
 
 @st.composite
@@ -267,6 +285,28 @@ def test_the_score_update_is_fused_as_on_native_pages(impl, device, case, mode, 
     torch.testing.assert_close(got_score.cpu(), want_score, rtol=tol, atol=tol)
     if mode in ("accumulate", "gumbel", "decay"):
         assert not torch.equal(want_score, score) or not any(case[6])  # the update ran (something was seen)
+
+
+@pytest.mark.interpret
+@given(two=two_region_cases(), mode=st.sampled_from(["none", "accumulate", "gumbel"]),
+       splits=st.sampled_from([1, 3]))
+def test_prefetching_tiles_changes_no_bit(two, mode, splits):
+    """The kernel with its loads a tile ahead (``PREFETCH_TILES``) computes what the kernel without does, bit
+    for bit: outputs and updated scores, one or two regions, one split or three."""
+    case, lens2, fmt2 = two
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, DEVICE)
+    second = build_second(case, lens2, fmt2, DEVICE) if mode == "none" else None  # scores: one region
+    g = torch.Generator().manual_seed(case[9] + 3)
+    score = torch.rand(*kq.shape[:3], generator=g).to(DEVICE)
+    noise = torch.randn(q.shape[0], q.shape[1], table.shape[1] * kq.shape[1], generator=g).to(DEVICE)
+    outs = []
+    for impl in (quant_decode_attention_triton, prefetching(quant_decode_attention_triton)):
+        s = score.clone()
+        bundle = None if mode == "none" else ScoreUpdate(s, mode, 1.0, noise if mode == "gumbel" else None)
+        out = impl(q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt, second=second,
+                   scores=bundle, num_splits=splits)
+        outs.append((out.cpu(), s.cpu()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_a_score_update_covers_one_region():

@@ -20,6 +20,11 @@ policies (H2O's accumulated attention) do not run on quantized pages.
 The first kernel (one program per sequence and KV head, each channel's code byte and parameters gathered
 per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages on an H200
 (bench/results/nvidia-h200-2026-11-26/run6); ``python bench/sass.py`` shows what changed without a GPU.
+The second (run 8) took 1.73x bf16 pages' time at B64/4k while reading 3.2x fewer bytes, and twice its
+time at half the tile: each loop step waited on its own loads. A variant runs its loads a tile ahead of the
+arithmetic by hand (``_attend_region``'s ``PREFETCH``, bit for bit the same results; static counts in
+``bench/sass.py``); it is off until a GPU has timed it (:data:`PREFETCH_TILES`; ``bench/gpu.py``'s quant stage
+times both).
 """
 
 from __future__ import annotations
@@ -120,6 +125,85 @@ if HAS_TRITON:
             return code.to(tl.float32) * s + z
 
     @triton.jit
+    def _word_bytes(word, BLOCK_N: tl.constexpr, CODES: tl.constexpr):
+        """``[BLOCK_N, CODES]`` int32 bytes of ``[BLOCK_N, CODES / 4]`` little-endian int32 words: byte ``j``
+        of word ``w`` is byte ``4 w + j`` of the row (``join`` + ``permute`` + ``reshape``, as in
+        :func:`_unpack`: register moves)."""
+        lo = tl.join(word & 255, (word >> 8) & 255)
+        parts = tl.join(lo, tl.join((word >> 16) & 255, (word >> 24) & 255))  # [N, CODES/4, 2, 2]: byte
+        return tl.reshape(tl.permute(parts, (0, 1, 3, 2)), (BLOCK_N, CODES))  # 2 j + i at [..., i, j]
+
+    @triton.jit
+    def _fetch_rows(pages_ptr, row, in_seq, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    PARAM_F32: tl.constexpr):
+        """The stored parts of the packed rows ``row`` (``[BLOCK_N]`` indices into ``[P, S, Hkv]``; 0 where
+        not ``in_seq``), before any arithmetic: ``[BLOCK_N, D * BITS / 32]`` int32 words of codes,
+        ``[BLOCK_N, D / GROUP]`` scales and zero points. The loads of :func:`_dequant_rows` (power-of-two
+        head dims), apart from its arithmetic (:func:`_decode_rows`), so that ``_attend_region``'s
+        ``PREFETCH`` can issue them a tile early and carry them to the next step: as words, four code bytes
+        to a register where a byte tensor holds one per register. Rows and code runs are multiples of 4
+        bytes at power-of-two head dims >= 16, and the launcher checks the pool's start."""
+        PER_BYTE: tl.constexpr = 8 // BITS
+        CODES: tl.constexpr = D // PER_BYTE  # code bytes per row
+        N_GROUPS: tl.constexpr = D // GROUP
+        WIDTH: tl.constexpr = CODES + 2 * N_GROUPS * (4 if PARAM_F32 else 2)
+        base = pages_ptr + row.to(tl.int64) * WIDTH  # [BLOCK_N] row starts
+        if PARAM_F32:
+            params = (base + CODES).to(tl.pointer_type(tl.float32))
+        else:
+            params = (base + CODES).to(tl.pointer_type(tl.float16))
+        words = base.to(tl.pointer_type(tl.int32))
+        word = tl.load(words[:, None] + tl.arange(0, CODES // 4)[None, :], mask=in_seq[:, None], other=0)
+        offs_g = tl.arange(0, N_GROUPS)[None, :]
+        s = tl.load(params[:, None] + offs_g, mask=in_seq[:, None], other=0.0)
+        z = tl.load(params[:, None] + N_GROUPS + offs_g, mask=in_seq[:, None], other=0.0)
+        return word, s, z
+
+    @triton.jit
+    def _decode_rows(word, s, z, D: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr):
+        """``[BLOCK_N, D]`` float32 values ``code * scale + zero`` of :func:`_fetch_rows`'s parts: the
+        arithmetic of :func:`_dequant_rows`, op for op, after splitting the words into their bytes."""
+        N_GROUPS: tl.constexpr = D // GROUP
+        code = _unpack(_word_bytes(word, BLOCK_N, D * BITS // 8), BITS, BLOCK_N, D).to(tl.float32)
+        x = (tl.reshape(code, (BLOCK_N, N_GROUPS, GROUP)) * s.to(tl.float32)[:, :, None]
+             + z.to(tl.float32)[:, :, None])
+        return tl.reshape(x, (BLOCK_N, D))
+
+    @triton.jit
+    def _slot_pages(page_table_ptr, b, slots, in_seq, max_pages, S: tl.constexpr):
+        """``[BLOCK_N]`` int32 page of each slot of sequence ``b`` (0 where not ``in_seq``)."""
+        return tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0)
+
+    @triton.jit
+    def _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION: tl.constexpr):
+        """One tile's logits ``x [BLOCK_G, BLOCK_N]`` (``-inf`` past the region), the new running max and
+        sum, the old max's factor ``alpha`` and the unnormalised probabilities ``p``."""
+        x = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, N]
+        x = tl.where(in_seq[None, :], x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(x - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        return x, m_new, alpha, p, l_i
+
+    @triton.jit
+    def _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows, g_ok, slots, in_seq, tau,
+                     logits_len, noise_len, GUMBEL: tl.constexpr):
+        """``KEEP_LOGITS``: a tile's fp32 logits to the scratch by slot, the visible count and (``GUMBEL``)
+        the noised running max and sum, as the native decode kernel keeps them."""
+        lmask = g_ok[:, None] & in_seq[None, :]
+        tl.store(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], x, mask=lmask)
+        n_vis += in_seq.to(tl.int32)
+        if GUMBEL:
+            noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask, other=0.0)
+            y = (x + noise) / tau  # stays -inf past the length
+            gm_new = tl.maximum(gm_i, tl.max(y, axis=1))
+            gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
+            gm_i = gm_new
+        return gm_i, gl_i, n_vis
+
+    @triton.jit
     def _attend_region(q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr,
                        noise_ptr, q_rows, g_ok, b, kvh, start, end, scale, tau, max_pages, logits_len,
                        noise_len, offs_d, d_ok,
@@ -127,39 +211,73 @@ if HAS_TRITON:
                        K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
                        V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr):
+                       KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, PREFETCH: tl.constexpr):
         """The online softmax state ``(m_i, l_i, acc)`` after slots ``[start, end)`` of one region of
         sequence ``b``. Each tile is dequantized in float32, rounded once to the query's dtype and multiplied
         on the tensor cores (fp32 queries: exact fp32 products). ``KEEP_LOGITS``: the fp32 logits go to
         the scratch by slot, with the visible count ``n_vis`` and (``GUMBEL``) the noised running max and
-        sum ``(gm_i, gl_i)``, for the reduce kernel's score update (as in the native decode kernel)."""
+        sum ``(gm_i, gl_i)``, for the reduce kernel's score update (as in the native decode kernel).
+
+        ``PREFETCH`` (the launcher's choice, :func:`_prefetch`): the loads run one tile ahead of the
+        arithmetic, by hand. The loop carries the next tile's raw K and V rows (:func:`_fetch_rows`: code
+        words, scales, zero points; a few registers each) and the page-table entries of the tile after it.
+        A step decodes its K tile and at once issues the next tile's K loads, computes the logits, decodes
+        its V tile and issues the next tile's V loads and the page-table entries of the tile after next,
+        then multiplies V: each load has about a step's arithmetic to arrive in, and one copy of each raw
+        tile is live at a time. Triton's pipeliner leaves these loads alone (they feed no product in the
+        step that issues them). Without it, each step's loads are its own and the pipeliner overlaps what
+        it can, which on sm_90 is little (``bench/sass.py``, TTGIR): it issues the next tile's copies
+        after the current tile's products and waits for them first thing in the next step, behind a plain
+        page-table load (2 stages) or plain loads of the scales and zero points (3 stages): each step
+        waits for one or two round trips to memory that nothing overlaps. Both do the same arithmetic in
+        the same order: bit-identical results.
+        """
         offs_n = tl.arange(0, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            slots = n0 + offs_n
+        if PREFETCH:
+            tl.static_assert(K_BITS > 0 and V_BITS > 0 and BLOCK_D == D, "PREFETCH: packed rows, D = 2^k")
+            slots = start + offs_n
             in_seq = slots < end
-            page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
+            page = _slot_pages(page_table_ptr, b, slots, in_seq, max_pages, S).to(tl.int64)
             row = (page * S + slots % S) * HKV + kvh  # [BLOCK_N] into [P, S, Hkv]
-            k = _load_rows(k_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, K_BITS, K_GROUP, K_F32)
-            x = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, N]
-            x = tl.where(in_seq[None, :], x, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(x, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(x - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-            m_i = m_new
-            if KEEP_LOGITS:
-                lmask = g_ok[:, None] & in_seq[None, :]
-                tl.store(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], x, mask=lmask)
-                n_vis += in_seq.to(tl.int32)
-                if GUMBEL:
-                    noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask,
-                                    other=0.0)
-                    y = (x + noise) / tau  # stays -inf past the length
-                    gm_new = tl.maximum(gm_i, tl.max(y, axis=1))
-                    gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
-                    gm_i = gm_new
+            kb, ks, kz = _fetch_rows(k_ptr, row, in_seq, D, K_BITS, K_GROUP, K_F32)
+            vb, vs, vz = _fetch_rows(v_ptr, row, in_seq, D, V_BITS, V_GROUP, V_F32)
+            next_slots = slots + BLOCK_N
+            next_page = _slot_pages(page_table_ptr, b, next_slots, next_slots < end, max_pages, S)
+            for n0 in range(start, end, BLOCK_N):
+                slots = n0 + offs_n
+                in_seq = slots < end
+                next_slots = slots + BLOCK_N
+                next_in = next_slots < end  # masked off past the region: no traffic
+                next_row = (next_page.to(tl.int64) * S + next_slots % S) * HKV + kvh  # (int32 carried)
+                # Each raw tile is replaced by the next one's as soon as it is decoded: one copy of each live.
+                k = _decode_rows(kb, ks, kz, D, BLOCK_N, K_BITS, K_GROUP)
+                kb, ks, kz = _fetch_rows(k_ptr, next_row, next_in, D, K_BITS, K_GROUP, K_F32)
+                x, m_new, alpha, p, l_i = _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION)
+                v = _decode_rows(vb, vs, vz, D, BLOCK_N, V_BITS, V_GROUP)
+                vb, vs, vz = _fetch_rows(v_ptr, next_row, next_in, D, V_BITS, V_GROUP, V_F32)
+                after_slots = next_slots + BLOCK_N  # the tile after next: the next step's rows
+                next_page = _slot_pages(page_table_ptr, b, after_slots, after_slots < end, max_pages, S)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                    input_precision=DOT_PRECISION)
+                m_i = m_new
+                if KEEP_LOGITS:
+                    gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows,
+                                                     g_ok, slots, in_seq, tau, logits_len, noise_len, GUMBEL)
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                slots = n0 + offs_n
+                in_seq = slots < end
+                page = _slot_pages(page_table_ptr, b, slots, in_seq, max_pages, S).to(tl.int64)
+                row = (page * S + slots % S) * HKV + kvh  # [BLOCK_N] into [P, S, Hkv]
+                k = _load_rows(k_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, K_BITS, K_GROUP, K_F32)
+                x, m_new, alpha, p, l_i = _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION)
+                v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                    input_precision=DOT_PRECISION)
+                m_i = m_new
+                if KEEP_LOGITS:
+                    gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows,
+                                                     g_ok, slots, in_seq, tau, logits_len, noise_len, GUMBEL)
         return m_i, l_i, acc, gm_i, gl_i, n_vis
 
     @triton.jit
@@ -175,12 +293,14 @@ if HAS_TRITON:
         V2_BITS: tl.constexpr, V2_GROUP: tl.constexpr, V2_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
         ONE_SPLIT: tl.constexpr, KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr,
+        PREFETCH: tl.constexpr, PREFETCH2: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's slots, the first
         region's then (``HAS2``) the second's, laid end to end; the group's query heads together (one
         ``tl.dot`` per tile). One split normalises and writes the output; several write the partials (and,
         ``KEEP_LOGITS``, the first region's logits) that ``paged_attention.reduce_splits`` combines and
-        scores, as for native pages."""
+        scores, as for native pages. ``PREFETCH``/``PREFETCH2``: each region's loads run a tile ahead of its
+        arithmetic (:func:`_attend_region`)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -210,13 +330,13 @@ if HAS_TRITON:
             q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr, noise_ptr, q_rows,
             g_ok, b, kvh, start, tl.minimum(end, len1), scale, tau, max_pages, logits_len, noise_len, offs_d,
             d_ok, HKV, D, S, K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            KEEP_LOGITS, GUMBEL)
+            KEEP_LOGITS, GUMBEL, PREFETCH)
         if HAS2:  # the second region's slots follow the first's: [len1, total) of the sequence
             m_i, l_i, acc, gm_i, gl_i, n_vis = _attend_region(
                 q, m_i, l_i, acc, gm_i, gl_i, n_vis, k2_ptr, v2_ptr, page_table2_ptr, logits_ptr, noise_ptr,
                 q_rows, g_ok, b, kvh, tl.maximum(start, len1) - len1, end - len1, scale, tau, max_pages2,
                 logits_len, noise_len, offs_d, d_ok, HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS, V2_GROUP,
-                V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION, False, False)
+                V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION, False, False, PREFETCH2)
         _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
                       n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
                       KEEP_LOGITS, GUMBEL)
@@ -342,6 +462,25 @@ def _scored_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     return out
 
 
+#: Whether the launcher runs the kernel's loads a tile ahead of its arithmetic (``PREFETCH``, see
+#: ``_attend_region``) where :func:`_prefetch` allows it. ``False`` (the default until a GPU has timed the
+#: prefetching kernel) launches the kernel measured in run 8, whose loads Triton's pipeliner schedules. Each
+#: value is its own compiled variant: set it before a call (a captured CUDA graph keeps its kernel).
+PREFETCH_TILES = False
+
+
+def _prefetch(k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None,
+              head_dim: int) -> bool:
+    """Whether a region's tiles are prefetched by hand (:data:`PREFETCH_TILES`): packed K and V rows of a
+    power-of-two head dim (contiguous code runs, carried as int32 words: a few registers a tile) in pools
+    starting on 4 bytes. Float rows feed the products directly, and Triton's pipeliner already turns their
+    loads into asynchronous copies to shared memory; gathered rows (other head dims) would carry a code byte
+    and two parameters per channel in registers."""
+    return (PREFETCH_TILES and k_format is not None and v_format is not None
+            and head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16
+            and k_pages.data_ptr() % 4 == 0 and v_pages.data_ptr() % 4 == 0)
+
+
 def _launch_format(fmt: QuantFormat | None) -> tuple[int, int, bool]:
     """``(BITS, GROUP, PARAM_F32)`` of a region's pool for the kernel; ``BITS = 0``: float rows."""
     if fmt is None:
@@ -393,6 +532,8 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
            for what, value in zip(("BITS", "GROUP", "F32"), fmt, strict=True)},
         HAS2=second is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ONE_SPLIT=one_split, KEEP_LOGITS=keep_logits, GUMBEL=gumbel, HAS_TEMP=temperature is not None,
+        PREFETCH=_prefetch(k_pages, v_pages, k_format, v_format, d),
+        PREFETCH2=_prefetch(two.k_pages, two.v_pages, two.k_format, two.v_format, d),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
     )
     if not one_split:
@@ -564,6 +705,7 @@ COMPILE_AXES: dict[str, tuple] = {
     "second": ("none", "float", "4bit"),  # a second region: none, float rows of q's dtype, 4-bit rows
     "splits": (1, 3),  # split-K partials and the shared reduce kernel
     "score": ("none", "accumulate", "gumbel"),  # the fused score update (logits kept; gumbel's noised stats)
+    "prefetch": (False, True),  # PREFETCH_TILES: the loads a tile ahead by hand
 }
 
 
@@ -576,7 +718,17 @@ def compile_variants(full: bool = False):
 
 
 def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int,
-                 second: str = "none", splits: int = 1, score: str = "none") -> None:
+                 second: str = "none", splits: int = 1, score: str = "none", prefetch: bool = False) -> None:
+    global PREFETCH_TILES
+    old, PREFETCH_TILES = PREFETCH_TILES, prefetch
+    try:
+        _meta_launch_one(dtype, head_dim, bits, group, gqa, second, splits, score)
+    finally:
+        PREFETCH_TILES = old
+
+
+def _meta_launch_one(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int, second: str,
+                     splits: int, score: str) -> None:
     B, P, S, M, Hkv = 3, 40, 16, 12, 2
     meta = torch.device("meta")
 
