@@ -14,8 +14,10 @@ tests). The kernel is the native decode kernel's shape (:mod:`kvkernels.paged_at
 (sequence, KV head, split), the group's query heads in one tensor-core product per tile, split-K partials
 combined by the same reduce kernel. A tile's code bytes, scales and zero points are read once each, as
 contiguous runs, and unpacked in registers; the dequantized tile is rounded once to the query's dtype for
-the product (float32 queries: exact float32 products). No fused score update yet: decode-time eviction
-policies (H2O's accumulated attention) do not run on quantized pages.
+the product (float32 queries: exact float32 products). The score update of decode-time eviction (H2O's
+accumulated attention, Keyformer's Gumbel score, ...) is fused as in the native kernel: the tile logits go to
+the split scratch and the shared reduce kernel scores the first region's slots
+(``kvkernels::quant_decode_attention_scored``).
 
 The first kernel (one program per sequence and KV head, each channel's code byte and parameters gathered
 per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages on an H200
