@@ -69,10 +69,11 @@ class FakeRun:
                     cache.record_cos_sim(l, b, float(cos_sim[l][b]))
         cache.finish_prefill()
 
-    def decode_step(self, cache: PagedKVCache, t: int) -> list[torch.Tensor]:
-        """One eager decode step over all layers; returns the attention outputs per layer."""
+    def decode_step(self, cache: PagedKVCache, t: int, pos: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One eager decode step over all layers (``pos``: the tokens' positions, default
+        :meth:`step_positions`); returns the attention outputs per layer."""
         cache.prepare_decode(t)
-        pos = self.step_positions(t)
+        pos = self.step_positions(t) if pos is None else pos
         outs = []
         for l in range(self.n_layers):
             q, k, v = self.steps[t][l]

@@ -162,16 +162,7 @@ def test_head_pages_take_a_follow_up_as_the_paged_cache_does(lens, n_kv, group, 
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             assert heads.slots_held(b) == paged.slots_held(b) and heads.decode_room(b) == paged.decode_room(b)
         pos = run.step_positions(t) + (shift if t >= 1 else 0)
-        steps = []
-        for cache in (paged, heads):
-            cache.prepare_decode(t)
-            outs = []
-            for l in range(run.n_layers):
-                q, k, v = run.steps[t][l]
-                cache.append(l, k, v, pos)
-                outs.append(cache.attend(l, q, pos, scale=run.scale, alibi_slopes=run.alibi))
-            cache.after_step(t)
-            steps.append(outs)
+        steps = [run.decode_step(cache, t, pos) for cache in (paged, heads)]
         for want, got in zip(*steps, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for l in range(run.n_layers):

@@ -97,19 +97,27 @@ if HAS_TRITON:
                                  PARAM_F32)
 
     @triton.jit
-    def _dequant_rows(pages_ptr, row, in_seq, ok, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                      PARAM_F32: tl.constexpr):
-        """The packed branch of :func:`_load_rows`."""
-        PER_BYTE: tl.constexpr = 8 // BITS
-        CODES: tl.constexpr = D // PER_BYTE  # code bytes per row
-        N_GROUPS: tl.constexpr = D // GROUP
-        WIDTH: tl.constexpr = CODES + 2 * N_GROUPS * (4 if PARAM_F32 else 2)
-        base = pages_ptr + row.to(tl.int64) * WIDTH  # [BLOCK_N] row starts
+    def _row_starts(pages_ptr, row, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    PARAM_F32: tl.constexpr):
+        """``[BLOCK_N]`` byte pointers to the packed rows ``row`` and typed pointers to their parameters
+        (``codes | scale | zero``: :func:`kvkernels.quant.pack`)."""
+        CODES: tl.constexpr = D * BITS // 8
+        WIDTH: tl.constexpr = CODES + 2 * (D // GROUP) * (4 if PARAM_F32 else 2)
+        base = pages_ptr + row.to(tl.int64) * WIDTH
         if PARAM_F32:
             params = (base + CODES).to(tl.pointer_type(tl.float32))
         else:
             params = (base + CODES).to(tl.pointer_type(tl.float16))
+        return base, params
+
+    @triton.jit
+    def _dequant_rows(pages_ptr, row, in_seq, ok, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                      PARAM_F32: tl.constexpr):
+        """The packed branch of :func:`_load_rows`."""
+        CODES: tl.constexpr = D * BITS // 8  # code bytes per row
+        N_GROUPS: tl.constexpr = D // GROUP
+        base, params = _row_starts(pages_ptr, row, D, BITS, GROUP, PARAM_F32)
         if BLOCK_D == D:
             byte = tl.load(base[:, None] + tl.arange(0, CODES)[None, :], mask=in_seq[:, None], other=0)
             code = _unpack(byte, BITS, BLOCK_N, D).to(tl.float32)
@@ -145,15 +153,9 @@ if HAS_TRITON:
         ``PREFETCH`` can issue them a tile early and carry them to the next step: as words, four code bytes
         to a register where a byte tensor holds one per register. Rows and code runs are multiples of 4
         bytes at power-of-two head dims >= 16, and the launcher checks the pool's start."""
-        PER_BYTE: tl.constexpr = 8 // BITS
-        CODES: tl.constexpr = D // PER_BYTE  # code bytes per row
+        CODES: tl.constexpr = D * BITS // 8  # code bytes per row
         N_GROUPS: tl.constexpr = D // GROUP
-        WIDTH: tl.constexpr = CODES + 2 * N_GROUPS * (4 if PARAM_F32 else 2)
-        base = pages_ptr + row.to(tl.int64) * WIDTH  # [BLOCK_N] row starts
-        if PARAM_F32:
-            params = (base + CODES).to(tl.pointer_type(tl.float32))
-        else:
-            params = (base + CODES).to(tl.pointer_type(tl.float16))
+        base, params = _row_starts(pages_ptr, row, D, BITS, GROUP, PARAM_F32)
         words = base.to(tl.pointer_type(tl.int32))
         word = tl.load(words[:, None] + tl.arange(0, CODES // 4)[None, :], mask=in_seq[:, None], other=0)
         offs_g = tl.arange(0, N_GROUPS)[None, :]
