@@ -36,7 +36,7 @@ if str(ROOT / "src") not in sys.path:
 # The H200 bench's quant stage shape: Llama-3-8B heads (32 query, 8 KV, dim 128), bf16, pages of 16, 4k.
 BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
 # int4+float: KIVI's float residual as a second region; +h2o: the fused score update (logits kept).
-# "/prefetch": kvkernels.quant_attention.PREFETCH_TILES on (the loads a tile ahead by hand; off by default).
+# "/prefetch": kvkernels.quant_attention.PREFETCH_TILES on (the loads a tile ahead by hand); without it, off.
 CASES = ("native", "native+h2o", "int8", "int4", "int2", "int4+float", "int4+h2o", "int8/prefetch",
          "int4/prefetch", "int4+h2o/prefetch")
 OPS = {"hmma": "HMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL", "stl": "STL",
@@ -76,12 +76,9 @@ def _launch(case: str) -> None:
     if case.endswith("+float"):
         residual = t(BATCH * 8, PAGE, HKV, D, dt=bf16)
         second = Region(residual, residual, t(BATCH, 8, dt=torch.int32), lens)
-    old, quant_attention.PREFETCH_TILES = quant_attention.PREFETCH_TILES, prefetch
-    try:
+    with quant_attention.prefetch_tiles(8 if prefetch else 0):
         quant_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, k_format=fmt,
                                       v_format=fmt, second=second, scores=scores, num_splits=1)
-    finally:
-        quant_attention.PREFETCH_TILES = old
 
 
 def stats(case: str, arch: int = 90) -> dict:

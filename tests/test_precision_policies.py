@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvkernels.quant import bytes_per_row
 from kvpolicies import available, compose
@@ -156,3 +157,30 @@ def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
     cache("keyformer", "kivi(bits=2, residual=0, group=8)")
     with pytest.raises(ValueError, match="two formats, which the paged cache holds for one row per sequence"):
         cache("snapkv", "adakv", "kivi(group=8)", rows="heads")
+
+
+
+class _OneDevice(TorchDispatchMode):
+    """Fails at the first op that makes a tensor on a device other than ``device``."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = torch.device(device)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                raise AssertionError(f"{func} made a tensor on {t.device}, not {self.device}")
+        return out
+
+
+@pytest.mark.parametrize("policy", [Kivi(residual=2), MiKV(), ZipCache(), Native()], ids=lambda p: p.name)
+def test_assign_stays_on_the_device_of_its_inputs(policy):
+    """Every tensor ``assign`` makes lives on its inputs' device (``meta`` here, standing in for CUDA: run 10
+    on an H200 found ZipCache ranking with a CPU ``arange``, which only a GPU run had caught)."""
+    kept = torch.ones(2, 7, dtype=torch.bool, device="meta")
+    scores = torch.rand(2, 7, device="meta")
+    with _OneDevice("meta"):
+        bits = policy.assign(kept, scores)
+    assert bits.device.type == "meta" and bits.shape == (2, 7) and bits.dtype == torch.int64

@@ -24,14 +24,19 @@ per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages 
 (bench/results/nvidia-h200-2026-11-26/run6); ``python bench/sass.py`` shows what changed without a GPU.
 The second (run 8) took 1.73x bf16 pages' time at B64/4k while reading 3.2x fewer bytes, and twice its
 time at half the tile: each loop step waited on its own loads. A variant runs its loads a tile ahead of the
-arithmetic by hand (``_attend_region``'s ``PREFETCH``, bit for bit the same results; static counts in
-``bench/sass.py``); it is off until a GPU has timed it (:data:`PREFETCH_TILES`; ``bench/gpu.py``'s quant stage
-times both).
+arithmetic by hand (``_attend_region``'s ``PREFETCH``; static counts in ``bench/sass.py``): run 10 timed it
+at 364 us (1.48x bf16 pages' 246 us) for 4-bit pages and slower for 8-bit ones, so it is on up to 4 bits
+(:data:`PREFETCH_TILES`; ``bench/gpu.py``'s quant stage times both ways). The same arithmetic in the same
+order: bit for bit the same results in the interpreter; on sm_90 the 4-bit outputs differ in the last bits
+(run 10; not yet traced, presumably the compiler's own choices for the two loops), the 8-bit ones are
+bit-identical.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -234,7 +239,7 @@ if HAS_TRITON:
         after the current tile's products and waits for them first thing in the next step, behind a plain
         page-table load (2 stages) or plain loads of the scales and zero points (3 stages): each step
         waits for one or two round trips to memory that nothing overlaps. Both do the same arithmetic in
-        the same order: bit-identical results.
+        the same order: bit-identical in the interpreter (sm_90, run 10: 4-bit differs in the last bits).
         """
         offs_n = tl.arange(0, BLOCK_N)
         if PREFETCH:
@@ -466,21 +471,37 @@ def _scored_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     return out
 
 
-#: Whether the launcher runs the kernel's loads a tile ahead of its arithmetic (``PREFETCH``, see
-#: ``_attend_region``) where :func:`_prefetch` allows it. ``False`` (the default until a GPU has timed the
-#: prefetching kernel) launches the kernel measured in run 8, whose loads Triton's pipeliner schedules. Each
-#: value is its own compiled variant: set it before a call (a captured CUDA graph keeps its kernel).
-PREFETCH_TILES = False
+#: The largest bit width whose packed regions the launcher prefetches by hand (``PREFETCH``, see
+#: ``_attend_region``; :func:`_prefetch` says where it can): 4, from run 10 on an H200 (B64/4k, 4-bit keys
+#: and values): 364 us prefetched against 416 us at 32/4/3 and 384 against 386 us at 64/4/2, while 8-bit
+#: pages took 554 us prefetched against 415 us (64/4/2). 0 turns it off, 8 on for every width. Each value is
+#: its own compiled variant: set it before a call (a captured CUDA graph keeps its kernel), or with
+#: :func:`prefetch_tiles`.
+PREFETCH_TILES = 4
+
+
+@contextlib.contextmanager
+def prefetch_tiles(bits: int) -> Iterator[None]:
+    """:data:`PREFETCH_TILES` set to ``bits`` inside the block (0: off, 8: every packed width)."""
+    global PREFETCH_TILES
+    if bits not in (0, 2, 4, 8) or isinstance(bits, bool):
+        raise ValueError(f"bits={bits!r}: the largest bit width to prefetch, one of 0 (none), 2, 4, 8")
+    old, PREFETCH_TILES = PREFETCH_TILES, bits
+    try:
+        yield
+    finally:
+        PREFETCH_TILES = old
 
 
 def _prefetch(k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None,
               head_dim: int) -> bool:
-    """Whether a region's tiles are prefetched by hand (:data:`PREFETCH_TILES`): packed K and V rows of a
-    power-of-two head dim (contiguous code runs, carried as int32 words: a few registers a tile) in pools
-    starting on 4 bytes. Float rows feed the products directly, and Triton's pipeliner already turns their
-    loads into asynchronous copies to shared memory; gathered rows (other head dims) would carry a code byte
-    and two parameters per channel in registers."""
-    return (PREFETCH_TILES and k_format is not None and v_format is not None
+    """Whether a region's tiles are prefetched by hand: K and V packed at no more than :data:`PREFETCH_TILES`
+    bits, of a power-of-two head dim (contiguous code runs, carried as int32 words: a few registers a tile)
+    in pools starting on 4 bytes. Float rows feed the products directly, and Triton's pipeliner already
+    turns their loads into asynchronous copies to shared memory; gathered rows (other head dims) would carry
+    a code byte and two parameters per channel in registers."""
+    return (k_format is not None and v_format is not None
+            and max(k_format.bits, v_format.bits) <= PREFETCH_TILES
             and head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16
             and k_pages.data_ptr() % 4 == 0 and v_pages.data_ptr() % 4 == 0)
 
@@ -709,7 +730,7 @@ COMPILE_AXES: dict[str, tuple] = {
     "second": ("none", "float", "4bit"),  # a second region: none, float rows of q's dtype, 4-bit rows
     "splits": (1, 3),  # split-K partials and the shared reduce kernel
     "score": ("none", "accumulate", "gumbel"),  # the fused score update (logits kept; gumbel's noised stats)
-    "prefetch": (False, True),  # PREFETCH_TILES: the loads a tile ahead by hand
+    "prefetch": (0, 8),  # PREFETCH_TILES: the loads a tile ahead by hand, off or for every width
 }
 
 
@@ -722,13 +743,9 @@ def compile_variants(full: bool = False):
 
 
 def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int,
-                 second: str = "none", splits: int = 1, score: str = "none", prefetch: bool = False) -> None:
-    global PREFETCH_TILES
-    old, PREFETCH_TILES = PREFETCH_TILES, prefetch
-    try:
+                 second: str = "none", splits: int = 1, score: str = "none", prefetch: int = 0) -> None:
+    with prefetch_tiles(prefetch):
         _meta_launch_one(dtype, head_dim, bits, group, gqa, second, splits, score)
-    finally:
-        PREFETCH_TILES = old
 
 
 def _meta_launch_one(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int, second: str,

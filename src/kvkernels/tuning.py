@@ -68,9 +68,12 @@ TUNED: dict[tuple[str, int], LaunchConfig] = {
     # prefill scorer: 11 of 12, 0.757 ms at L4096). Sweep again when the kernels change.
     ("decode", 90): LaunchConfig(block=64, num_warps=4, num_stages=3),
     ("prefill_scores", 90): LaunchConfig(block=64, num_warps=4, num_stages=3),
-    # Decode over 4-bit pages, B64-L4096 (bench/results/nvidia-h200-2026-11-27/run8): 392 us against 439 us at
-    # the default; block 16 took twice block 32's time (a per-tile cost, not per-byte, bounds this kernel).
-    ("quant_decode", 90): LaunchConfig(block=64, num_warps=4, num_stages=2),
+    # Decode over 4-bit pages, B64-L4096 (bench/results/nvidia-h200-2026-11-27/run10): 364 us with the loads
+    # prefetched by hand (quant_attention.PREFETCH_TILES), against 416 us without at this config and 386 us at
+    # run 8's best (64/4/2, 392 us in run 8; block 16 took twice block 32's time there: a per-tile cost
+    # bounds this kernel). Not yet timed at this config: B8-L4096 (58 us at 64/4/2) and 8-bit pages without
+    # prefetch (443 us at 32/4/3 in run 8, 415 us at 64/4/2 in run 10).
+    ("quant_decode", 90): LaunchConfig(block=32, num_warps=4, num_stages=3),
 }
 
 #: What ``bench/gpu.py`` sweeps per kernel (the product of these values).

@@ -59,7 +59,8 @@ class ZipCache(PrecisionPolicy):
         n_high = torch.ceil(n_kept * self.salient - 1e-9).long()  # 1e-9: 0.4 * 5 must stay 2
         rank_key = torch.where(kept, self.normalized(scores), float("-inf"))
         order = torch.sort(rank_key, dim=-1, descending=True, stable=True).indices  # ties: earlier first
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(kept.shape[-1]).expand_as(order))
+        positions = torch.arange(kept.shape[-1], device=order.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(-1, order, positions)
         bits = torch.where(rank < n_high, self.high, self.low)
         return torch.where(kept, bits, 0).to(torch.int64)
 
