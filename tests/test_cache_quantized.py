@@ -308,12 +308,85 @@ def test_two_formats_hold_what_the_precision_policy_assigns(case):
     assert side.pool.free == side.pool.num_pages and cache.pool.free == cache.pool.num_pages
 
 
-def test_a_tiered_cache_refuses_a_continuation_by_name():
-    run = FakeRun(1, 1, 1, 8, [5], 2, seed=0)
-    cache = run.cache(compose("snapkv(window=2)", "kivi(bits=4, group=8, residual=2)", budget=0.6))
+def side_pages_owned_once(cache) -> None:
+    side, S = cache.side, cache.page_size
+    owned = [p for l in range(cache.n_layers) for b in range(cache.batch_size)
+             for p in side.page_table[l, b, :math.ceil(int(side.lens[l, b]) / S)].tolist()]
+    assert sorted(owned + side.pool.free_pages[:side.pool.free].tolist()) == list(range(side.pool.num_pages))
+    assert torch.equal(side.seq_lens.cpu(), torch.from_numpy(side.lens).to(torch.int32))
+
+
+@given(case=two_format_cases(), n_new=st.sampled_from([1, 3, 6]))
+def test_a_tiered_cache_continues_over_both_regions(case, n_new):
+    """A follow-up turn on a two-format cache, after decode steps (``begin_extend`` / ``extend_attend`` /
+    ``end_extend``): its tokens attend to every token either region holds, as stored, and causally to each
+    other (dense reference); afterwards every token held before is held still, bit for bit (or, aged out of
+    KIVI's residual, as the side format's round trip of its stored row), and the new ones are the main
+    format's round trip of their K/V; nothing is evicted; KIVI's residual has aged; every page owned once."""
+    eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
+    run = FakeRun(2, n_kv, gqa, 8, lens, 2, seed=seed)
+    policy = compose(eviction, spec, budget=budget)
+    cache = run.cache(policy, page_size=page_size, max_new=3 + n_new)
     run.prefill(cache)
-    with pytest.raises(NotImplementedError, match="precision 'kivi' is not supported yet"):
-        cache.begin_extend(0, 2)
+    for t in range(run.n_steps):
+        run.decode_step(cache, t)
+    main_fmt = cache.storage.fmt if cache.storage.quantized else None
+    side_fmt = cache.side.storage.fmt
+
+    def stored(x, fmt):
+        return x if fmt is None else round_trip(x, fmt)
+
+    b = len(lens) - 1
+    before = [tokens_of(cache, l, b) for l in range(2)]
+    g = torch.Generator().manual_seed(seed + 1)
+    new = [tuple(torch.randn(n_new, h, 8, generator=g).to(DEVICE) for h in (n_kv * gqa, n_kv, n_kv))
+           for _ in range(2)]
+    start = lens[b] + run.n_steps
+    positions = torch.arange(start, start + n_new, dtype=torch.int32, device=DEVICE)
+    cache.begin_extend(b, n_new)
+    for l, (q, k, v) in enumerate(new):
+        out = cache.extend_attend(l, b, q, k, v, positions, scale=run.scale)
+        for h in range(n_kv):
+            ks = torch.stack([x[0] for x in before[l][h].values()])
+            vs = torch.stack([x[1] for x in before[l][h].values()])
+            for i in range(n_new):
+                keys = torch.cat([ks, k[:i + 1, h]])[:, None]
+                values = torch.cat([vs, v[:i + 1, h]])[:, None]
+                want = dense_attention(q[i, h * gqa:(h + 1) * gqa], keys, values, run.scale)
+                torch.testing.assert_close(out[i, h * gqa:(h + 1) * gqa], want.to(out.dtype), rtol=1e-4,
+                                           atol=1e-4)
+    cache.end_extend(b)
+    p = policy.precision
+    for l, (_, k, v) in enumerate(new):
+        after = tokens_of(cache, l, b)
+        for h in range(n_kv):
+            assert set(after[h]) == set(before[l][h]) | set(positions.tolist())  # nothing evicted
+            rows = {pos: (k0, v0, region) for pos, (k0, v0, region) in before[l][h].items()}
+            for i, pos in enumerate(positions.tolist()):
+                rows[pos] = (stored(k[i:i + 1, h], main_fmt)[0], stored(v[i:i + 1, h], main_fmt)[0], "main")
+            for pos, (k1, v1, region) in after[h].items():
+                k0, v0, was = rows[pos]
+                if region != was:  # aged out of KIVI's residual: quantized from its stored row
+                    assert (was, region, p.name) == ("main", "side", "kivi"), (l, h, pos)
+                    k0, v0 = (round_trip(x[None], side_fmt)[0] for x in (k0, v0))
+                assert torch.equal(k1, k0) and torch.equal(v1, v0), (l, h, pos, was, region)
+    if p.name == "kivi":
+        assert (cache.host.lens[:, :len(lens)] <= p.residual + p.group).all()
+    side_pages_owned_once(cache)
+    S = page_size
+    owned = [pg for l in range(2) for i in range(len(lens))
+             for pg in cache.page_table[l, i, :math.ceil(int(cache.host.lens[l, i]) / S)].tolist()]
+    assert sorted(owned + cache.pool.free_pages[:cache.pool.free].tolist()) == list(range(cache.num_pages))
+    rep = cache.report()
+    side_pages = sum(math.ceil(int(n) / S) for n in cache.side.lens.flatten())
+    assert rep.total_bytes == len(owned) * cache.page_bytes + side_pages * cache.side.pool.page_bytes
+    held = cache.host.lens[:, :len(lens)] + cache.side.lens[:, :len(lens)]  # the report counts both regions
+    assert rep.tokens_per_layer == tuple(tuple(int(x) for x in row) for row in held)
+    cache.restart_decode(1)  # and the next generation decodes over both regions
+    run.decode_step(cache, 0, pos=torch.tensor([L + run.n_steps + (n_new if i == b else 0)
+                                                for i, L in enumerate(lens)], dtype=torch.int32,
+                                               device=DEVICE))
+    side_pages_owned_once(cache)
 
 
 @pytest.mark.parametrize("channels", ["", ", channel_scale=True"], ids=["token-wise", "channel-separable"])
@@ -342,6 +415,43 @@ def test_a_session_continues_over_quantized_rows(channels):
     assert t_n == t_q  # 8 bits: the same greedy tokens on this model, so the follow-ups see the same text
     for a, b in zip(s_n, s_q, strict=True):  # and their logits differ by the rounding only
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("precision", ["kivi(bits=8, group=2, residual=2)", "mikv(low=8, group=2)"])
+def test_a_session_continues_over_two_formats(precision):
+    """``Decoder`` over a cache holding tokens in two formats: prompts, a generation, a follow-up extension
+    and another generation, against the unquantized cache under the same eviction (snapkv at 0.5, whose
+    follow-up re-selects the unquantized cache's tokens while the two-format cache keeps all it holds, so
+    the follow-up's attention is checked against the dense reference by the cache test above): the same
+    prompt logits (and, for KIVI, first generation), every token held before the follow-up held after it
+    plus the follow-up's, and a generation after it. A chunked prefill, which could not keep the budget, is
+    refused by name before anything runs."""
+    from kvmodels.decoder import Decoder
+    from test_model_policy_matrix import PROMPTS, tiny_model
+
+    model = tiny_model("llama")
+    outs = {}
+    for name, spec in (("native", ()), ("quant", (precision,))):
+        dec = Decoder(model, compose("snapkv(window=2)", *spec, budget=0.5), max_tokens=48)
+        first = dec.extend(PROMPTS[:2])
+        gen = dec.generate(3)
+        held = (dec.cache.host.lens[:, :2] + (dec.cache.side.lens[:, :2] if spec else 0)).copy()
+        held += [3 + (dec.pending[0] is not None), 1 + (dec.pending[1] is not None)]  # + the last token
+        second = dec.extend([[5, 6, 7], [8]])
+        outs[name] = (first, gen.tokens, second, dec)
+    (f_n, t_n, s_n, _), (f_q, t_q, s_q, dec) = outs["native"], outs["quant"]
+    for a, b in zip(f_n, f_q, strict=True):
+        assert torch.equal(a, b)
+    if precision.startswith("kivi"):  # (mikv also holds, at 8 bits, the tokens snapkv evicted: other tokens)
+        assert t_n == t_q
+    assert all(torch.isfinite(x).all() for x in s_q) and [x.shape for x in s_q] == [x.shape for x in s_n]
+    cache = dec.cache
+    assert (cache.host.lens[:, :2] + cache.side.lens[:, :2] == held).all()  # nothing evicted
+    assert cache.side.lens[:, :2].all()  # both formats in use
+    assert len(dec.generate(2).tokens) == 2
+    with pytest.raises(NotImplementedError, match="two formats.*chunk="):
+        Decoder(model, compose("snapkv(window=2)", precision, budget=0.5), max_tokens=48).extend(
+            [list(range(1, 13))], chunk=4)
 
 
 @st.composite

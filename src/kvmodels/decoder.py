@@ -203,6 +203,11 @@ class Decoder:
                                       f"prompt's token scores ({policy.heads.name}), which evicted tokens no "
                                       "longer have, so it cannot take tokens after the prompt (extend, "
                                       "chunk=); duo's per-head budgets can")
+        if first_call and continues and _two_formats(policy):
+            raise NotImplementedError(f"policy {policy.name!r} stores tokens in two formats, split once "
+                                      "after the prompt and never evicted afterwards, so a chunked prefill "
+                                      "could not keep the budget; prefill the prompt whole (no chunk=), or "
+                                      "use kivi(residual=0) or native precision")
         window = policy.eviction.prefill_window(1 << 30) if policy.eviction.prefill_mode else 0
         if chunk is not None and window > 1 and chunk < window:
             name = policy.eviction.name
@@ -422,3 +427,12 @@ class Decoder:
         return GenerationResult(tokens=out, finished_on_eos=on_eos, prefill_tokens=prefill_tokens,
                                 prefill_s=prefill_s, decode_tokens=decode_tokens, decode_s=decode_s,
                                 report=report, extra={"first_step_s": first_step_s})
+
+
+def _two_formats(policy: Any) -> bool:
+    """Whether ``policy``'s precision stores tokens in two formats (``kvmodels.cache.tiers``)."""
+    if getattr(policy, "precision", None) is None:
+        return False
+    from kvmodels.cache.storage import stored_formats  # the cache pulls in the kernels; import when used
+
+    return len(stored_formats(policy.precision)) > 1

@@ -78,6 +78,7 @@ class InspectSteps:
             rows += f" and {self.side.storage.describe()}"
         if self.key_scale is not None:  # (its [rows, Hkv, D] float32 factors are not in the page bytes)
             rows += "; keys over per-channel factors (ZipCache's channel-separable keys)"
+        tokens = host.lens if self.side is None else host.lens + self.side.lens  # both regions' tokens
         full_pages = host.full_pages(self.page_size)
         budgets = None
         if self.plan is not None:  # the storage layers' budgets: a region's under its owner, 0 under b
@@ -89,5 +90,5 @@ class InspectSteps:
             full_cache_bytes=full_pages * self.pool.native_page_bytes,
             full_cache_peak_bytes=host.full_peak_pages * self.pool.native_page_bytes,
             rows=rows, quantized=self.storage.quantized or self.side is not None,
-            tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in self.host.lens),
+            tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in tokens),
             layer_budgets=budgets, merged_pairs=self.layout.pairs), self.n_sequences)

@@ -57,11 +57,6 @@ class ExtendSteps:
                                       "not supported (a merged region cannot take prefill tokens); use a "
                                       "policy without merging")
         self.rows.check_extendable(self.policy)
-        if self.side is not None:
-            name = self.policy.precision.name
-            raise NotImplementedError(f"extending a sequence with precision {name!r} is not supported yet "
-                                      "(its tokens were split between two formats after the prompt; issue "
-                                      "36); use kivi(residual=0) or native precision")
 
     def slots_held(self, b: int) -> int:
         """The most slots any cache layer (any of its rows) holds for sequence ``b`` now (host mirror)."""
@@ -131,6 +126,11 @@ class ExtendSteps:
         need = int((ceil_div(lens + n, S) - ceil_div(lens, S)).sum())
         if need > self.pool.free:
             raise self.pool.out_of_pages(need, f"extension of sequence {b} by {n} tokens")
+        if self.side is not None:  # two formats: KIVI's residual ages into the side region afterwards
+            aged = self.side.pages_to_age(b, lens[:, 0], n)
+            if aged > self.side.pool.free:
+                what = f"the {self.side.side_bits}-bit tokens aging out of the residual"
+                raise self.side.pool.out_of_pages(aged, f"extension of sequence {b} by {n} tokens ({what})")
         self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool))
         self._state = "extend"
 
@@ -140,6 +140,8 @@ class ExtendSteps:
         """The extension's attention in cache layer ``l``: its ``n`` tokens over sequence ``b``'s kept tokens
         and themselves (causal among them); their K/V are appended after the kept ones, and the policy's
         scores come from the same probabilities (``kvmodels.extend_attention``, a torch implementation).
+        With two formats (``kvmodels.cache.tiers``) the kept tokens are both regions' and nothing is scored:
+        nothing is evicted after the split.
 
         How the scores carry over (the prefill scorer's rules, docs/contract.md §2.3, over kept + new):
 
@@ -208,17 +210,27 @@ class ExtendSteps:
             x = pool[page, offset]
             return x.gather(0, order.view(m, H, *[1] * (x.dim() - 2)).expand_as(x))
 
-        ev, mode = self.eviction, self.eviction.prefill_mode
+        # Two formats: nothing is evicted after the split, so nothing is scored (the main region's slot scores
+        # are the split's flags, not eviction scores).
+        ev, scoring = self.eviction, self.side is None
+        mode = ev.prefill_mode if scoring else None
         window = ev.prefill_window(n) if mode is not None else 0
         kwargs = ev.prefill_kwargs(n) if mode is not None else {}
         decay = float(kwargs.get("decay", 1.0))
         kept_k = self.storage.decode(by_position(self.k_pages))
+        kept_v = self.storage.decode(by_position(self.v_pages))
+        kept_pos = by_position(self.slot_pos)
         if self.key_scale is not None:  # channel-separable keys: the pool holds k / c
             kept_k = kept_k * self.key_scale[l, b].to(kept_k.dtype)
+        if self.side is not None:  # the side region's tokens too (older than the main region's for KIVI)
+            side_k, side_v, side_pos = self.side.held(
+                l, b, None if self.key_scale is None else self.key_scale[l, b])
+            kept_k, kept_v = torch.cat([side_k, kept_k]), torch.cat([side_v, kept_v])
+            kept_pos = torch.cat([side_pos, kept_pos])
         out, scores = extend_attention(
-            q, k, v, positions, kept_k, self.storage.decode(by_position(self.v_pages)),
-            by_position(self.slot_pos), scale=scale, alibi_slopes=alibi_slopes, mode=mode, window=window,
-            decay=decay, seed=self.prefill_seed(l, b), temperature=float(kwargs.get("temperature", 1.0)))
+            q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
+            window=window, decay=decay, seed=self.prefill_seed(l, b),
+            temperature=float(kwargs.get("temperature", 1.0)))
         if scores is not None:
             if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
                 scores = ev.postprocess_prefill_scores(scores)
@@ -230,7 +242,7 @@ class ExtendSteps:
             kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
             self.slot_score[page, offset] = kept  # back in slot order
             new_scores = scores[:, m:].t()  # [n, Hkv]
-        elif ev.scores_tokens:  # an open rule: each token's score from what its step provides
+        elif ev.scores_tokens and scoring:  # an open rule: each token's score from what its step provides
             new_scores = self._token_scores(q, k, v, positions, check=True)
         else:
             new_scores = torch.zeros(n, H, dtype=torch.float32, device=dev)
@@ -254,7 +266,8 @@ class ExtendSteps:
     def end_extend(self, b: int) -> None:
         """Finish sequence ``b``'s extension: re-plan the batch (``b``'s budget from ``budget_len``, its
         layer budgets capped at its context plus the planning horizon) and compress every layer over budget
-        (the policy's ``prefill_compress``), returning pages. The sequence decodes at the next step."""
+        (the policy's ``prefill_compress``), returning pages; with two formats, compress nothing and let
+        KIVI's residual age instead. The sequence decodes at the next step."""
         ext = self._extension
         if self._state != "extend" or ext is None or b != ext.b:
             raise RuntimeError(f"end_extend({b!r}) must follow begin_extend({b!r}) and extend_attend on "
@@ -275,6 +288,8 @@ class ExtendSteps:
         self._extension = None
         self._state = "decode"
         self._replan()
+        if self.side is not None:  # KIVI: the extension's tokens older than the residual are quantized now
+            self.side.migrate(self)
 
     def restart_decode(self, max_new_tokens: int) -> None:
         """Start the next generation of the batch: ``max_new_tokens`` decode steps from step 0 (Keyformer's
@@ -304,7 +319,7 @@ class ExtendSteps:
             self.prompt_lens[b] = max(self.prompt_lens[b], int(self.host.seen[b]))
         self.plan = self._plan(list(range(n)))
         self.budgets[:, :n] = self.plan.rows.budgets.clamp_min(1).to(self.device, torch.int32)
-        if self.plan.schedule.prefill_compress:
+        if self.plan.schedule.prefill_compress and self.side is None:  # two formats: at the split only
             if self.eviction.heads_share_selection:  # as after_step: one ranking for the layer's heads
                 self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
             self._compress(in_place=True)

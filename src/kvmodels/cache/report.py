@@ -27,7 +27,8 @@ class CacheReport:
         What an uncompressed cache with the same pages would hold now / at its peak: every token seen by
         every active sequence in every cache layer, with K and V in the cache's dtype (unquantized).
     tokens_per_layer:
-        ``[Lc][B]`` slots each layer stores for each sequence of the batch (0 for finished sequences).
+        ``[Lc][B]`` slots each layer stores for each sequence of the batch (0 for finished sequences); with
+        two formats, both regions' (``kvmodels.cache.tiers``).
     layer_budgets:
         ``[Lc][B]`` per-layer slot budgets (``None`` before ``finish_prefill``).
     merged_pairs:

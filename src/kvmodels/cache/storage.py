@@ -84,6 +84,14 @@ class PackedRows(NativeRows):
                                       k_format=self.fmt, v_format=self.fmt, scores=scores, validate=False)
 
 
+def stored_formats(precision) -> list[int]:
+    """The bit widths a precision policy's tokens are stored at, low to high (``NATIVE_BITS`` = 16: the
+    cache's dtype): two for a cache with a second region (``kvmodels.cache.tiers``)."""
+    if precision.name == "kivi" and not precision.residual:
+        return [precision.bits]
+    return sorted(precision.formats())
+
+
 def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, PackedRows | None]:
     """The row storages ``policy``'s precision role asks for: the main region's, and the side region's
     (``kvmodels.cache.tiers``) when tokens come in two formats (else ``None``). ``ValueError`` naming what
@@ -94,9 +102,7 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, 
     name = f"policy {policy.name!r}: precision {precision.name!r} ({precision})"
     ev = policy.eviction
     # Merging (restored from magnitudes) with quantization is refused by compose itself.
-    formats = sorted(precision.formats())  # (low, high): NATIVE_BITS = 16 is the cache's dtype
-    if precision.name == "kivi" and not precision.residual:
-        formats = [precision.bits]
+    formats = stored_formats(precision)
     if len(formats) > 2:
         raise ValueError(f"{name} stores tokens in {len(formats)} formats; the paged cache holds two at most")
 

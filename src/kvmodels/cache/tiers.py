@@ -10,8 +10,10 @@ region, :meth:`SideRegion.split` asks the precision policy which format each tok
 (``PrecisionPolicy.assign`` over the prompt, from the eviction's kept set and the prompt scores) and
 compacts each region to its tokens. Decode steps append to the main region and attend to both regions in one
 softmax (``kvkernels.quant_attention.quant_decode_attention(second=...)``); KIVI's residual ages into the
-side region a group at a time (:meth:`SideRegion.migrate`). Nothing is evicted while decoding; a
-continuation (``begin_extend``) is refused.
+side region a group at a time (:meth:`SideRegion.migrate`). Nothing is evicted after the split: a
+continuation (``begin_extend``: a follow-up turn) attends to both regions and appends its tokens to the main
+region whole, as decode steps do, and KIVI's residual ages after it; a chunked prefill, which must evict
+between chunks to keep the budget, is refused by ``kvmodels.decoder.Decoder``.
 
 The split compacts by a membership flag written into each region's slot scores (a prompt-only policy needs
 its scores no more once the prompt is compressed), so a tiered cache's ``slot_score`` is no eviction score
@@ -129,18 +131,36 @@ class SideRegion:
                 seq_lens[l, b] = 0
                 lens[l, b] = 0
 
-    def contents(self, l: int, b: int,
-                 key_scale: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
-        """Row ``b``'s tokens of layer ``l`` in this region, one dict per KV head: ``k``/``v`` ``[n, D]``
-        dequantized, ``pos [n]`` (syncs; for tests); ``key_scale [Hkv, D]``: the cache's channel factors of
-        the row (the keys are stored divided by them)."""
+    def held(self, l: int, b: int,
+             key_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row ``b``'s tokens of layer ``l`` in this region, in slot order: ``k``/``v`` ``[n, Hkv, D]``
+        dequantized to the cache's dtype and ``pos [n, Hkv]`` int32 (host lengths: no sync);
+        ``key_scale [Hkv, D]``: the cache's channel factors of the row (the keys are stored divided by
+        them)."""
         n = int(self.lens[l, b])
         page, off = self._rows(self.page_table[l, b], n)
         k, v = (self.storage.decode(t[page, off]) for t in (self.pool.k_pages, self.pool.v_pages))
         if key_scale is not None:
             k = k * key_scale.to(k.dtype)
-        pos = self.pool.slot_pos[page, off]
+        return k, v, self.pool.slot_pos[page, off]
+
+    def contents(self, l: int, b: int,
+                 key_scale: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+        """:meth:`held` as one dict per KV head: ``k``/``v`` ``[n, D]``, ``pos [n]`` (for tests)."""
+        k, v, pos = self.held(l, b, key_scale)
         return [{"k": k[:, h], "v": v[:, h], "pos": pos[:, h]} for h in range(k.shape[1])]
+
+    def pages_to_age(self, b: int, main_lens: np.ndarray, n: int) -> int:
+        """Pages this region takes when row ``b``, whose main region holds ``main_lens`` (``[Lc]``), takes
+        ``n`` more tokens there and KIVI's residual then ages (:meth:`migrate`); 0 for the other precision
+        policies (host arithmetic)."""
+        p = self.precision
+        if p.name != "kivi" or not p.residual:
+            return 0
+        total = main_lens.astype(np.int64) + n
+        moved = np.where(total > p.residual + p.group, total - p.residual, 0)
+        have = self.lens[:len(total), b]
+        return int((ceil_div(have + moved, self.page_size) - ceil_div(have, self.page_size)).sum())
 
     def migrate(self, cache) -> None:
         """KIVI's residual as it ages: a row whose main region holds more than ``residual + group`` tokens
