@@ -316,3 +316,63 @@ def test_past_the_models_context_is_refused_with_the_argument(capsys, tiny_ckpt,
     line = error_line(err)
     assert rc == 2 and "--question number 2: the conversation would reach 65 tokens" in line
     assert "context of 64" in line and out.startswith(f"[1] {QUESTIONS[0]}")  # question 1 was answered
+
+
+# ----------------------------------------------------------------------------------------------- --chunk
+def peak_mib(err: str, where: str) -> float:
+    """The ``peak X MiB`` of the stderr line starting with ``where``."""
+    line = next(x for x in err.splitlines() if x.startswith(where))
+    return float(line.split("peak ")[1].split(" MiB")[0])
+
+
+def test_chunk_prefills_a_prompt_a_chunk_at_a_time(capsys, sharp_ckpt, prefills):
+    """``kvgen --chunk N PROMPT``: the prompt is prefilled N tokens at a time (each chunk a prefill call at
+    its true position), the answer equals a Decoder's fed the same chunks, and the peak KV is lower than
+    the unchunked run's (the cache holds the budget plus a chunk, not the whole prompt)."""
+    n, budget = 6, 8
+    common = ["--model", str(sharp_ckpt), "--no-chat", "--policy", "h2o", "--budget", str(budget),
+              "--max-new-tokens", str(n), CONTEXT]
+    rc, whole_out, whole_err = run_cli(capsys, *common)
+    assert rc == 0, whole_err
+    prefills.clear()
+    rc, out, err = run_cli(capsys, "--chunk", "5", *common)
+    assert rc == 0, err
+    assert prefills == [(5, 0), (5, 5), (5, 10), (3, 15)]  # 18 tokens, 5 at a time
+    lm = load_checkpoint(str(sharp_ckpt))
+    dec = Decoder(lm.model, compose("h2o", budget=budget))
+    dec.extend([ids(CONTEXT)], chunk=5, max_new_tokens=n)
+    want = lm.tokenizer.decode(dec.generate(n).tokens[0], skip_special_tokens=True)
+    assert out.strip() == want.strip()
+    assert peak_mib(err, "KV cache:") < peak_mib(whole_err, "KV cache:")
+
+
+def test_chunk_streams_the_context_of_questions(capsys, sharp_ckpt, context_file, prefills):
+    """``kvgen --context FILE --chunk N``: the context is prefilled a chunk at a time, once; the answers equal
+    a Decoder's fed the context in the same chunks, then each question."""
+    n = 6
+    rc, out, err = ask(capsys, sharp_ckpt, context_file, QUESTIONS[:2], "--policy", "h2o", "--budget", "8",
+                       "--max-new-tokens", str(n), "--chunk", "7")
+    assert rc == 0, err
+    assert prefills[:3] == [(7, 0), (7, 7), (4, 14)]
+    assert "7 at a time, compressed after each chunk" in err
+    lm = load_checkpoint(str(sharp_ckpt))
+    dec = Decoder(lm.model, compose("h2o", budget=8))
+    dec.extend([ids(CONTEXT)], chunk=7, max_new_tokens=n)
+    want = []
+    for q in QUESTIONS[:2]:
+        dec.extend([ids(q)], max_new_tokens=n)
+        want.append(lm.tokenizer.decode(dec.generate(n).tokens[0], skip_special_tokens=True))
+    assert answers(out, QUESTIONS[:2]) == want
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--chunk", "0"], "--chunk 0 must be >= 1"),
+    (["--chunk", "2", "--policy", "snapkv(window=4)", "--budget", "0.5"],
+     "--chunk 2: chunk=2 is smaller than snapkv's observation window of 4"),
+    (["--chunk", "4", "--policy", "snapkv(window=2)+kivi(bits=4, group=4, residual=2)", "--budget", "0.5"],
+     "--chunk 4: policy 'snapkv+kivi' stores tokens in two formats"),
+])
+def test_a_chunk_the_policy_cannot_take_is_one_line(capsys, tiny_ckpt, argv, needle):
+    rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "2", *argv,
+                           CONTEXT)
+    assert rc == 2 and needle in error_line(err), err

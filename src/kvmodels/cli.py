@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question", action="append", default=None, metavar="TEXT",
                    help="a question about --context; repeat it for several, answered in order on the same "
                         "cache; '-' reads questions from stdin, one a line, until end of input")
+    p.add_argument("--chunk", type=int, default=None, metavar="N",
+                   help="prefill the prompt (or --context) N tokens at a time, compressing after each chunk, "
+                        "so a layer holds at most its budget plus N tokens while a long document streams in "
+                        "(the summary's peak says what it held); a window-vote policy's window must fit in a "
+                        "chunk (default: the whole prompt at once)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples from softmax(logits / T)")
     p.add_argument("--seed", type=int, default=0,
@@ -224,6 +229,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise CliError(f"--page-size {args.page_size} must be >= 1")
     if args.temperature < 0:
         raise CliError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+    if args.chunk is not None and args.chunk < 1:
+        raise CliError(f"--chunk {args.chunk} must be >= 1 (tokens prefilled at a time)")
 
 
 def _compose(args: argparse.Namespace) -> Any:
@@ -325,9 +332,18 @@ def run(args: argparse.Namespace) -> int:
     single = len(ids) == 1
     stream = _TextStream(tok) if single else None
     compile_step, why = choose_compile(args.compile, s.device.type, len(ids) * args.max_new_tokens)
-    result = generate(s.loaded.model, ids, args.max_new_tokens, policy, temperature=args.temperature,
-                      seed=args.seed, eos_ids=s.eos, compile=compile_step, stream=stream,
-                      on_prefill=_prefill_progress(len(ids), sum(map(len, ids))), page_size=args.page_size)
+    progress = _prefill_progress(len(ids), sum(map(len, ids)))
+    if args.chunk is None:
+        result = generate(s.loaded.model, ids, args.max_new_tokens, policy, temperature=args.temperature,
+                          seed=args.seed, eos_ids=s.eos, compile=compile_step, stream=stream,
+                          on_prefill=progress, page_size=args.page_size)
+    else:  # chunked prefill: the Decoder compresses after each chunk
+        from kvmodels.decoder import Decoder
+
+        dec = Decoder(s.loaded.model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step)
+        _extend(dec, ids, args, on_prefill=progress)
+        result = dec.generate(args.max_new_tokens, temperature=args.temperature, eos_ids=s.eos, stream=stream,
+                              final=True)
     if single:
         print()
     else:
@@ -458,6 +474,15 @@ def _check_continuable(model: Any, policy: Any) -> None:
                        "question in the prompt")
 
 
+def _extend(dec: Any, ids: list[list[int]], args: argparse.Namespace, **kw: Any) -> None:
+    """``dec.extend(ids)`` with ``--chunk``; the Decoder's refusals as one line naming the argument."""
+    try:
+        dec.extend(ids, chunk=args.chunk, max_new_tokens=args.max_new_tokens, **kw)
+    except (ValueError, NotImplementedError) as e:
+        arg = f"--chunk {args.chunk}" if args.chunk is not None and "chunk" in str(e) else "--policy/--model"
+        raise CliError(f"{arg}: {e}") from None
+
+
 def _held(report: Any, seen: int) -> str:
     """Tokens the cache's layers hold for sequence 0 out of the ``seen`` tokens of its context."""
     counts = [row[0] for row in report.tokens_per_layer]
@@ -500,11 +525,12 @@ def run_questions(args: argparse.Namespace) -> int:
         return time.perf_counter()
 
     t0 = synced()
-    dec.extend([ctx_ids], max_new_tokens=n_new, on_prefill=_prefill_progress(1, len(ctx_ids)))
+    _extend(dec, [ctx_ids], args, on_prefill=_prefill_progress(1, len(ctx_ids)))
     ctx_s = synced() - t0
     first = dec.cache.report()
+    how = "then compressed" if args.chunk is None else f"{args.chunk} at a time, compressed after each chunk"
     print(f"context: {len(ctx_ids)} tokens prefilled once in {ctx_s:.2f} s "
-          f"({len(ctx_ids) / ctx_s:.1f} tok/s), then compressed; {_held(first, dec.lengths[0])}; peak "
+          f"({len(ctx_ids) / ctx_s:.1f} tok/s), {how}; {_held(first, dec.lengths[0])}; peak "
           f"{first.peak_bytes * 2.0 ** -20:.2f} MiB", file=err)
 
     interactive = sys.stdin.isatty()
