@@ -124,8 +124,10 @@ def test_quantized_rows_save_what_they_claim_at_a_model_shape():
 @pytest.mark.parametrize("spec", [("streaming(sinks=1)", "kivi(bits=4, group=8, residual=0)"),
                                   ("h2o(recent=1)", "kivi(bits=2, group=8, residual=0)"),
                                   ("knorm", "kivi(bits=2, group=8, residual=0, channel_scale=True)"),
-                                  ("snapkv(window=2)", "zipcache(high=8, low=2, group=8)")],
-                         ids=["one-format", "one-format-scored", "channel-separable", "two-formats"])
+                                  ("snapkv(window=2)", "zipcache(high=8, low=2, group=8)"),
+                                  ("h2o(recent=1)", "kivi(bits=4, group=4, residual=2)")],
+                         ids=["one-format", "one-format-scored", "channel-separable", "two-formats",
+                              "two-formats-scored"])
 def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     run = FakeRun(2, 2, 2, 16, [9, 3, 6], 8, seed=2)
@@ -162,6 +164,10 @@ def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompil
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6,
                                        msg=lambda m, t=t: f"step {t}: {m}")
             torch.testing.assert_close(compiled.slot_score, eager.slot_score, rtol=1e-6, atol=1e-6)
+            if compiled.side is not None:
+                torch.testing.assert_close(compiled.side.pool.slot_score, eager.side.pool.slot_score,
+                                           rtol=1e-6, atol=1e-6)
+                assert (compiled.side.lens == eager.side.lens).all()
             if compiled.side is None:  # (check_invariants counts one region's pages)
                 check_invariants(compiled)
 
@@ -316,14 +322,19 @@ def side_pages_owned_once(cache) -> None:
     assert torch.equal(side.seq_lens.cpu(), torch.from_numpy(side.lens).to(torch.int32))
 
 
-@given(case=two_format_cases(), n_new=st.sampled_from([1, 3, 6]))
-def test_a_tiered_cache_continues_over_both_regions(case, n_new):
+@given(case=two_format_cases(), n_new=st.sampled_from([1, 3, 6]), h2o=st.booleans())
+def test_a_tiered_cache_continues_over_both_regions(case, n_new, h2o):
     """A follow-up turn on a two-format cache, after decode steps (``begin_extend`` / ``extend_attend`` /
     ``end_extend``): its tokens attend to every token either region holds, as stored, and causally to each
     other (dense reference); afterwards every token held before is held still, bit for bit (or, aged out of
     KIVI's residual, as the side format's round trip of its stored row), and the new ones are the main
-    format's round trip of their K/V; nothing is evicted; KIVI's residual has aged; every page owned once."""
+    format's round trip of their K/V; nothing is evicted; KIVI's residual has aged; every page owned once.
+    With ``h2o`` (KIVI's residual with eviction while decoding) the follow-up's rows add their attention to
+    every held token's score in both regions, as decode steps would (new tokens from 0)."""
     eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
+    h2o = h2o and spec.startswith("kivi")
+    if h2o:
+        eviction = "h2o(recent=1)"
     run = FakeRun(2, n_kv, gqa, 8, lens, 2, seed=seed)
     policy = compose(eviction, spec, budget=budget)
     cache = run.cache(policy, page_size=page_size, max_new=3 + n_new)
@@ -338,6 +349,7 @@ def test_a_tiered_cache_continues_over_both_regions(case, n_new):
 
     b = len(lens) - 1
     before = [tokens_of(cache, l, b) for l in range(2)]
+    scores_before = [held_with_scores(cache, l, b) for l in range(2)]
     g = torch.Generator().manual_seed(seed + 1)
     new = [tuple(torch.randn(n_new, h, 8, generator=g).to(DEVICE) for h in (n_kv * gqa, n_kv, n_kv))
            for _ in range(2)]
@@ -349,12 +361,24 @@ def test_a_tiered_cache_continues_over_both_regions(case, n_new):
         for h in range(n_kv):
             ks = torch.stack([x[0] for x in before[l][h].values()])
             vs = torch.stack([x[1] for x in before[l][h].values()])
+            gained = torch.zeros(len(ks) + n_new)  # H2O: each row's attention, its group's mean
             for i in range(n_new):
                 keys = torch.cat([ks, k[:i + 1, h]])[:, None]
                 values = torch.cat([vs, v[:i + 1, h]])[:, None]
-                want = dense_attention(q[i, h * gqa:(h + 1) * gqa], keys, values, run.scale)
+                qh = q[i, h * gqa:(h + 1) * gqa]
+                want = dense_attention(qh, keys, values, run.scale)
                 torch.testing.assert_close(out[i, h * gqa:(h + 1) * gqa], want.to(out.dtype), rtol=1e-4,
                                            atol=1e-4)
+                probs = torch.softmax(run.scale * qh.float() @ keys[:, 0].float().t(), dim=-1).mean(0)
+                gained[:len(ks) + i + 1] += probs
+            if h2o:  # both regions' held tokens, then the new ones (from 0): the rows' attention added
+                scores = {**{x: s for x, (*_, s) in scores_before[l][h].items()},
+                          **{x: 0.0 for x in positions.tolist()}}
+                held = list(before[l][h]) + positions.tolist()
+                now = held_with_scores(cache, l, b)[h]
+                got = torch.tensor([now[x][3] for x in held])
+                want_scores = torch.tensor([scores[x] for x in held]) + gained
+                torch.testing.assert_close(got, want_scores, rtol=1e-4, atol=1e-5)
     cache.end_extend(b)
     p = policy.precision
     for l, (_, k, v) in enumerate(new):
@@ -577,3 +601,122 @@ def test_channel_separable_keys_come_back_exactly_from_float_rows():
                     assert torch.equal(side[h]["k"][i], round_trip(orig[p][None] / c[h], fmt)[0] * c[h])
                     seen["side"] += 1
     assert seen["main"] and seen["side"], seen
+
+
+@st.composite
+def residual_eviction_cases(draw):
+    eviction = draw(st.sampled_from(["h2o(recent=1)", "a2sf", "scissorhands", "tova(per_head=True)", "tova",
+                                     "streaming", "knorm"]))
+    bits, group = draw(st.sampled_from([(4, 2), (8, 4), (2, 2)]))
+    residual = draw(st.sampled_from([1, 2, 4]))
+    page_size = draw(st.sampled_from([1, 3, 4]))
+    lens = draw(st.lists(st.sampled_from([1, 2, 5, 9, 12]), min_size=1, max_size=3))
+    n_kv, gqa = draw(st.sampled_from([(1, 1), (2, 2), (1, 3)]))
+    budget = draw(st.sampled_from([0.3, 0.5, 0.8]))
+    return (eviction, f"kivi(bits={bits}, group={group}, residual={residual})", page_size, lens, n_kv, gqa,
+            budget, draw(st.integers(0, 99)))
+
+
+def held_with_scores(cache, l, b):
+    """Per KV head: position -> (k, v, region, score) over both regions (dequantized, as stored)."""
+    out = []
+    main = cache.head_contents(l, b)
+    side_k, side_v, side_pos = cache.side.held(l, b)
+    page, off = cache.side.slots(l, b)
+    side_score = cache.side.pool.slot_score[page, off]
+    for h in range(len(main)):
+        held = {}
+        for i, p in enumerate(main[h]["pos"].tolist()):
+            held[p] = (main[h]["k"][i], main[h]["v"][i], "main", float(main[h]["score"][i]))
+        for i, p in enumerate(side_pos[:, h].tolist()):
+            assert p not in held, f"position {p} in both regions"
+            held[p] = (side_k[i, h], side_v[i, h], "side", float(side_score[i, h]))
+        out.append(held)
+    return out
+
+
+@given(case=residual_eviction_cases())
+def test_kivi_residual_with_eviction_while_decoding(case):
+    """KIVI's unquantized residual with a policy that evicts while decoding (H2O + KIVI): each step attends
+    to both regions in one softmax (dense reference) and updates both regions' scores by the policy's rule;
+    KIVI's aging and the eviction move tokens with their scores; the eviction takes quantized tokens only,
+    the lowest-ranked first (sinks and the recent window kept), down to the plan's budget (the residual, at
+    most residual + group tokens, stays whole); every held row stays its original's round trip through its
+    region's format, bit for bit."""
+    from kvkernels._modes import update_scores_ref
+
+    eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
+    n_steps = 6
+    run = FakeRun(2, n_kv, gqa, 8, lens, n_steps, seed=seed)
+    policy = compose(eviction, spec, budget=budget)
+    cache = run.cache(policy, page_size=page_size)
+    assert cache.side is not None
+    side_fmt, p = cache.side.storage.fmt, policy.precision
+    ev = policy.eviction
+    run.prefill(cache)
+    B = len(lens)
+    for t in range(n_steps):
+        cache.prepare_decode(t)
+        pos_t = run.step_positions(t)
+        for l, (q, k, v) in enumerate(run.steps[t]):
+            cache.append(l, k, v, pos_t)
+            before = [held_with_scores(cache, l, b) for b in range(B)]
+            out = cache.attend(l, q, pos_t, scale=run.scale)
+            after = [held_with_scores(cache, l, b) for b in range(B)]
+            for b in range(B):
+                for h in range(n_kv):
+                    held = before[b][h]
+                    positions = sorted(held)
+                    ks = torch.stack([held[x][0] for x in positions])[:, None]
+                    vs = torch.stack([held[x][1] for x in positions])[:, None]
+                    qh = q[b, h * gqa:(h + 1) * gqa]
+                    want = dense_attention(qh, ks, vs, run.scale)
+                    torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa], want.to(out.dtype), rtol=1e-4,
+                                               atol=1e-4)
+                    if ev.score_mode == "none":  # (knorm's scores are its own tokens'; streaming: none)
+                        assert all(after[b][h][x][3] == held[x][3] for x in positions)
+                        continue
+                    probs = torch.softmax(run.scale * qh.float() @ ks[:, 0].float().t(), dim=-1)  # [G, n]
+                    old = torch.tensor([[held[x][3] for x in positions]])
+                    new = update_scores_ref(old, probs.mean(dim=0, keepdim=True), ev.score_mode,
+                                            decay=cache.decay,
+                                            n_valid=torch.tensor([[len(positions)]]))[0]
+                    got = torch.tensor([after[b][h][x][3] for x in positions])
+                    torch.testing.assert_close(got, new, rtol=1e-4, atol=1e-5)
+        scores_before = [[held_with_scores(cache, l, b) for b in range(B)] for l in range(2)]
+        cache.after_step(t)
+        budgets = cache.plan.rows.budgets
+        for l in range(2):
+            for b in range(B):
+                now = held_with_scores(cache, l, b)
+                main_len = int(cache.host.lens[l, b])
+                assert main_len <= p.residual + p.group
+                for h in range(n_kv):
+                    old, new = scores_before[l][b][h], now[h]
+                    assert set(new) <= set(old)
+                    for x, (_, _, region, score) in new.items():  # tokens move with their scores
+                        assert score == old[x][3] or ev.heads_share_selection, (l, b, h, x)
+                        assert region == old[x][2] or (old[x][2], region) == ("main", "side")
+                    gone = set(old) - set(new)
+                    residual = [x for x in new if new[x][2] == "main"]  # the newest tokens, never evicted:
+                    assert residual == sorted(new)[len(new) - main_len:]  # only quantized (aged) ones go
+                    assert not gone or max(gone) < min(residual, default=1 << 30)
+                    if gone:
+                        assert len(new) == max(int(budgets[l, b]), main_len)
+                        if not ev.heads_share_selection:  # ranked by score past the forced slots
+                            rows = cache.plan.rows
+                            n_sink, n_recent = int(rows.n_sink[l, b]), int(rows.n_recent[l, b])
+                            side_kept = sorted(x for x in new if new[x][2] == "side")
+                            forced = set(side_kept[:n_sink]) | set(sorted(new)[len(new) - n_recent:])
+                            free = [new[x][3] for x in side_kept if x not in forced]
+                            assert not free or max(old[x][3] for x in gone) <= min(free)
+    for l in range(2):  # every held row is its original's round trip through its region's format
+        for b, L in enumerate(lens):
+            for h, held in enumerate(held_with_scores(cache, l, b)):
+                for x, (k, v, region, _) in held.items():
+                    k0, v0 = (run.prompt[l][b][i][x:x + 1, h] if x < L
+                              else run.steps[x - L][l][i][b:b + 1, h] for i in (1, 2))
+                    if region == "side":
+                        k0, v0 = round_trip(k0, side_fmt), round_trip(v0, side_fmt)
+                    assert torch.equal(k, k0[0]) and torch.equal(v, v0[0]), (l, b, h, x, region)
+    side_pages_owned_once(cache)

@@ -125,9 +125,9 @@ def test_the_transformers_bridge_refuses_quantized_storage_by_name():
 
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
     """The paged cache stores one format (kivi, residual 0) with any eviction policy, those that update
-    scores while decoding too (the quantized decode kernel fuses the update), and two formats (kivi's
-    residual, zipcache, mikv) split once after a prompt-only compression;
-    the rest is refused up front, each naming the fix."""
+    scores while decoding too (the quantized decode kernel fuses the update), two formats (kivi's residual,
+    zipcache, mikv) split once after a prompt-only compression, and kivi's residual with eviction while
+    decoding (but Gumbel-scored keyformer); the rest is refused up front, each naming the fix."""
     from kvmodels.cache import PagedKVCache
     from kvmodels.decoder import Decoder
     from kvmodels.llama import Llama, LlamaConfig
@@ -151,8 +151,12 @@ def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
 
     with pytest.raises(ValueError, match="precision 'mikv'.*two formats.*eviction 'h2o' also evicts while"):
         cache("h2o", "mikv(group=8)")
-    with pytest.raises(ValueError, match="two formats.*eviction 'streaming' also evicts while decoding"):
-        cache("streaming", "kivi(group=8)")
+    for ev in ("streaming", "h2o", "tova", "scissorhands", "a2sf", "knorm"):  # kivi's residual: evicts too
+        cache(ev, "kivi(group=8)")
+    with pytest.raises(ValueError, match="two formats; eviction 'keyformer' scores with Gumbel noise"):
+        cache("keyformer", "kivi(group=8)")
+    with pytest.raises(ValueError, match="eviction 'streaming' also evicts while decoding, which only kivi"):
+        cache("streaming", "mikv(group=8)")
     cache("h2o", "kivi(residual=0, group=8)")  # one format: the quantized decode kernel fuses the scores
     cache("keyformer", "kivi(bits=2, residual=0, group=8)")
     with pytest.raises(ValueError, match="two formats, which the paged cache holds for one row per sequence"):

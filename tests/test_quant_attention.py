@@ -118,7 +118,7 @@ def reference(impl, device, q, kq, vq, table, lens, *, scale, k_format, v_format
 
     if second is not None:
         second = Region(seen(second.k_pages, second.k_format), seen(second.v_pages, second.v_format),
-                        second.page_table, second.seq_lens)
+                        second.page_table, second.seq_lens, score=second.score)
     return quant_decode_attention_ref(q, seen(kq, k_format), seen(vq, v_format), table, lens, scale=scale,
                                       k_format=None, v_format=None, second=second, scores=scores)
 
@@ -293,39 +293,167 @@ def test_the_score_update_is_fused_as_on_native_pages(impl, device, case, mode, 
        splits=st.sampled_from([1, 3]))
 def test_prefetching_tiles_changes_no_bit(two, mode, splits):
     """The kernel with its loads a tile ahead (``PREFETCH_TILES``) computes what the kernel without does, bit
-    for bit in the interpreter: outputs and updated scores, one or two regions, one split or three. Compiled
+    for bit in the interpreter: outputs and updated scores (of both regions), one or two regions (gumbel:
+    one), one split or three. Compiled
     for sm_90 the 4-bit outputs differed in their last bits (bench/results/nvidia-h200-2026-11-27, run 10):
     on CUDA, within float rounding."""
     case, lens2, fmt2 = two
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, DEVICE)
-    second = build_second(case, lens2, fmt2, DEVICE) if mode == "none" else None  # scores: one region
+    second = build_second(case, lens2, fmt2, DEVICE) if mode != "gumbel" else None  # gumbel: one region
     g = torch.Generator().manual_seed(case[9] + 3)
     score = torch.rand(*kq.shape[:3], generator=g).to(DEVICE)
     noise = torch.randn(q.shape[0], q.shape[1], table.shape[1] * kq.shape[1], generator=g).to(DEVICE)
+    score2 = None if second is None else torch.rand(*second.k_pages.shape[:3], generator=g).to(DEVICE)
     outs = []
     for bits in (0, 8):  # off, then on for every width
         impl = prefetching(quant_decode_attention_triton, bits)
-        s = score.clone()
+        s, s2 = score.clone(), None if score2 is None else score2.clone()
         bundle = None if mode == "none" else ScoreUpdate(s, mode, 1.0, noise if mode == "gumbel" else None)
-        out = impl(q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt, second=second,
-                   scores=bundle, num_splits=splits)
-        outs.append((out.cpu(), s.cpu()))
+        out = impl(q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt,
+                   second=None if second is None else second._replace(score=s2), scores=bundle,
+                   num_splits=splits)
+        outs.append((out.cpu(), s.cpu(), None if s2 is None else s2.cpu()))
     if DEVICE.type == "cpu":
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert second is None or torch.equal(outs[0][2], outs[1][2])
     else:
         tol = 2e-3 if case[8] == torch.float16 else 2e-5
         torch.testing.assert_close(outs[1][0], outs[0][0], rtol=tol, atol=tol)
         torch.testing.assert_close(outs[1][1], outs[0][1], rtol=tol, atol=tol)
+        torch.testing.assert_close(outs[1][2], outs[0][2], rtol=tol, atol=tol)
 
 
-def test_a_score_update_covers_one_region():
+TWO_REGION_MODES = ["accumulate", "decay", "replace", "count_low"]  # gumbel: one region (its noise's slots)
+
+
+@IMPLS
+@given(two=two_region_cases(), mode=st.sampled_from(TWO_REGION_MODES))
+def test_the_score_update_covers_both_regions(impl, device, two, mode):
+    """A cache in two formats (KIVI: older tokens packed, the newest as float rows) scores the tokens of both
+    regions from the one softmax over both: the output and both score tensors, updated in place, equal the
+    reference (the native reference over each sequence's rows of both regions laid end to end); count_low's
+    threshold counts both regions' slots; slots of no sequence keep their scores."""
+    case, lens2, fmt2 = two
+    if mode == "count_low" and case[8] != torch.float32:
+        case = (*case[:8], torch.float32, case[9])  # a threshold compare: float16 rounding may flip it
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
+    second = build_second(case, lens2, fmt2, "cpu")
+    g = torch.Generator().manual_seed(case[9] + 11)
+    score, score2 = torch.rand(*kq.shape[:3], generator=g), torch.rand(*second.k_pages.shape[:3], generator=g)
+    want_score, want_score2 = score.clone(), score2.clone()
+    want = reference(impl, device, q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt,
+                     second=second._replace(score=want_score2),
+                     scores=ScoreUpdate(want_score, mode, 0.9)).float()
+    got_score, got_score2 = score.clone().to(device), score2.clone().to(device)
+    second_dev = Region(*(t.to(device) for t in second[:4]), fmt2, fmt2, got_score2)
+    got = impl(*(t.to(device) for t in (q, kq, vq, table, lens)), scale=0.3, k_format=k_fmt, v_format=v_fmt,
+               second=second_dev, scores=ScoreUpdate(got_score, mode, 0.9)).cpu().float()
+    tol = 2e-3 if case[8] == torch.float16 else 2e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_score.cpu(), want_score, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_score2.cpu(), want_score2, rtol=tol, atol=tol)
+    for old, new, region in ((score, got_score, (table, lens)), (score2, got_score2, second[2:4])):
+        used = torch.zeros(old.shape[:2], dtype=torch.bool)  # [P, S]: the slots of some sequence
+        S = old.shape[1]
+        for b, n in enumerate(region[1].tolist()):
+            for j in range(n):
+                used[int(region[0][b, j // S]), j % S] = True
+        assert torch.equal(new.cpu()[~used], old[~used])  # slots of no sequence: untouched
+    if mode != "count_low":
+        assert torch.equal(want_score2, score2) == (sum(lens2) == 0)  # the second region's slots scored
+
+
+def test_the_reference_of_two_scored_regions_is_one_scored_region_over_all_their_rows():
+    """The reference itself: the score update over two regions == the one-region score update over the same
+    rows laid end to end (one page per sequence), its scores scattered back to both regions."""
+    fmt = QuantFormat(4, 16)
+    case = (4, 2, 2, 32, fmt, fmt, [5, 0, 2], torch.float32, torch.float32, 5)
+    q, kq, vq, table, lens, *_ = build(case, "cpu")
+    second = build_second(case, [3, 4, 0], fmt, "cpu")
+    S, P1 = 4, kq.shape[0]
+    rows = []  # per sequence: (region, page, offset) of each slot, the first region's then the second's
+    for b in range(3):
+        rows.append([(0, int(table[b, j // S]), j % S) for j in range(int(lens[b]))]
+                    + [(1, int(second.page_table[b, j // S]), j % S) for j in range(int(second.seq_lens[b]))])
+    n = max(len(r) for r in rows)
+    for mode in TWO_REGION_MODES:
+        g = torch.Generator().manual_seed(1)
+        scores = [torch.rand(P1, S, 2, generator=g), torch.rand(second.k_pages.shape[:3], generator=g)]
+        pools = [(kq, vq), (second.k_pages, second.v_pages)]
+        flat_k = torch.zeros(3, n, 2, fmt.row_bytes(32), dtype=torch.uint8)
+        flat_v = torch.zeros_like(flat_k)
+        flat_score = torch.full((3, n, 2), 7.0)
+        for b, slots in enumerate(rows):
+            for j, (r, p, o) in enumerate(slots):
+                flat_k[b, j], flat_v[b, j] = pools[r][0][p, o], pools[r][1][p, o]
+                flat_score[b, j] = scores[r][p, o]
+        both = [s.clone() for s in scores]
+        out = quant_decode_attention_ref(q, kq, vq, table, lens, scale=0.3, k_format=fmt, v_format=fmt,
+                                         second=second._replace(score=both[1]),
+                                         scores=ScoreUpdate(both[0], mode, 0.8))
+        one_table = torch.arange(3, dtype=torch.int32)[:, None]  # one page of n slots per sequence
+        one_lens = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+        one = quant_decode_attention_ref(q, flat_k, flat_v, one_table, one_lens, scale=0.3, k_format=fmt,
+                                         v_format=fmt, scores=ScoreUpdate(flat_score, mode, 0.8))
+        torch.testing.assert_close(out, one)
+        want = [s.clone() for s in scores]
+        for b, slots in enumerate(rows):
+            for j, (r, p, o) in enumerate(slots):
+                want[r][p, o] = flat_score[b, j]
+        torch.testing.assert_close(both[0], want[0])
+        torch.testing.assert_close(both[1], want[1])
+        assert not torch.equal(both[1], scores[1]) or mode == "count_low"
+
+
+def test_a_score_update_over_two_regions_needs_both_scores_and_no_gumbel():
     case = (4, 2, 2, 32, QuantFormat(4, 16), QuantFormat(4, 16), [5, 3], torch.float16, torch.float32, 0)
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
     second = build_second(case, [1, 2], None, "cpu")
-    scores = ScoreUpdate(torch.zeros(kq.shape[:3]), "accumulate")
-    with pytest.raises(ValueError, match="second region"):
-        quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt,
-                               second=second, scores=scores)
+    score, score2 = torch.zeros(kq.shape[:3]), torch.zeros(second.k_pages.shape[:3])
+
+    def call(second, scores):
+        return quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt,
+                                      second=second, scores=scores)
+
+    with pytest.raises(ValueError, match="second.score"):  # the second region's scores are missing
+        call(second, ScoreUpdate(score, "accumulate"))
+    noise = torch.zeros(2, 4, table.shape[1] * 4)
+    with pytest.raises(ValueError, match="gumbel.*first region's slots"):
+        call(second._replace(score=score2), ScoreUpdate(score, "gumbel", gumbel_noise=noise))
+    with pytest.raises(ValueError, match="second.score"):
+        call(second._replace(score=torch.zeros(score2.shape[0] + 1, 4, 2)), ScoreUpdate(score, "accumulate"))
+    with pytest.raises(TypeError, match="second.score"):
+        call(second._replace(score=score2.double()), ScoreUpdate(score, "accumulate"))
     with pytest.raises(ValueError, match="scores.score"):
+        call(second._replace(score=score2), ScoreUpdate(torch.zeros(3, 4, 2), "accumulate"))
+    assert not score.any() and not score2.any()  # nothing written before raising
+    call(second, ScoreUpdate(score, "none"))  # mode "none": a read-only call, no second.score needed
+    call(second._replace(score=score2), ScoreUpdate(score, "none"))
+    assert not score.any() and not score2.any()
+    call(second._replace(score=score2), ScoreUpdate(score, "accumulate"))
+    assert score.any() and score2.any()
+    with pytest.raises(ValueError, match="scores.score"):  # one region, as before
         quant_decode_attention(q, kq, vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt,
                                scores=ScoreUpdate(torch.zeros(3, 4, 2), "accumulate"))
+
+
+def test_compiles_fullgraph_with_scores_over_two_regions():
+    """torch.compile(fullgraph=True) traces the two-region scored call
+    (``kvkernels::quant_decode_attention_scored_two``): outputs and both regions' scores as eager."""
+    case = (4, 2, 2, 32, QuantFormat(4, 16), QuantFormat(2, 8), [9, 0, 4], torch.float16, torch.float32, 1)
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, DEVICE)
+    second = build_second(case, [2, 3, 0], None, DEVICE)
+    g = torch.Generator().manual_seed(2)
+    score, score2 = torch.rand(kq.shape[:3], generator=g), torch.rand(second.k_pages.shape[:3], generator=g)
+
+    def step(q, score, score2):
+        return quant_decode_attention(q, kq, vq, table, lens, scale=0.2, k_format=k_fmt, v_format=v_fmt,
+                                      second=second._replace(score=score2),
+                                      scores=ScoreUpdate(score, "accumulate"), validate=False)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    eager = (score.clone().to(DEVICE), score2.clone().to(DEVICE))
+    traced = (score.clone().to(DEVICE), score2.clone().to(DEVICE))
+    torch.testing.assert_close(compiled(q, *traced), step(q, *eager))
+    torch.testing.assert_close(traced, eager)
+    assert not torch.equal(eager[1].cpu(), score2)  # the second region's slots were scored

@@ -283,12 +283,17 @@ if HAS_TRITON:
     @triton.jit
     def _decode_reduce_kernel(
         out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr, noise_ptr, temp_ptr,
-        score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr,
-        mask_bit, decay, max_pages, noise_len, logits_len, num_splits, score_chunk,
+        score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, score2_ptr, page_table2_ptr, seq_lens2_ptr,
+        mask_bit, decay, max_pages, noise_len, logits_len, num_splits, score_chunk, max_pages2, n_update1,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_TEMP: tl.constexpr,
+        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_TEMP: tl.constexpr, HAS2: tl.constexpr,
     ):
+        """One program per (sequence, KV head, split): split 0 writes ``out``; with a score update each
+        program scores one chunk of ``score_chunk`` slots. ``HAS2`` (:mod:`kvkernels.quant_attention`'s two
+        regions under one softmax): the programs ``split >= n_update1`` score the second region's chunks,
+        whose logits the partial kernel kept after the first region's ``max_pages * S`` slots of each row
+        of the scratch, with the second region's scores and page table (no slot mask)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -324,12 +329,38 @@ if HAS_TRITON:
                 threshold = 1.0 / tl.maximum(n_valid, 1).to(tl.float32)
             # The grid's third axis covers the sequence in chunks of score_chunk slots, independently of the
             # attention's splits: many short programs, not one serial sweep per (sequence, KV head).
-            seq_len = tl.load(seq_lens_ptr + b)
-            start = split * score_chunk
-            end = tl.minimum(start + score_chunk, seq_len)
-            _update_scores(logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b,
-                           kvh, start, end, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit,
-                           max_pages, noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
+            if HAS2:
+                if split < n_update1:
+                    _score_chunk(logits_ptr, noise_ptr, score_ptr, page_table_ptr, seq_lens_ptr,
+                                 slot_mask_ptr, q_rows, g_ok, b, kvh, split, score_chunk, m_max, inv_l,
+                                 gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages, noise_len,
+                                 logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
+                else:  # the second region's chunk split - n_update1, its logits after the first's slots
+                    _score_chunk(logits_ptr + max_pages * S, noise_ptr, score2_ptr, page_table2_ptr,
+                                 seq_lens2_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, split - n_update1,
+                                 score_chunk, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit,
+                                 max_pages2, noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, False)
+            else:
+                _score_chunk(logits_ptr, noise_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr,
+                             q_rows, g_ok, b, kvh, split, score_chunk, m_max, inv_l, gm_max, inv_gl, tau,
+                             threshold, decay, mask_bit, max_pages, noise_len, logits_len, HKV, G, S, BLOCK_N,
+                             SCORE_MODE, HAS_MASK)
+
+    @triton.jit
+    def _score_chunk(
+        logits_ptr, noise_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh,
+        chunk_id, score_chunk, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages,
+        noise_len, logits_len,
+        HKV: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
+        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    ):
+        """The score update of chunk ``chunk_id`` (``score_chunk`` slots) of one region of sequence ``b``."""
+        seq_len = tl.load(seq_lens_ptr + b)
+        start = chunk_id * score_chunk
+        end = tl.minimum(start + score_chunk, seq_len)
+        _update_scores(logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh,
+                       start, end, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages,
+                       noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
 
 
 SCORE_CHUNK = 256  # slots per program of the score update (rounded down to a multiple of the tile)
@@ -448,29 +479,47 @@ def _partials(q: torch.Tensor, n_kv_heads: int, num_splits: int, max_len: int, *
         dummy=dummy)
 
 
+class SecondScores(NamedTuple):
+    """A second region's share of a split decode's score update (:func:`reduce_splits`): its slot scores
+    ``score [P2, S, Hkv]`` float32 (updated in place), ``page_table [B, M2]`` and ``seq_lens [B]`` int32. The
+    partial kernel keeps its logits in each scratch row after the first region's ``M * S`` slots."""
+
+    score: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, scores: ScoreUpdate | None, slot_mask: torch.Tensor | None,
-                  mask_bit: int, num_warps: int, **consts: int) -> None:
+                  mask_bit: int, num_warps: int, second: SecondScores | None = None, **consts: int) -> None:
     """The second launch of a split decode: ``out`` from the splits' partials and, with ``scores``, the
     score update over chunks of :data:`SCORE_CHUNK` slots in parallel. Shared with
-    :mod:`kvkernels.quant_attention`, whose partial kernel writes the same scratch."""
+    :mod:`kvkernels.quant_attention`, whose partial kernel writes the same scratch; with ``second`` (its two
+    regions under one softmax, not gumbel) more programs score the second region's slots from the logits
+    after the first region's in the scratch (the visible count ``nvis`` covers both)."""
     batch, n_kv_heads, block_n = out.shape[0], consts["HKV"], consts["BLOCK_N"]
     score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
     mode_id = _MODE_IDS[score_mode] if score is not None else 0
+    has2 = second is not None and mode_id != 0
+    if has2 and mode_id == _MODE_IDS["gumbel"]:
+        raise ValueError("reduce_splits: gumbel scores cover one region (the noise is indexed by its slots)")
     dummy = parts.dummy
     noise = gumbel_noise if mode_id == _MODE_IDS["gumbel"] and gumbel_noise is not None else dummy
     max_len = page_table.shape[1] * consts["S"]
     score_chunk = max(block_n, SCORE_CHUNK // block_n * block_n)
     n_update = max(num_splits, math.ceil(max_len / score_chunk)) if mode_id else 1
+    n_update2 = math.ceil(second.page_table.shape[1] * consts["S"] / score_chunk) if has2 else 0
+    two = second if has2 else SecondScores(dummy, page_table, seq_lens)
     launch(
-        _decode_reduce_kernel, (batch, n_kv_heads, n_update),
+        _decode_reduce_kernel, (batch, n_kv_heads, n_update + n_update2),
         out, parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits, noise,
         dummy if temperature is None else temperature, dummy if score is None else score, page_table,
-        seq_lens, dummy if slot_mask is None else slot_mask,
+        seq_lens, dummy if slot_mask is None else slot_mask, two.score, two.page_table, two.seq_lens,
         int(mask_bit), float(decay), page_table.shape[1], noise.shape[-1], parts.logits.shape[-1],
-        num_splits, score_chunk,
+        num_splits, score_chunk, two.page_table.shape[1], n_update,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id,
-        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, num_warps=num_warps, **consts,
+        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, HAS2=has2, num_warps=num_warps,
+        **consts,
     )
 
 

@@ -16,8 +16,12 @@ combined by the same reduce kernel. A tile's code bytes, scales and zero points 
 contiguous runs, and unpacked in registers; the dequantized tile is rounded once to the query's dtype for
 the product (float32 queries: exact float32 products). The score update of decode-time eviction (H2O's
 accumulated attention, Keyformer's Gumbel score, ...) is fused as in the native kernel: the tile logits go to
-the split scratch and the shared reduce kernel scores the first region's slots
+the split scratch and the shared reduce kernel scores the slots
 (``kvkernels::quant_decode_attention_scored``).
+With a second region (KIVI's float residual beside the packed tokens) every mode but Gumbel scores both
+regions' slots from the one softmax, the second's scores in ``Region.score``: its logits follow the first
+region's in each scratch row and more reduce programs score them
+(``kvkernels::quant_decode_attention_scored_two``).
 
 The first kernel (one program per sequence and KV head, each channel's code byte and parameters gathered
 per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages on an H200
@@ -48,6 +52,7 @@ from kvkernels.paged_attention import (
     _NEG_BIG,
     _NO_SCORES,
     ScoreUpdate,
+    SecondScores,
     _masked_softmax,
     _partials,
     _split_plan,
@@ -307,9 +312,10 @@ if HAS_TRITON:
         """One program per (sequence, KV head, split): the split's share of the sequence's slots, the first
         region's then (``HAS2``) the second's, laid end to end; the group's query heads together (one
         ``tl.dot`` per tile). One split normalises and writes the output; several write the partials (and,
-        ``KEEP_LOGITS``, the first region's logits) that ``paged_attention.reduce_splits`` combines and
-        scores, as for native pages. ``PREFETCH``/``PREFETCH2``: each region's loads run a tile ahead of its
-        arithmetic (:func:`_attend_region`)."""
+        ``KEEP_LOGITS``, both regions' logits: the second's after the first's ``max_pages * S`` slots of
+        each scratch row) that ``paged_attention.reduce_splits`` combines and scores, as for native pages.
+        ``PREFETCH``/``PREFETCH2``: each region's loads run a tile ahead of its arithmetic
+        (:func:`_attend_region`)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -341,11 +347,15 @@ if HAS_TRITON:
             d_ok, HKV, D, S, K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D, DOT_PRECISION,
             KEEP_LOGITS, GUMBEL, PREFETCH)
         if HAS2:  # the second region's slots follow the first's: [len1, total) of the sequence
+            # KEEP_LOGITS: its logits go to each scratch row after the first region's max_pages * S slots,
+            # and n_vis counts its slots too (gumbel with two regions is refused: no noise for them).
+            tl.static_assert(not GUMBEL, "gumbel scores cover one region")
             m_i, l_i, acc, gm_i, gl_i, n_vis = _attend_region(
-                q, m_i, l_i, acc, gm_i, gl_i, n_vis, k2_ptr, v2_ptr, page_table2_ptr, logits_ptr, noise_ptr,
-                q_rows, g_ok, b, kvh, tl.maximum(start, len1) - len1, end - len1, scale, tau, max_pages2,
-                logits_len, noise_len, offs_d, d_ok, HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS, V2_GROUP,
-                V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION, False, False, PREFETCH2)
+                q, m_i, l_i, acc, gm_i, gl_i, n_vis, k2_ptr, v2_ptr, page_table2_ptr,
+                logits_ptr + max_pages * S, noise_ptr, q_rows, g_ok, b, kvh, tl.maximum(start, len1) - len1,
+                end - len1, scale, tau, max_pages2, logits_len, noise_len, offs_d, d_ok, HKV, D, S, K2_BITS,
+                K2_GROUP, K2_F32, V2_BITS, V2_GROUP, V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION, KEEP_LOGITS,
+                False, PREFETCH2)
         _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
                       n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
                       KEEP_LOGITS, GUMBEL)
@@ -356,7 +366,9 @@ class Region(NamedTuple):
     KIVI's unquantized recent tokens, ZipCache's salient ones at more bits, MiKV's kept ones unquantized).
     ``k_pages``/``v_pages`` ``[P2, S, Hkv, W]``: packed rows of ``k_format``/``v_format``, or float rows
     ``[P2, S, Hkv, D]`` when the format is ``None``; ``page_table [B, M2]`` int32, ``seq_lens [B]`` int32.
-    The page size ``S`` and the KV heads are the first region's."""
+    The page size ``S`` and the KV heads are the first region's. ``score [P2, S, Hkv]`` float32: the region's
+    slot scores, updated in place by a call's score update (:class:`ScoreUpdate`, whose ``score`` holds the
+    first region's) from the one softmax over both regions; required with a score update."""
 
     k_pages: Tensor
     v_pages: Tensor
@@ -364,6 +376,7 @@ class Region(NamedTuple):
     seq_lens: Tensor
     k_format: QuantFormat | None = None
     v_format: QuantFormat | None = None
+    score: Tensor | None = None
 
 
 def _rows(pages: Tensor, head_dim: int, fmt: QuantFormat | None) -> Tensor:
@@ -376,11 +389,13 @@ def quant_decode_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page
                                v_format: QuantFormat, second: Region | None = None,
                                scores: ScoreUpdate | None = None) -> Tensor:
     """Reference: each sequence's rows of every region dequantized and laid end to end, then plain softmax
-    attention in float32, one sequence at a time. With ``scores`` (one region): the native reference on the
-    dequantized pool, which updates the scores in place."""
+    attention in float32, one sequence at a time. With ``scores``: one region, the native reference on the
+    dequantized pool, which updates the scores in place; two regions, :func:`_scored_two_ref`."""
     batch, n_q, d = q.shape
-    if scores is not None and scores.mode != "none":
-        assert second is None, "a score update covers one region"
+    if scores is not None and scores.mode != "none" and scores.score is not None:
+        if second is not None:
+            return _scored_two_ref(q, Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format,
+                                             scores.score), second, scale, scores)
         return paged_decode_attention_ref(q, _rows(k_pages, d, k_format), _rows(v_pages, d, v_format),
                                           page_table, seq_lens, scale=scale, scores=scores)
     regions = [Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format)]
@@ -404,6 +419,40 @@ def quant_decode_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page
     return out.to(q.dtype)
 
 
+def _scored_two_ref(q: Tensor, first: Region, second: Region, scale: float, scores: ScoreUpdate) -> Tensor:
+    """The two-region score update, plainly: per sequence, both regions' rows dequantized and laid end to end
+    as one page of ``len1 + len2`` slots with their scores, :func:`paged_decode_attention_ref` with the score
+    update on that one-page pool, and the updated scores written back to their regions' slots (a region
+    without ``score``: its slots count, their scores are dropped). Not gumbel (its noise is indexed by the
+    first region's slots)."""
+    if scores.mode == "gumbel":
+        raise ValueError("scores.mode='gumbel' covers one region: its noise is indexed by the first region's "
+                         "slots")
+    batch, _, d = q.shape
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    for b in range(batch):
+        places, ks, vs, olds = [], [], [], []
+        for r in (first, second):
+            S = r.k_pages.shape[1]
+            score = r.score if r.score is not None else torch.zeros(r.k_pages.shape[:3])
+            for j in range(int(r.seq_lens[b])):
+                p, o = int(r.page_table[b, j // S]), j % S
+                places.append((score, p, o))
+                ks.append(_rows(r.k_pages[p, o], d, r.k_format))  # [Hkv, D]
+                vs.append(_rows(r.v_pages[p, o], d, r.v_format))
+                olds.append(score[p, o])  # [Hkv]
+        if not places:
+            continue
+        n = len(places)
+        one = torch.stack(olds)[None].clone()  # [1, n, Hkv]: one page of n slots
+        table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+        out[b] = paged_decode_attention_ref(q[b:b + 1], torch.stack(ks)[None], torch.stack(vs)[None], table,
+                                            lens, scale=scale, scores=scores._replace(score=one))[0]
+        for j, (score, p, o) in enumerate(places):
+            score[p, o] = one[0, j]
+    return out
+
+
 def _gather(region: Region, width: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
     """The first ``width`` slots of every sequence of a region, dequantized: ``k, v [B, N, Hkv, D]``
     float32 and ``valid [B, N]`` (``N`` = ``width`` rounded up to pages)."""
@@ -425,10 +474,13 @@ def quant_decode_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, pa
                                  v_format: QuantFormat, second: Region | None = None,
                                  scores: ScoreUpdate | None = None) -> Tensor:
     """Batched torch path (no input checks): gathers and dequantizes the pages the longest sequence of each
-    region covers (one host read each), then one masked softmax over both regions' slots. With ``scores``
-    (one region): :func:`_scored_torch`."""
+    region covers (one host read each), then one masked softmax over both regions' slots. With ``scores``:
+    :func:`_scored_torch` (one region), :func:`_scored_two_torch` (two)."""
     batch, n_q, d = q.shape
     if scores is not None and scores.mode != "none" and scores.score is not None and batch:
+        if second is not None:
+            return _scored_two_torch(q, Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format,
+                                               scores.score), second, scale, scores)
         return _scored_torch(q, k_pages, v_pages, page_table, seq_lens, scale, k_format, v_format, scores)
     regions = [Region(k_pages, v_pages, page_table, seq_lens, k_format, v_format)]
     if second is not None:
@@ -468,6 +520,55 @@ def _scored_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     out = paged_decode_attention_torch(q, small(k_pages, k_format), small(v_pages, v_format), table, seq_lens,
                                        scale=scale, scores=scores._replace(score=score))
     scores.score[pages] = score[:-1]
+    return out
+
+
+def _scored_two_torch(q: Tensor, first: Region, second: Region, scale: float, scores: ScoreUpdate) -> Tensor:
+    """The two-region score update, batched: each region's pages the longest sequence covers gathered and
+    dequantized (:func:`_gather`) with their scores, each sequence's slots of both regions laid end to end in
+    a contiguous pool ``[B, W, Hkv, D]`` (``W`` the longest ``len1 + len2``; sequence ``b`` is page ``b``),
+    the native torch path with the score update on it, and the updated scores written back to their
+    regions' slots (each valid slot is one pool slot: no duplicates). Not gumbel."""
+    if scores.mode == "gumbel":
+        raise ValueError("scores.mode='gumbel' covers one region: its noise is indexed by the first region's "
+                         "slots")
+    batch, _, d = q.shape
+    lens1, lens2 = first.seq_lens.long(), second.seq_lens.long()
+    width = int((lens1 + lens2).max())
+    if width == 0:
+        return torch.zeros_like(q)
+    dev, n_kv = q.device, first.k_pages.shape[2]
+    parts = []  # per region: k, v [B, N, Hkv, D], valid [B, N], flat score rows [B, N], score [P * S, Hkv]
+    for r in (first, second):
+        S, longest = r.k_pages.shape[1], int(r.seq_lens.max())
+        score = r.score if r.score is not None else torch.zeros(r.k_pages.shape[:3], device=dev)
+        if longest == 0:  # nothing to gather (the table may have no column)
+            k = torch.zeros(batch, 0, n_kv, d, device=dev)
+            parts.append((k, k, torch.zeros(batch, 0, dtype=torch.bool, device=dev),
+                          torch.zeros(batch, 0, dtype=torch.long, device=dev), score.view(-1, n_kv)))
+            continue
+        k, v, valid = _gather(r, longest, d)
+        pages = r.page_table[:, :k.shape[1] // S].long().clamp(0, r.k_pages.shape[0] - 1)
+        rows = (pages[:, :, None] * S + torch.arange(S, device=dev)).flatten(1)  # [B, N] into [P * S]
+        parts.append((k, v, valid, rows, score.view(-1, n_kv)))
+    (k1, v1, valid1, rows1, flat1), (k2, v2, valid2, rows2, flat2) = parts
+    n1 = k1.shape[1]
+    # Slot j of sequence b's pool: the first region's slot j below len1, else the second's j - len1 (at
+    # n1 + j - len1 of the regions' slots laid side by side); past len1 + len2 anything (masked).
+    j = torch.arange(width, device=dev)[None, :]
+    at = torch.where(j < lens1[:, None], j, n1 + j - lens1[:, None]).clamp(max=n1 + k2.shape[1] - 1)
+    seq = torch.arange(batch, device=dev)[:, None]
+    k, v = torch.cat([k1, k2], dim=1)[seq, at], torch.cat([v1, v2], dim=1)[seq, at]  # [B, W, Hkv, D]
+    score = torch.cat([flat1[rows1], flat2[rows2]], dim=1)[seq, at]  # [B, W, Hkv]
+    table = torch.arange(batch, dtype=torch.int32, device=dev)[:, None]  # sequence b: page b of W slots
+    out = paged_decode_attention_torch(q, k, v, table, (lens1 + lens2).to(torch.int32), scale=scale,
+                                       scores=scores._replace(score=score))
+    # Back to the regions: the first's slot i sits at i, the second's at len1 + i.
+    pos1 = torch.arange(n1, device=dev).expand(batch, n1)
+    pos2 = lens1[:, None] + torch.arange(k2.shape[1], device=dev)
+    for flat, rows, valid, pos in ((flat1, rows1, valid1, pos1), (flat2, rows2, valid2, pos2)):
+        new = score[seq, pos.clamp(max=width - 1)]  # [B, N, Hkv]
+        flat[rows[valid]] = new[valid]
     return out
 
 
@@ -538,11 +639,15 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
                                                  else 0)
     num_splits, chunk = _split_plan(batch, n_kv, max_len, block_n, q.device, num_splits)
     score, mode, _, noise, temperature = _NO_SCORES if scores is None else scores
-    keep_logits = mode != "none" and score is not None  # the first region's slots only (second: refused)
+    keep_logits = mode != "none" and score is not None  # both regions' slots (with a second region)
     gumbel = keep_logits and mode == "gumbel"
+    if gumbel and second is not None:
+        raise ValueError("scores.mode='gumbel' covers one region: its noise is indexed by the first region's "
+                         "slots")
     one_split = num_splits == 1 and not keep_logits
-    parts = _partials(q, n_kv, num_splits, page_table.shape[1] * page_size, one_split=one_split,
-                      keep_logits=keep_logits, gumbel=gumbel)
+    # The logits scratch holds each row's first-region slots, then (two regions) the second's.
+    parts = _partials(q, n_kv, num_splits, max_len, one_split=one_split, keep_logits=keep_logits,
+                      gumbel=gumbel)
     noise = noise if gumbel and noise is not None else parts.dummy
     consts = dict(HKV=n_kv, G=group, D=d, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     formats = [_launch_format(f) for f in (k_format, v_format, two.k_format, two.v_format)]
@@ -562,8 +667,13 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
     )
     if not one_split:
+        # The second region's scores: updated by the same reduce launch (a region without scores still counts
+        # in count_low's visible slots, its own scores dropped).
+        score2 = None
+        if keep_logits and second is not None and second.score is not None:
+            score2 = SecondScores(second.score, second.page_table, second.seq_lens)
         reduce_splits(out, parts, num_splits, page_table, seq_lens, scores=scores if keep_logits else None,
-                      slot_mask=None, mask_bit=1, num_warps=cfg.num_warps, **consts)
+                      slot_mask=None, mask_bit=1, num_warps=cfg.num_warps, second=score2, **consts)
     return out
 
 
@@ -622,6 +732,37 @@ def _(q, k_pages, v_pages, page_table, seq_lens, scale, k_bits, k_group, k_param
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("kvkernels::quant_decode_attention_scored_two", mutates_args=("score2", "score"))
+def _quant_decode_scored_two_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor,
+                                seq_lens: Tensor, scale: float, k_bits: int, k_group: int, k_params: str,
+                                v_bits: int, v_group: int, v_params: str, k2_pages: Tensor, v2_pages: Tensor,
+                                page_table2: Tensor, seq_lens2: Tensor, k2_bits: int, k2_group: int,
+                                k2_params: str, v2_bits: int, v2_group: int, v2_params: str, score2: Tensor,
+                                score: Tensor, score_mode: str, decay: float, gumbel_noise: Tensor | None,
+                                temperature: Tensor | None) -> Tensor:
+    """Two regions with the fused score update over both (``score`` the first region's, ``score2`` the
+    second's, both updated in place): the second region's tensors as arguments of their own (k2_pages,
+    v2_pages, page_table2, seq_lens2, its formats as bits / group / parameter dtype name, bits 0 for float
+    rows, and score2), not a tensor list as in ``kvkernels::quant_decode_attention``, since inductor failed
+    to lower one op holding both a tensor list and a mutated tensor (see
+    ``kvkernels::quant_decode_attention_scored``). Then the ``scores`` bundle flattened field by field; no
+    argument has a default."""
+    impl = quant_decode_attention_triton if use_triton(q) else quant_decode_attention_torch
+    second = Region(k2_pages, v2_pages, page_table2, seq_lens2, _format_of(k2_bits, k2_group, k2_params),
+                    _format_of(v2_bits, v2_group, v2_params), score2)
+    return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
+                k_format=QuantFormat(k_bits, k_group, getattr(torch, k_params)),
+                v_format=QuantFormat(v_bits, v_group, getattr(torch, v_params)), second=second,
+                scores=ScoreUpdate(score, score_mode, decay, gumbel_noise, temperature))
+
+
+@_quant_decode_scored_two_op.register_fake
+def _(q, k_pages, v_pages, page_table, seq_lens, scale, k_bits, k_group, k_params, v_bits, v_group,
+      v_params, k2_pages, v2_pages, page_table2, seq_lens2, k2_bits, k2_group, k2_params, v2_bits, v2_group,
+      v2_params, score2, score, score_mode, decay, gumbel_noise, temperature):
+    return torch.empty_like(q)
+
+
 def _check_pool(name: str, pages: Tensor, fmt: QuantFormat | None, head_dim: int,
                 slots: tuple[int, ...] | None, device: torch.device,
                 float_dtype: torch.dtype | None = None) -> None:
@@ -677,7 +818,9 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
     scores : :class:`kvkernels.paged_attention.ScoreUpdate`, optional
         The fused per-slot score update of the native decode (H2O's accumulated attention, Keyformer's
         Gumbel score, decayed and count modes), ``score [P, S, Hkv]`` of this pool updated in place from the
-        attention over the dequantized rows. One region only.
+        attention over the dequantized rows. With ``second``: one update over both regions' slots from the
+        one softmax (``count_low``'s threshold counts both), the second region's scores in ``second.score``
+        (required; not mode ``"gumbel"``, whose noise is indexed by the first region's slots).
     validate : bool
         Check the lengths and the page tables against the pools (reads the device: a host sync).
     """
@@ -689,14 +832,15 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
     if n_q % n_kv:
         raise ValueError(f"q has {n_q} heads, not a multiple of the pool's {n_kv} KV heads (GQA groups)")
     _check_table("", page_table, seq_lens, batch, q.device, num_pages, page_size, validate)
-    check_scores(scores, q, page_table, (num_pages, page_size, n_kv))
-    if second is not None and scores is not None and scores.score is not None:
-        raise ValueError("scores with a second region: the score update covers one region's slots; pass "
-                         "second=None (one format) or scores=None")
     extra: list[Tensor] = []
     if second is not None:
         if not isinstance(second, Region):
             raise TypeError(f"second must be a kvkernels.quant_attention.Region, got {type(second).__name__}")
+        if isinstance(scores, ScoreUpdate) and scores.mode == "gumbel":
+            raise ValueError("scores.mode='gumbel' with a second region: the Gumbel noise "
+                             "(scores.gumbel_noise) is indexed by the first region's slots, so a Gumbel "
+                             "score covers one region; pass second=None, or another mode (accumulate, "
+                             "decay, replace, count_low score both regions)")
         _check_pool("second.k", second.k_pages, second.k_format, d, None, q.device)
         p2 = second.k_pages.shape[0]
         if tuple(second.k_pages.shape[1:3]) != (page_size, n_kv):
@@ -706,11 +850,28 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
         _check_pool("second.v", second.v_pages, second.v_format, d, (p2, page_size, n_kv), q.device,
                     second.k_pages.dtype if second.k_format is None else None)
         _check_table("second.", second.page_table, second.seq_lens, batch, q.device, p2, page_size, validate)
+        if second.score is not None:
+            check_tensor("second.score", second.score, ndim=3, dtypes=(torch.float32,), device=q.device,
+                         contiguous=True)
+            check_shape("second.score", second.score, (p2, page_size, n_kv),
+                        "[P2, S, Hkv] of the second pool")
+        elif isinstance(scores, ScoreUpdate) and scores.mode != "none":
+            raise ValueError(f"scores.mode={scores.mode!r} with a second region updates both regions' "
+                             "scores: pass second.score ([P2, S, Hkv] float32, the second region's slot "
+                             "scores), as Region(..., score=...)")
         extra = [second.k_pages, second.v_pages, second.page_table, second.seq_lens]
+    check_scores(scores, q, page_table, (num_pages, page_size, n_kv))
     if scores is not None and scores.score is not None:  # (mode "none": a read-only call, the same op)
-        return torch.ops.kvkernels.quant_decode_attention_scored(
-            q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
-            *_format_args(v_format), *scores)
+        if second is None:
+            return torch.ops.kvkernels.quant_decode_attention_scored(
+                q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
+                *_format_args(v_format), *scores)
+        if second.score is not None:
+            return torch.ops.kvkernels.quant_decode_attention_scored_two(
+                q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
+                *_format_args(v_format), *extra, *_format_args(second.k_format),
+                *_format_args(second.v_format), second.score, scores.score, scores.mode, float(scores.decay),
+                scores.gumbel_noise, scores.temperature)
     two = second if second is not None else Region(k_pages, v_pages, page_table, seq_lens)
     return torch.ops.kvkernels.quant_decode_attention(
         q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
@@ -729,7 +890,11 @@ COMPILE_AXES: dict[str, tuple] = {
     "gqa": (1, 4, 8),
     "second": ("none", "float", "4bit"),  # a second region: none, float rows of q's dtype, 4-bit rows
     "splits": (1, 3),  # split-K partials and the shared reduce kernel
-    "score": ("none", "accumulate", "gumbel"),  # the fused score update (logits kept; gumbel's noised stats)
+    # The fused score update (logits kept; gumbel's noised stats; count_low's visible count). With a second
+    # region every mode but gumbel scores both regions (their logits kept, the reduce kernel's programs for
+    # the second region's slots); a configuration pairing gumbel with a second region compiles gumbel over the
+    # first region alone and accumulate over both (gumbel with two regions is refused).
+    "score": ("none", "accumulate", "gumbel", "count_low"),
     "prefetch": (0, 8),  # PREFETCH_TILES: the loads a tile ahead by hand, off or for every width
 }
 
@@ -763,13 +928,19 @@ def _meta_launch_one(dtype: torch.dtype, head_dim: int, bits: int, group: int, g
         fmt2 = None if second == "float" else QuantFormat(4, math.gcd(32, head_dim))
         width = head_dim if fmt2 is None else fmt2.row_bytes(head_dim)
         pool2 = t(P, S, Hkv, width, dt=dtype if fmt2 is None else torch.uint8)
-        region = Region(pool2, pool2, t(B, M, dt=torch.int32), t(B, dt=torch.int32), fmt2, fmt2)
+        region = Region(pool2, pool2, t(B, M // 2, dt=torch.int32), t(B, dt=torch.int32), fmt2, fmt2,
+                        t(P, S, Hkv, dt=torch.float32) if score != "none" else None)
     scores = None
     if score != "none":
         gumbel = score == "gumbel"
         scores = ScoreUpdate(t(P, S, Hkv, dt=torch.float32), score, 1.0,
                              t(B, Hkv * gqa, M * S, dt=torch.float32) if gumbel else None,
                              t(1, dt=torch.float32) if gumbel else None)
-    quant_decode_attention_triton(t(B, Hkv * gqa, head_dim, dt=dtype), pool, pool, t(B, M, dt=torch.int32),
-                                  t(B, dt=torch.int32), scale=head_dim ** -0.5, k_format=fmt, v_format=fmt,
-                                  second=region, scores=scores, num_splits=splits)
+    launches = [(region, scores)]
+    if score == "gumbel" and region is not None:  # refused: gumbel on the first region, accumulate on both
+        launches = [(None, scores), (region, ScoreUpdate(scores.score, "accumulate"))]
+    for region, scores in launches:
+        quant_decode_attention_triton(t(B, Hkv * gqa, head_dim, dt=dtype), pool, pool,
+                                      t(B, M, dt=torch.int32), t(B, dt=torch.int32), scale=head_dim ** -0.5,
+                                      k_format=fmt, v_format=fmt, second=region, scores=scores,
+                                      num_splits=splits)

@@ -209,12 +209,16 @@ class DecodeSteps:
                               self.slot_mask, mask_bit=self.layout.mask_bit(l))
         if self.side is not None:  # the side region's slots first, then the main region's: one softmax
             side = self.side
+            scores = self._score_update(update_scores, noise)
             main = Region(self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s),
-                          self.storage.fmt, self.storage.fmt)
+                          self.storage.fmt, self.storage.fmt, None if scores is None else self.slot_score)
+            if scores is not None:  # both regions' scores in the one softmax (KIVI's residual + eviction)
+                scores = scores._replace(score=side.pool.slot_score)
             lens = torch.where(self.active[:n], side.seq_lens[s, :n], 0)
             return quant_decode_attention(q, side.pool.k_pages, side.pool.v_pages, side.page_table[s, :n],
                                           lens, scale=scale, k_format=side.storage.fmt,
-                                          v_format=side.storage.fmt, second=main, validate=False)
+                                          v_format=side.storage.fmt, second=main, scores=scores,
+                                          validate=False)
         return self.storage.attention(
             q, self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s), scale=scale,
             alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)
@@ -258,7 +262,8 @@ class DecodeSteps:
             raise RuntimeError(f"after_step(step={step}) must follow prepare_decode(step={step}); the next "
                                f"step is {self._step}")
         assert self.plan is not None  # set by finish_prefill
-        if self.plan.evicts_after(step):
+        evicts = self.plan.evicts_after(step)
+        if evicts and self.side is None:
             # Every slot holds one token in all heads of its layer.
             share = self.eviction.heads_share_selection
             calls = self._compress_calls(in_place=True)
@@ -275,6 +280,8 @@ class DecodeSteps:
                 call.commit()
         if self.side is not None:  # KIVI: tokens older than the residual move to the quantized region
             self.side.migrate(self)
+            if evicts and self.eviction.decode_evict:  # then the quantized tokens over budget go
+                self.side.evict(self)
         self._step += 1
         self._state = "decode"
 

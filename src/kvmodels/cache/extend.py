@@ -210,9 +210,11 @@ class ExtendSteps:
             x = pool[page, offset]
             return x.gather(0, order.view(m, H, *[1] * (x.dim() - 2)).expand_as(x))
 
-        # Two formats: nothing is evicted after the split, so nothing is scored (the main region's slot scores
-        # are the split's flags, not eviction scores).
-        ev, scoring = self.eviction, self.side is None
+        # Two formats: the side region's tokens are attended too. A prompt-only policy scores nothing (it
+        # evicted at the split, never again); one that evicts while decoding (with KIVI's residual) goes on
+        # scoring both regions' tokens, as its decode steps do.
+        ev = self.eviction
+        scoring = self.side is None or ev.decode_evict
         mode = ev.prefill_mode if scoring else None
         window = ev.prefill_window(n) if mode is not None else 0
         kwargs = ev.prefill_kwargs(n) if mode is not None else {}
@@ -222,11 +224,14 @@ class ExtendSteps:
         kept_pos = by_position(self.slot_pos)
         if self.key_scale is not None:  # channel-separable keys: the pool holds k / c
             kept_k = kept_k * self.key_scale[l, b].to(kept_k.dtype)
+        ms, side_old = 0, None
         if self.side is not None:  # the side region's tokens too (older than the main region's for KIVI)
             side_k, side_v, side_pos = self.side.held(
                 l, b, None if self.key_scale is None else self.key_scale[l, b])
             kept_k, kept_v = torch.cat([side_k, kept_k]), torch.cat([side_v, kept_v])
             kept_pos = torch.cat([side_pos, kept_pos])
+            side_page, side_off = self.side.slots(l, b)
+            ms, side_old = side_k.shape[0], self.side.pool.slot_score[side_page, side_off].t()  # [Hkv, ms]
         out, scores = extend_attention(
             q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
             window=window, decay=decay, seed=self.prefill_seed(l, b),
@@ -236,9 +241,14 @@ class ExtendSteps:
                 scores = ev.postprocess_prefill_scores(scores)
             else:  # every row scores: the rows continue the kept tokens' scores, as decode steps would
                 old = kept_score.gather(0, order).t()  # [Hkv, m]
+                if side_old is not None:
+                    old = torch.cat([side_old, old], dim=1)  # [Hkv, ms + m]
                 if mode == "decay":
                     old = old * decay**n
-                scores = torch.cat([old + scores[:, :m], scores[:, m:]], dim=1)
+                scores = torch.cat([old + scores[:, :ms + m], scores[:, ms + m:]], dim=1)
+            if ms:  # the side region's, in its slot order
+                self.side.pool.slot_score[side_page, side_off] = scores[:, :ms].t().contiguous()
+            scores = scores[:, ms:]  # the main region's kept tokens (position order), then the new ones
             kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
             self.slot_score[page, offset] = kept  # back in slot order
             new_scores = scores[:, m:].t()  # [n, Hkv]

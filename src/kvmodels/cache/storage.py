@@ -119,11 +119,15 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, 
     main = storage(formats[-1])
     if len(formats) == 1:
         return main, None
-    if ev.decode_evict:
-        raise ValueError(f"{name} keeps tokens in two formats, which the paged cache splits once, after the "
-                         f"prompt; eviction {ev.name!r} also evicts while decoding, which the split does not "
-                         "follow yet (issue 36); use a prompt-only policy (snapkv, chunkkv, "
-                         "knorm(decode=False)) or kivi(residual=0)")
+    if ev.decode_evict and precision.name != "kivi":
+        raise ValueError(f"{name} keeps tokens in two formats, which the paged cache splits once, after "
+                         f"the prompt; eviction {ev.name!r} also evicts while decoding, which only kivi's "
+                         "residual follows yet (the residual stays whole, the quantized tokens are evicted; "
+                         "issue 36); use a prompt-only policy (snapkv, chunkkv, knorm(decode=False)) or kivi")
+    if ev.decode_evict and ev.score_mode == "gumbel":
+        raise ValueError(f"{name} keeps tokens in two formats; eviction {ev.name!r} scores with Gumbel noise "
+                         "drawn per slot of one pool, which the two-format decode does not draw for the "
+                         "second; use kivi(residual=0) (one format) or h2o, a2sf, tova, scissorhands")
     side = storage(formats[0])
     assert isinstance(side, PackedRows)
     return main, side

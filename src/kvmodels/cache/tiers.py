@@ -15,9 +15,13 @@ continuation (``begin_extend``: a follow-up turn) attends to both regions and ap
 region whole, as decode steps do, and KIVI's residual ages after it; a chunked prefill, which must evict
 between chunks to keep the budget, is refused by ``kvmodels.decoder.Decoder``.
 
-The split compacts by a membership flag written into each region's slot scores (a prompt-only policy needs
-its scores no more once the prompt is compressed), so a tiered cache's ``slot_score`` is no eviction score
-after the split.
+The split (and KIVI's aging) compacts by a membership flag written into each region's slot scores, then
+writes the kept tokens' eviction scores back (a compaction keeps the flagged slots in order), and tokens
+aging into this region bring their scores: with KIVI's residual an eviction policy that evicts while
+decoding (``h2o``, ``tova``, ``scissorhands``, ``a2sf``, ``streaming``, ``knorm``) goes on ranking them. Its
+decode steps update both regions' scores in the one softmax (``Region.score``), and :meth:`SideRegion.evict`
+evicts from this region only: the residual stays whole (a budget below ``residual + group`` tokens is held
+at that).
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ import torch
 
 from .compaction import Compactor
 from .pool import PagePool, ceil_div
+
+
+def _selected(scores: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv]``: each KV head's ``scores [Hkv, L]`` where ``flags [Hkv, L]`` (the same count per head),
+    in their order."""
+    return scores[flags].view(scores.shape[0], -1).t()
 
 
 class SideRegion:
@@ -84,7 +94,7 @@ class SideRegion:
         region keeps its ``main_bits`` tokens, this region its ``side_bits`` ones; a token assigned 0 leaves
         both. Reads the device (prompt time only)."""
         for l in range(cache.n_layers):
-            budgets_side, budgets_main = [], []
+            budgets_side, budgets_main, kept_scores = [], [], []
             for b in rows:
                 L, m = int(self.lens[l, b]), int(cache.host.lens[l, b])
                 page, off = self._rows(self.page_table[l, b], L)
@@ -97,15 +107,26 @@ class SideRegion:
                 kept.scatter_(1, (kept_pos - start).t(), True)
                 bits = self.precision.assign(kept, scores)  # [Hkv, L] int64
                 side = bits == self.side_bits
+                main_scores = cache.slot_score[mpage, moff].t()  # [Hkv, m]
                 self.pool.slot_score[page, off] = side.t().float()
                 main_flags = bits.gather(1, (kept_pos - start).t()) == self.main_bits  # [Hkv, m]
                 cache.slot_score[mpage, moff] = main_flags.t().float()
                 budgets_side.append(self._count(side, "side", l, b))
                 budgets_main.append(self._count(main_flags, "main", l, b))
+                kept_scores.append((_selected(scores, side), _selected(main_scores, main_flags)))
             self._compact(self.compactor, self.pool, self.lens, self.page_table, self.seq_lens, l, rows,
                           budgets_side)
             self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
                           rows, budgets_main)
+            for b, (side_scores, main_scores) in zip(rows, kept_scores, strict=True):  # the flags out again
+                self._set_scores(self.pool, self.page_table[l, b], side_scores)
+                self._set_scores(cache.pool, cache.page_table[l, b], main_scores)
+
+    def _set_scores(self, pool: PagePool, table: torch.Tensor, scores: torch.Tensor) -> None:
+        """The first ``n`` slots of a row (``table``) get ``scores [n, Hkv]``: a compaction by flags keeps the
+        flagged slots in their order at the front, so their eviction scores come back in that order."""
+        page, off = self._rows(table, scores.shape[0])
+        pool.slot_score[page, off] = scores
 
     def _count(self, flags: torch.Tensor, region: str, l: int, b: int) -> int:
         counts = flags.sum(dim=1)
@@ -137,12 +158,15 @@ class SideRegion:
         dequantized to the cache's dtype and ``pos [n, Hkv]`` int32 (host lengths: no sync);
         ``key_scale [Hkv, D]``: the cache's channel factors of the row (the keys are stored divided by
         them)."""
-        n = int(self.lens[l, b])
-        page, off = self._rows(self.page_table[l, b], n)
+        page, off = self.slots(l, b)
         k, v = (self.storage.decode(t[page, off]) for t in (self.pool.k_pages, self.pool.v_pages))
         if key_scale is not None:
             k = k * key_scale.to(k.dtype)
         return k, v, self.pool.slot_pos[page, off]
+
+    def slots(self, l: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page, offset)`` int64 ``[n]``: row ``b``'s slots in layer ``l``, slot order (host lengths)."""
+        return self._rows(self.page_table[l, b], int(self.lens[l, b]))
 
     def contents(self, l: int, b: int,
                  key_scale: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
@@ -178,7 +202,7 @@ class SideRegion:
         S = self.page_size
         for l in sorted({int(x) for x in excess[:, 0]}):
             rows = [int(b) for ll, b in excess if ll == l]
-            budgets = []
+            budgets, staying = [], []
             for b in rows:
                 m, have = int(lens[l, b]) - p.residual, int(self.lens[l, b])
                 need = int(ceil_div(have + m, S) - ceil_div(have, S))
@@ -195,16 +219,48 @@ class SideRegion:
                 for dst, src in ((pool.k_pages, cache.k_pages), (pool.v_pages, cache.v_pages)):
                     dst[spage, soff] = self.storage.encode(cache.storage.decode(src[page, off]))
                 pool.slot_pos[spage, soff] = cache.slot_pos[page, off]
+                pool.slot_score[spage, soff] = cache.slot_score[page, off]  # their eviction scores come along
                 self.seq_lens[l, b] = have + m
                 self.lens[l, b] = have + m
                 total = int(lens[l, b])
                 mpage, moff = self._rows(cache.page_table[l, b], total)
+                staying.append(cache.slot_score[mpage[m:], moff[m:]])  # [residual, Hkv]
                 keep = torch.arange(total, device=mpage.device) >= m  # the newest `residual` stay
                 cache.slot_score[mpage, moff] = keep.float()[:, None]
                 budgets.append(p.residual)
             self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
                           rows, budgets)
+            for b, scores in zip(rows, staying, strict=True):
+                self._set_scores(cache.pool, cache.page_table[l, b], scores)
         self.peak_pages = max(self.peak_pages, int(self.pages_held().sum()))
+
+    def evict(self, cache) -> None:
+        """Decode-time eviction of a two-format cache (KIVI's residual with an eviction policy that evicts
+        while decoding): each row whose two regions together hold more than its budget (the plan's) gives up
+        this region's lowest-ranked tokens in place (``topk_evict``), the policy's sinks kept (the oldest
+        tokens, here) and its recent window where the main region does not hold it; the main region, the
+        newest ``residual`` to ``residual + group`` tokens unquantized, stays whole. Eager, host-driven (no
+        sync)."""
+        n = cache.batch_size
+        budgets, n_sink, n_recent = (x.numpy()[:, :n] for x in cache.plan.rows)  # [Lc, n]
+        main, side = cache.host.lens[:, :n], self.lens[:, :n]
+        room = np.clip(budgets - main, 0, None)  # what this region may keep
+        seqs = [int(b) for b in np.flatnonzero((side > room).any(axis=0))]
+        if not seqs:
+            return
+        for l, b in zip(*np.nonzero((room == 0) & (side > 0)), strict=True):  # the residual fills the budget
+            self.pool.release(self.page_table[l, b], self.lens[l, b])
+            self.seq_lens[l, b] = 0
+            self.lens[l, b] = 0
+        keep = np.minimum(self.lens[:, :n], room)[:, seqs]
+        sink = np.minimum(n_sink[:, seqs], keep)
+        recent = np.minimum(np.clip(n_recent[:, seqs] - main[:, seqs], 0, None), keep - sink)
+        ev = cache.eviction
+        if ev.heads_share_selection:  # one ranking for the layer's heads, as for the main region
+            self.pool.slot_score.copy_(ev.eviction_scores(self.pool.slot_score, head_dim=-1))
+        # (a released row keeps "1" of its 0 slots: the op needs budgets >= 1 and moves nothing there)
+        self.compactor.compact(self.lens, list(range(cache.n_layers)), seqs, np.maximum(keep, 1), sink,
+                               recent, in_place=True)
 
     def finish(self, row: int) -> None:
         """Return every page of ``row`` (all layers)."""
