@@ -299,27 +299,31 @@ def test_two_formats_hold_what_the_precision_policy_assigns(case):
                               else run.steps[p - L][l][i][b:b + 1, h] for i in (1, 2))
                     assert torch.equal(k, stored(k0, fmt)[0]), (l, b, p)
                     assert torch.equal(v, stored(v0, fmt)[0]), (l, b, p)
-    # Pages: every page of each pool owned once or free; the report counts both regions.
+    check_two_regions(cache)
     side = cache.side
-    owned = [p for l in range(2) for b in range(len(lens))
-             for p in side.page_table[l, b, :math.ceil(int(side.lens[l, b]) / page_size)].tolist()]
-    assert sorted(owned + side.pool.free_pages[:side.pool.free].tolist()) == list(range(side.pool.num_pages))
-    assert int(side.pool.n_free) == side.pool.free
-    rep = cache.report()
-    main_pages = sum(math.ceil(int(n) / page_size) for n in cache.host.lens.flatten())
-    side_pages = sum(math.ceil(int(n) / page_size) for n in side.lens.flatten())
-    assert rep.total_bytes == main_pages * cache.page_bytes + side_pages * side.pool.page_bytes
     for b in range(len(lens)):
         cache.finish_sequence(b)
     assert side.pool.free == side.pool.num_pages and cache.pool.free == cache.pool.num_pages
 
 
-def side_pages_owned_once(cache) -> None:
-    side, S = cache.side, cache.page_size
-    owned = [p for l in range(cache.n_layers) for b in range(cache.batch_size)
-             for p in side.page_table[l, b, :math.ceil(int(side.lens[l, b]) / S)].tolist()]
-    assert sorted(owned + side.pool.free_pages[:side.pool.free].tolist()) == list(range(side.pool.num_pages))
+def check_two_regions(cache) -> None:
+    """Pages: every page of each pool owned once or free, free counts and lengths mirrored on the host; the
+    report counts both regions' pages and tokens."""
+    S, n = cache.page_size, cache.batch_size
+    pages = {}
+    for name, pool, table, lens in (("main", cache.pool, cache.page_table, cache.host.lens),
+                                    ("side", cache.side.pool, cache.side.page_table, cache.side.lens)):
+        owned = [p for l in range(cache.n_layers) for b in range(n)
+                 for p in table[l, b, :math.ceil(int(lens[l, b]) / S)].tolist()]
+        assert sorted(owned + pool.free_pages[:pool.free].tolist()) == list(range(pool.num_pages)), name
+        assert int(pool.n_free) == pool.free, name
+        pages[name] = len(owned)
+    side = cache.side
     assert torch.equal(side.seq_lens.cpu(), torch.from_numpy(side.lens).to(torch.int32))
+    rep = cache.report()
+    assert rep.total_bytes == pages["main"] * cache.page_bytes + pages["side"] * side.pool.page_bytes
+    held = cache.host.lens[:, :n] + side.lens[:, :n]  # the report counts both regions
+    assert rep.tokens_per_layer == tuple(tuple(int(x) for x in row) for row in held)
 
 
 @given(case=two_format_cases(), n_new=st.sampled_from([1, 3, 6]), h2o=st.booleans())
@@ -396,21 +400,12 @@ def test_a_tiered_cache_continues_over_both_regions(case, n_new, h2o):
                 assert torch.equal(k1, k0) and torch.equal(v1, v0), (l, h, pos, was, region)
     if p.name == "kivi":
         assert (cache.host.lens[:, :len(lens)] <= p.residual + p.group).all()
-    side_pages_owned_once(cache)
-    S = page_size
-    owned = [pg for l in range(2) for i in range(len(lens))
-             for pg in cache.page_table[l, i, :math.ceil(int(cache.host.lens[l, i]) / S)].tolist()]
-    assert sorted(owned + cache.pool.free_pages[:cache.pool.free].tolist()) == list(range(cache.num_pages))
-    rep = cache.report()
-    side_pages = sum(math.ceil(int(n) / S) for n in cache.side.lens.flatten())
-    assert rep.total_bytes == len(owned) * cache.page_bytes + side_pages * cache.side.pool.page_bytes
-    held = cache.host.lens[:, :len(lens)] + cache.side.lens[:, :len(lens)]  # the report counts both regions
-    assert rep.tokens_per_layer == tuple(tuple(int(x) for x in row) for row in held)
+    check_two_regions(cache)
     cache.restart_decode(1)  # and the next generation decodes over both regions
     run.decode_step(cache, 0, pos=torch.tensor([L + run.n_steps + (n_new if i == b else 0)
                                                 for i, L in enumerate(lens)], dtype=torch.int32,
                                                device=DEVICE))
-    side_pages_owned_once(cache)
+    check_two_regions(cache)
 
 
 @pytest.mark.parametrize("channels", ["", ", channel_scale=True"], ids=["token-wise", "channel-separable"])
@@ -719,4 +714,4 @@ def test_kivi_residual_with_eviction_while_decoding(case):
                     if region == "side":
                         k0, v0 = round_trip(k0, side_fmt), round_trip(v0, side_fmt)
                     assert torch.equal(k, k0[0]) and torch.equal(v, v0[0]), (l, b, h, x, region)
-    side_pages_owned_once(cache)
+    check_two_regions(cache)
