@@ -332,7 +332,7 @@ def test_context_manager_matches_explicit_cache_and_uninstalls():
         len(caches) == 1
         and caches[0].report().tokens_per_layer.tolist() == cache.report().tokens_per_layer.tolist()
     )
-    assert not hasattr(fresh, "_kvpolicies_family")
+    assert "_kvpolicies_hooks" not in fresh.__dict__ and "generate" not in fresh.__dict__
     assert run(fresh, batch)[0] == run(model, batch)[0]  # plain generate untouched afterwards
 
 

@@ -1,0 +1,540 @@
+"""The bridge's cache: :class:`PolicyCache`, a ``transformers.Cache`` that a composed policy drives.
+
+It stores what the policy's plan says (``kvpolicies.plan``; docs/contract.md §3.1) and calls the kvkernels ops
+kvmodels' paged cache calls; it decides nothing itself:
+
+* its layers (:class:`~kvpolicies.hf.layer.PolicyLayer`) hold **compacted** K/V ``[B, Hkv, N, D]`` with each
+  slot's original position, score and validity (ragged kept lengths, left padding); heads of a layer keep the
+  same number of tokens but may keep different ones (per-KV-head selection, never expanded to query heads);
+* the model's hooks (:class:`~kvpolicies.hf.hooks.Hooks`) tell it each forward's padding, positions, queries
+  and residual stream; it gives each layer's attention a mask sized to that layer's compacted K/V;
+* scores follow docs/contract.md §2.2: the prompt's from ``kvkernels.prefill_scores`` (queries and keys, never
+  eager attention weights, so ``sdpa`` works), a decode step's from ``kvkernels.paged_decode_attention``'s
+  fused update; at the end of the prefill the policy's ``plan`` gives every budget and forced count, then
+  MiniCache pairs are merged (``joint``, the merge policy's ``region``) and every layer is compacted to
+  ``storage`` with ``kvkernels.topk_compact``, again after each decode step the ``schedule`` names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+from kvkernels import (
+    Alibi,
+    Restore,
+    ScoreUpdate,
+    draw_gumbel_,
+    noise_seed,
+    paged_decode_attention,
+    prefill_scores,
+    prefill_seed,
+)
+from kvpolicies.base import LayerStats, NewTokens, residual_cos_sim
+from kvpolicies.hf.hooks import Hooks
+from kvpolicies.hf.layer import PolicyLayer, Step
+from kvpolicies.hf.models import rebuild_query, scale_and_slopes
+from kvpolicies.plan import CompressionPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class HFCacheReport:
+    """What a :class:`PolicyCache` holds now.
+
+    tokens_per_layer: ``[Lc, B]`` int64 — kept (valid) tokens per layer and sequence (padding excluded).
+    bytes_per_layer: ``[Lc]`` int64 — bytes of the K/V tensors each layer physically holds.
+    total_bytes / peak_bytes: sum over layers now / the largest total seen.
+    layer_budgets: ``[Lc, B]`` int64 or None before the prompt was compressed.
+    merged_pairs: MiniCache pairs ``(a, b)``. As in ``kvmodels.cache.CacheReport``, a pair's region is listed
+        under ``a``: its slots (a shared slot once, each layer's private slots), its bytes (K/V plus the four
+        float32 magnitudes and the uint8 visibility mask per (slot, KV head)) and the pair's budget
+        ``B_a + B_b``; ``b`` lists 0 of each, so every column still sums to what the cache holds.
+    full_cache_bytes: what an uncompressed cache would hold now: K/V of every token each sequence has seen
+        (prompt and generated, padding excluded) in every layer, at the cache's dtype.
+
+    ``print(report)`` shows it as a table (:meth:`__str__`).
+    """
+
+    tokens_per_layer: torch.Tensor
+    bytes_per_layer: torch.Tensor
+    total_bytes: int
+    peak_bytes: int
+    layer_budgets: torch.Tensor | None
+    merged_pairs: tuple[tuple[int, int], ...] = ()
+    full_cache_bytes: int = 0
+
+    def __str__(self) -> str:
+        mib = 2.0**-20
+        lines = [f"{'layer':>5} {'MiB':>9}  {'tokens per sequence':<24} {'budgets':<24}"]
+        for l, nbytes in enumerate(self.bytes_per_layer.tolist()):
+            toks = " ".join(str(t) for t in self.tokens_per_layer[l].tolist())
+            row = [] if self.layer_budgets is None else self.layer_budgets[l].tolist()
+            budgets = " ".join(str(t) for t in row) or "-"
+            lines.append(f"{l:>5} {nbytes * mib:>9.3f}  {toks:<24} {budgets:<24}")
+        ratio = self.total_bytes / self.full_cache_bytes if self.full_cache_bytes else float("nan")
+        lines.append(
+            f"KV cache: {self.total_bytes * mib:.3f} MiB kept vs {self.full_cache_bytes * mib:.3f} MiB full "
+            f"({ratio:.1%}; full = every prompt and generated token in every layer); peak "
+            f"{self.peak_bytes * mib:.3f} MiB"
+        )
+        if self.merged_pairs:
+            lines.append(f"merged pairs (stored under the first layer): {list(self.merged_pairs)}")
+        return "\n".join(lines)
+
+
+
+class PolicyCache(Cache):
+    """A ``transformers`` cache driven by a composed policy. Build it with :func:`hf_cache`.
+
+    After ``generate`` (or any forward passes), :meth:`report` gives kept tokens and bytes per layer.
+    """
+
+    layers: list[PolicyLayer]  # type: ignore[assignment]  # only PolicyLayers, unlike the base class
+    step: Step  # the forward in flight (set before any layer reads it)
+
+    def __init__(
+        self, policy: Any, model: torch.nn.Module, *, max_new_tokens: int | None = None, seed: int = 0
+    ) -> None:
+        from kvpolicies import ComposedPolicy
+
+        if not isinstance(policy, ComposedPolicy):
+            raise TypeError(
+                f"policy must be a kvpolicies.ComposedPolicy (build one with kvpolicies.compose(...)), "
+                f"got {type(policy).__name__}"
+            )
+        if policy.heads.per_head:
+            raise ValueError(
+                f"policy {policy.name!r}: the transformers bridge stores every KV head of a layer with one "
+                f"token count, so it cannot hold head-budget policy {policy.heads.name!r}; run it on a "
+                "kvmodels model (kvmodels.generate), whose HeadPagedKVCache gives each head its own pages"
+            )
+        if policy.precision.quantizes:
+            raise ValueError(
+                f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens as "
+                "quantized rows, which the transformers bridge does not hold yet (it stores the cache's "
+                f"dtype); drop {policy.precision.name!r} from the composition (issue 36 tracks quantized "
+                "storage)"
+            )
+        self.hooks = Hooks.on(model)
+        self._family = self.hooks.family
+        n = len(self._family.layers)
+        super().__init__(layers=[PolicyLayer(self, i) for i in range(n)])
+        self.policy = policy
+        self.eviction = policy.eviction
+        # Where each layer stores its tokens (MiniCache pairs share a region), as kvmodels' PagedKVCache
+        # takes it from the policy.
+        self.layout = policy.merge_layout(n)
+        self.seed = seed
+        # Seeds as kvmodels' PagedKVCache derives them (kvkernels.noise_seed / prefill_seed): the bridge and
+        # kvmodels draw identical Gumbel noise for the same policy and seed.
+        self._noise_seed = noise_seed(policy.seed, seed)
+        self.max_new_tokens = max_new_tokens
+        self.needs_queries = (self.eviction.prefill_mode is not None or self.eviction.score_mode != "none"
+                              or (self.eviction.scores_tokens and self.eviction.reads_queries))
+        self._fresh = True  # no forward seen yet
+        self.prefilled = False  # the prompt went through
+        self._compressed = False  # the prompt was compressed to the layer budgets
+        self._decode_step = 0
+        self.step = None  # type: ignore[assignment]
+        self._next_pos: torch.Tensor | None = None
+        self._seen = 0  # logical length (padded prompt + generated), what generate expects
+        self._cos_sum: torch.Tensor | None = None  # [Lc, B] sum of cos-sims over prompt tokens
+        self.prompt_lens: torch.Tensor | None = None
+        self.plan: CompressionPlan | None = None  # the policy's plan for this batch (end of prefill)
+        self.peak_bytes = 0
+        self._noise: torch.Tensor | None = None  # [Lc, B, Hq, width] this decode step's Gumbel noise
+        self._gumbel: torch.Generator | None = None
+        # This forward's captures (written by the hooks): its length, queries' projections, rotary inputs,
+        # ALiBi slopes, layer inputs. Emptied when the forward ends.
+        self.captures: dict[Any, Any] = {}
+
+    @property
+    def merged_pairs(self) -> list[tuple[int, int]]:
+        """MiniCache pairs ``(a, b)`` (``layout.pairs``)."""
+        return list(self.layout.pairs)
+
+    @property
+    def layer_budgets(self) -> torch.Tensor | None:
+        """``[Lc, B]`` int64 budgets of the storage layers (a region's ``B_a + B_b`` under ``a``, 0 under
+        ``b``), from the plan; None before the prompt was compressed."""
+        return None if self.plan is None else self.plan.storage.budgets
+
+    # --- what transformers asks --------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # The logical length: generate derives input slicing and (without a mask) positions from it.
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        # Sized like an uncompressed cache so the model's own mask matches its 2-D attention mask; the hooks
+        # then replace each layer's mask by one sized to that layer's compacted K/V. transformers < 5.x
+        # (5.2 included) passes the step's cache_position tensor [q_len] instead of the query length.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self._seen + query_length, 0
+
+    # --- driven by the hooks and the layers ---------------------------------------------------------
+    def append_step(self, layer: PolicyLayer, key_states: torch.Tensor, value_states: torch.Tensor,
+                    query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's ``update``: score and store this forward's new K/V ``[B, Hkv, q, D]``; return what the
+        layer attends over. ``query`` ``[B, Hq, q, D]`` when the attention hands it over (MPT), else rebuilt
+        from the captured projections when the policy needs it."""
+        if self._fresh:
+            raise RuntimeError(
+                "this PolicyCache was not prepared by the kvpolicies hooks; create it with "
+                "kvpolicies.hf.hf_cache(policy, model) and pass it as past_key_values"
+            )
+        if self.needs_queries and query is None:  # once per layer, for the open rule and the score update
+            query = rebuild_query(self._family, layer.layer_idx, self.captures, key_states,
+                                  check=not self.prefilled)
+        new_scores = None
+        if self.eviction.scores_tokens:  # an open rule: each new token's score from what the step provides
+            # [B, H, q, D] -> the rule's [..., H, D] with [...] = [B, q] -> [B, q, Hkv] -> [B, Hkv, q]
+            new = NewTokens(k=key_states.transpose(1, 2), v=value_states.transpose(1, 2),
+                            positions=self.step.positions,
+                            q=query.transpose(1, 2) if self.eviction.reads_queries else None)
+            new_scores = self.eviction.token_scores(new).to(torch.float32).transpose(1, 2)
+        keys, values = layer.append(key_states, value_states, self.step, new_scores)
+        if query is not None:
+            self._score_layer(layer, key_states, query)
+        return keys, values
+
+    def begin_forward(
+        self, batch: int, q_len: int, device: torch.device, attention_mask: Any, position_ids: Any
+    ) -> None:
+        if self._fresh:
+            self._fresh = False
+        elif not self._compressed:
+            self._finish_prefill()
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                "PolicyCache needs a 2-D attention_mask [batch, past + new tokens] (or none), got "
+                f"shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask is None:
+            valid = torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        else:
+            valid = attention_mask[:, -q_len:].to(device=device, dtype=torch.bool)
+            if valid.shape[1] < q_len:
+                raise ValueError(f"attention_mask covers {valid.shape[1]} tokens but the input has {q_len}")
+        if position_ids is not None:
+            positions = position_ids.to(device=device, dtype=torch.int64).expand(batch, q_len)
+        elif self._next_pos is None:
+            positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        else:
+            positions = self._next_pos[:, None] + torch.arange(q_len, device=device)[None, :]
+        if self._next_pos is None and not valid.any(-1).all():
+            b = int((~valid.any(-1)).nonzero()[0, 0])
+            raise ValueError(f"sequence {b} of the batch is all padding; drop it before generate")
+        self._next_pos = torch.where(valid, positions, positions.new_full((), -1)).amax(-1) + 1
+        self.step = Step(valid, positions)
+        self.captures = {"q_len": q_len}
+        if self.prefilled and self.eviction.score_mode == "gumbel":
+            self._draw_noise(device)
+        if not self.prefilled:
+            self.prompt_lens = valid.sum(-1)
+            self._cos_sum = torch.zeros(len(self.layers), batch, dtype=torch.float64)
+
+    def _draw_noise(self, device: torch.device) -> None:
+        """This step's Gumbel(0, 1) noise ``[Lc, B, Hq, width]``, indexed by logical slot.
+
+        Drawn as ``kvmodels.cache.PagedKVCache.prepare_decode`` draws it: a generator seeded with the
+        in-house cache's noise seed, one ``exponential_`` draw per step over ``[Lc, B, Hq, width]`` with
+        ``width`` the longest layer after this step's append, in the same order, so a keyformer run keeps
+        the same tokens as the in-house model (tests/test_hf_bridge.py checks the two draws are equal).
+        """
+        if self._gumbel is None:
+            self._gumbel = torch.Generator(device=device)
+            self._gumbel.manual_seed(self._noise_seed)
+        lens = torch.stack([layer.kept_tokens() for layer in self.layers])  # [Lc, B] before this step
+        # Slots each layer appends this step (the layout's width), as kvmodels grows its lengths.
+        grow = torch.tensor(self.layout.width, dtype=lens.dtype, device=lens.device)[:, None]  # [Lc, 1]
+        width = int((lens + grow).max())
+        noise = torch.empty(len(self.layers), lens.shape[1], self._family.n_q_heads, width, device=device)
+        self._noise = draw_gumbel_(noise, self._gumbel)
+
+    def end_forward(self) -> None:
+        q_len = self.captures.pop("q_len", 0)
+        self.captures = {}
+        self._seen += q_len
+        if not self.prefilled:
+            self.prefilled = True
+        else:
+            step = self._decode_step
+            self._decode_step += 1
+            assert self.plan is not None  # made when the decode's first forward began
+            if self.plan.evicts_after(step):
+                if self.eviction.heads_share_selection:  # every head of a layer holds the same tokens
+                    for layer in self.layers:
+                        if layer.store is layer and layer.scores is not None:
+                            layer.scores = self.eviction.eviction_scores(layer.scores, head_dim=1).clone()
+                self._evict()
+        self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
+
+    def _finish_prefill(self) -> None:
+        """The policy's plan from the prompt statistics, then merge pairs and compress every layer
+        (docs/contract.md §5)."""
+        self._compressed = True
+        lens = self.prompt_lens.cpu()
+        cos = (self._cos_sum / lens.to(torch.float64).clamp_min(1)).to(torch.float32)
+        # The same decision kvmodels' cache acts on (ComposedPolicy.plan).
+        self.plan = self.policy.plan(lens, len(self.layers), LayerStats(cos_sim=cos),
+                                     max_new_tokens=self.max_new_tokens or 0)
+        for i, (a, b) in enumerate(self.layout.pairs):
+            self._merge_pair(a, b, *self.plan.joint.row(i))
+        if self.plan.schedule.prefill_compress:
+            self._evict(regions=False)  # a region was compressed by its joint selection
+
+    def _merge_pair(self, a: int, b: int, keep: torch.Tensor, n_sink: torch.Tensor,
+                    n_recent: torch.Tensor) -> None:
+        """Turn the prefilled layers ``a`` and ``b`` into one region held by ``a`` (docs/contract.md §5.1).
+
+        As ``kvmodels.cache.PagedKVCache.finish_prefill``: both layers keep the same ``keep [B]`` tokens per
+        sequence (the plan's ``joint`` row: ``N = min(L, R // 2)``, all ``L`` without prompt compression),
+        chosen on the summed scores with forced slots ``n_sink``/``n_recent [B]``; then the merge policy's
+        ``region`` merges them into shared slots plus the retained tokens' private slots, which are packed
+        front-aligned per sequence.
+        """
+        la, lb = self.layers[a], self.layers[b]
+        assert la.valid is not None and la.scores is not None and lb.scores is not None
+        count = la.valid.sum(-1).cpu()  # [B] prompt tokens (both layers saw the same ones)
+        if bool((count > keep).any()):
+            summed = la.scores + lb.scores  # [B, Hkv, L]
+            for layer in (la, lb):  # the same ranking and forced slots, so the same tokens per head
+                layer.compact(keep, n_sink, n_recent, priority=summed)
+        regions = []
+        for i in range(count.shape[0]):
+            idx = la.valid[i].nonzero().squeeze(-1)  # this sequence's kept slots
+            per_token = (la.keys, lb.keys, la.values, lb.values, la.positions, la.scores, lb.scores)
+            ka, kb, va, vb, pos, sa, sb = (x[i][:, idx].transpose(0, 1) for x in per_token)  # [N, Hkv, ...]
+            regions.append(self.policy.merge.region(ka, kb, va, vb, pos, sa, sb))
+        n_slots = torch.tensor([r["k"].shape[0] for r in regions], device=la.valid.device)  # [B]
+        width = int(n_slots.max())
+
+        def packed(name: str) -> torch.Tensor:
+            """Sequences' ``[n_i, Hkv, ...]`` slots, front-aligned, zero-padded: ``[B, Hkv, width, ...]``"""
+            rows = [r[name] for r in regions]
+            rows = [F.pad(x, (0, 0) * (x.dim() - 1) + (0, width - x.shape[0])) for x in rows]
+            return torch.stack(rows).transpose(1, 2)
+
+        la.keys, la.values = packed("k").contiguous(), packed("v").contiguous()
+        la.positions, la.scores = packed("pos").to(torch.int64), packed("score").to(torch.float32)
+        la.k_mag = torch.stack([packed("k_mag_a"), packed("k_mag_b")])  # [2, B, Hkv, width]
+        la.v_mag = torch.stack([packed("v_mag_a"), packed("v_mag_b")])
+        la.slot_mask = packed("mask")
+        la.valid = torch.arange(width, device=n_slots.device)[None, :] < n_slots[:, None]  # [B, width]
+        # b holds nothing of its own from now on: empty tensors (so counts and bytes read 0; fresh ones, not
+        # views that would keep its prompt's storage alive) and a reference to the region.
+        lb._store, lb.member = la, self.layout.member[b]
+        lb.keys, lb.values = (x.new_empty(*x.shape[:2], 0, x.shape[3]) for x in (la.keys, la.values))
+        lb.positions, lb.scores = (x.new_empty(*x.shape[:2], 0) for x in (la.positions, la.scores))
+        lb.valid = la.valid.new_empty(la.valid.shape[0], 0)
+
+    def _evict(self, regions: bool = True) -> None:
+        """Compact every storage layer to the plan's budgets and forced counts (``plan.storage``); the
+        regions too unless ``regions=False``."""
+        assert self.plan is not None
+        width = self.layout.width
+        for l, layer in enumerate(self.layers):
+            if width[l] == 0 or (width[l] == 2 and not regions):
+                continue  # the second layer of a pair holds no tokens; a region may be left alone
+            layer.compact(*self.plan.storage.row(l))
+
+    def record_cos(self, layer_idx: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
+        cos = residual_cos_sim(h_in, attn_out)  # [B, q]
+        valid = self.step.valid
+        self._cos_sum[layer_idx] += (cos * valid).sum(-1).double().cpu()
+
+    def layer_mask(
+        self, layer: PolicyLayer, q_len: int, kind: str, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The attention mask for ``layer`` once ``q_len`` new tokens are appended.
+
+        ``[B, 1, q, N + q]``: a bool "may attend" mask (``sdpa``), an additive float mask (``eager``), or a
+        bool "masked out" mask (MPT). ``None`` when every slot is visible to a single query (no padding).
+        A layer of a merged pair sees its region's shared slots and its own private slots only, which differ
+        per KV head: its mask is ``[B, Hq, q, N + q]`` (query head ``h`` reads KV head ``h // G``).
+        """
+        valid_new = self.step.valid
+        store = layer.store
+        old = store.valid if store.valid is not None else valid_new[:, :0]
+        n_old = old.shape[1]
+        if q_len == 1 and bool(old.all()) and kind != "mpt" and not layer.merged:
+            return None
+        B = valid_new.shape[0]
+        if layer.merged:
+            group = self._family.n_q_heads // self._family.n_kv_heads
+            seen = store.visible(layer.member).repeat_interleave(group, dim=1)  # [B, Hq, N]
+        else:
+            seen = old[:, None, :]  # [B, 1, N]
+        H = seen.shape[1]
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=old.device).tril()  # [q, q]
+        new = (causal[None] & valid_new[:, None, :])[:, None]  # [B, 1, q, q]
+        allowed = torch.cat(
+            [seen[:, :, None, :].expand(B, H, q_len, n_old), new.expand(B, H, q_len, q_len)], dim=-1
+        )  # [B, H, q, N + q]
+        # A padding query attends to itself only, so no row is empty (an empty row gives NaN in sdpa).
+        allowed[:, :, torch.arange(q_len), n_old + torch.arange(q_len)] = True
+        if kind == "sdpa":
+            return allowed
+        if kind == "mpt":
+            return ~allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=old.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    # --- scores --------------------------------------------------------------------------------------
+    def _score_layer(self, layer: PolicyLayer, new_keys: torch.Tensor, query: torch.Tensor) -> None:
+        """The policy's attention scores of this forward's queries ``[B, Hq, q, D]`` over ``layer``."""
+        fam, l = self._family, layer.layer_idx
+        scale, slopes = scale_and_slopes(fam, l, self.captures)
+        if not self.prefilled:
+            if self.eviction.prefill_mode is not None:
+                self._prefill_scores(layer, query, new_keys, scale, slopes)
+        elif self.eviction.score_mode != "none":
+            self._decode_scores(layer, query, scale, slopes)
+
+    def _prefill_scores(
+        self, layer: PolicyLayer, q: torch.Tensor, k: torch.Tensor, scale: float, slopes: torch.Tensor | None
+    ) -> None:
+        ev = self.eviction
+        source = ev.score_source_layer(layer.layer_idx)
+        if source != layer.layer_idx:  # layer-wise index reuse: rank by an earlier layer's prompt scores
+            layer.scores = self.layers[source].scores.clone()
+            return
+        for b in range(q.shape[0]):
+            idx = self.step.valid[b].nonzero().squeeze(-1)  # real (unpadded) prompt tokens
+            L = int(idx.numel())
+            qb = q[b][:, idx].transpose(0, 1).contiguous()  # [L, Hq, D]
+            kb = k[b][:, idx].transpose(0, 1).contiguous()  # [L, Hkv, D]
+            kw = dict(ev.prefill_kwargs(L))
+            # The in-house cache's seed for (layer, sequence), so both draw the same prefill noise.
+            kw.setdefault("seed", prefill_seed(self._noise_seed, layer.layer_idx, b))
+            s = prefill_scores(
+                qb,
+                kb,
+                scale=scale,
+                mode=ev.prefill_mode,
+                window=ev.prefill_window(L),
+                alibi_slopes=slopes,
+                **kw,
+            )  # [Hkv, L]
+            s = ev.postprocess_prefill_scores(s)
+            layer.scores[b][:, idx] = s.to(torch.float32)
+
+    def _decode_scores(
+        self, layer: PolicyLayer, q: torch.Tensor, scale: float, slopes: torch.Tensor | None
+    ) -> None:
+        """One decode step's per-slot score update (docs/contract.md §2.2), query row by query row.
+
+        The update is ``kvkernels.paged_decode_attention``'s fused one, the op kvmodels' decode step runs;
+        its attention output is not used (transformers computed the attention). The layer's storage is laid
+        out as that op's pool: each sequence is one page of the layer's ``N`` slots, ``[B, N, Hkv, ...]``;
+        padding, and in a merged pair's region the slots this layer may not see, are hidden by
+        ``slot_mask``. A layer of a merged pair scores over the keys restored through its own magnitudes
+        (``k_scale``), and the update goes into the region's one score array (a shared slot collects both
+        layers' mass)."""
+        ev = self.eviction
+        kw = ev.decode_kwargs(self._decode_step, self._max_new_tokens() if ev.needs_max_new_tokens else 1)
+        B, hq, q_len, _ = q.shape
+        store = layer.store
+        N = store.keys.shape[2]
+        dev = store.keys.device
+
+        def pool(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, N, ...] -> [B, N, Hkv, ...], a copy
+            return x.transpose(1, 2).contiguous()
+
+        keys = pool(store.keys)
+        score = pool(store.scores)  # updated in place by the op, then taken back
+        restore = Restore(k_scale=pool(store.k_mag[layer.member]) if layer.merged else None,
+                                    slot_mask=pool(store.visible(layer.member).to(torch.uint8)), mask_bit=1)
+        scores = ScoreUpdate(score, ev.score_mode, decay=float(kw.get("decay", 1.0)))
+        if ev.score_mode == "gumbel":
+            tau = kw.get("temperature", 1.0)
+            scores = scores._replace(
+                temperature=torch.as_tensor(tau, dtype=torch.float32, device=dev).reshape(1).clone())
+        if slopes is not None:  # ALiBi from original positions
+            alibi_slopes, slot_pos = slopes.float().contiguous(), pool(store.positions.to(torch.int32))
+        table = torch.arange(B, dtype=torch.int32, device=dev)[:, None]  # sequence b is page b
+        for i in range(q_len):
+            n_seen = N - q_len + i + 1  # causal within the new chunk: the slots up to this query's own
+            if ev.score_mode == "gumbel":
+                # Noise is indexed by logical slot (a region's invisible slots included), as kvmodels indexes
+                # it; padding slots take their neighbour's and are masked out.
+                seen = store.valid[:, :n_seen]
+                logical = (seen.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, n_seen]
+                logical = F.pad(logical, (0, N - n_seen))
+                scores = scores._replace(gumbel_noise=torch.gather(
+                    self._noise[layer.layer_idx], 2, logical[:, None, :].expand(B, hq, N)
+                ).contiguous())  # [B, Hq, N]
+            alibi = None
+            if slopes is not None:
+                alibi = Alibi(alibi_slopes, slot_pos,
+                                        self.step.positions[:, i].to(torch.int32).contiguous())
+            lens = torch.full((B,), n_seen, dtype=torch.int32, device=dev)
+            paged_decode_attention(q[:, :, i].to(keys.dtype).contiguous(), keys, keys, table, lens,
+                                             scale=scale, alibi=alibi, scores=scores, restore=restore)
+        store.scores = score.transpose(1, 2).contiguous()
+
+    def _max_new_tokens(self) -> int:
+        if self.max_new_tokens is None:  # model.generate fills it in (_install); a hand-written loop must not
+            raise ValueError(
+                f"{self.policy.name}: the policy's decode schedule needs the generation length; it is taken "
+                "from model.generate(max_new_tokens=...) automatically; outside generate pass "
+                "hf_cache(policy, model, max_new_tokens=...)"
+            )
+        return int(self.max_new_tokens)
+
+    # --- reporting -----------------------------------------------------------------------------------
+    def report(self) -> HFCacheReport:
+        """Kept tokens per layer and sequence, bytes per layer, total and peak bytes, layer budgets."""
+        if self.prefilled and not self._compressed:
+            self._finish_prefill()
+        tokens = torch.stack([layer.kept_tokens().cpu() for layer in self.layers])
+        nbytes = torch.tensor([layer.nbytes() for layer in self.layers], dtype=torch.int64)
+        total = int(nbytes.sum())
+        self.peak_bytes = max(self.peak_bytes, total)
+        pairs = self.layout.pairs
+        budgets = None if self.plan is None else self.plan.storage.budgets.clone()
+        full = 0
+        if self.prompt_lens is not None:
+            seen = int(self.prompt_lens.sum()) + self._decode_step * int(self.prompt_lens.numel())
+            shaped = [x for x in self.layers if getattr(x, "keys", None) is not None and x.keys.numel()]
+            if shaped:
+                k = shaped[0].keys  # [B, Hkv, N, D]
+                full = 2 * len(self.layers) * seen * k.shape[1] * k.shape[3] * k.element_size()
+        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, budgets, pairs, full)
+
+    def kept_positions(self, layer_idx: int, b: int) -> torch.Tensor:
+        """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``.
+
+        For a layer of a merged pair: the positions of its pair's region slots (both layers', as
+        ``kvmodels.cache.PagedKVCache.layer_contents`` lists them); :meth:`layer_contents` says which ones
+        this layer sees.
+        """
+        store = self.layers[layer_idx].store
+        return store.positions[b][:, store.valid[b]]
+
+    def layer_contents(self, layer_idx: int, b: int) -> dict[str, torch.Tensor]:
+        """Kept slots of layer ``layer_idx``, sequence ``b`` in slot order (``PagedKVCache.layer_contents``).
+
+        Returns ``k``/``v`` ``[n, Hkv, D]`` (a merged layer's restored through its own magnitudes: what it
+        attends over), ``pos`` ``[n, Hkv]`` int64 and ``score`` ``[n, Hkv]`` float32; for a layer of a merged
+        pair the slots are its region's, plus ``visible`` ``[n, Hkv]`` bool (the slots this layer sees).
+        """
+        layer = self.layers[layer_idx]
+        store = layer.store
+        keys, values = store.restored(layer.member) if layer.merged else (store.keys, store.values)
+        row = store.valid[b]
+        out = {
+            "k": keys[b][:, row].transpose(0, 1),
+            "v": values[b][:, row].transpose(0, 1),
+            "pos": store.positions[b][:, row].t(),
+            "score": store.scores[b][:, row].t(),
+        }
+        if layer.merged:
+            out["visible"] = store.visible(layer.member)[b][:, row].t()
+        return out

@@ -1,0 +1,263 @@
+"""The transformers bridge's storage: one :class:`PolicyLayer` per model layer, compacted in place.
+
+A layer holds dense ``[B, Hkv, N, D]`` K/V (what transformers' attention reads) and, per slot, what the
+kvkernels ops need beside them; to compact it lays itself out as a ``kvkernels`` page pool and calls
+``topk_compact``, the op kvmodels' paged cache compacts with. What to keep is not decided here: budgets and
+forced counts come from the policy's plan (``kvpolicies.plan``), through the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvkernels import merge_restore, topk_compact
+
+if TYPE_CHECKING:
+    from kvpolicies.hf.cache import PolicyCache
+
+
+@dataclasses.dataclass
+class Step:
+    """The tokens of the forward in flight."""
+
+    valid: torch.Tensor  # [B, q] bool: which new tokens are real (not padding)
+    positions: torch.Tensor  # [B, q] int64 absolute positions of the new tokens
+
+
+class PolicyLayer(DynamicLayer):
+    """One model layer's compacted cache.
+
+    keys, values: ``[B, Hkv, N, D]``; ``positions``: ``[B, Hkv, N]`` int64 original absolute positions;
+    ``scores``: ``[B, Hkv, N]`` float32; ``valid``: ``[B, N]`` bool (the same for every head of a layer).
+
+    After a MiniCache merge, layer ``a`` of a pair holds the pair's *region* (docs/contract.md §5.1) in
+    those tensors: a shared slot holds the unit direction, a private slot the original K/V. It also holds
+    ``k_mag``, ``v_mag``: ``[2, B, Hkv, N]`` float32 per-slot magnitudes (member 0 = ``a``, 1 = ``b``; 1.0 on
+    private slots) and ``slot_mask``: ``[B, Hkv, N]`` uint8 (bit 1: visible to ``a``, bit 2: to ``b``).
+    Layer ``b`` holds empty tensors and reads ``a``'s region (``store``) as ``member`` 1.
+    """
+
+    def __init__(self, owner: PolicyCache, layer_idx: int) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)
+        self.layer_idx = layer_idx
+        self.positions: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.k_mag: torch.Tensor | None = None
+        self.v_mag: torch.Tensor | None = None
+        self.slot_mask: torch.Tensor | None = None
+        self._store: PolicyLayer | None = None  # the pair's first layer, for the second layer of a pair
+        self.member = 0  # which layer of a merged pair this is (its slot_mask bit is 1 << member)
+
+    @property
+    def store(self) -> PolicyLayer:
+        """The layer whose tensors hold this layer's tokens: itself, or its pair's region owner."""
+        return self if self._store is None else self._store
+
+    @property
+    def merged(self) -> bool:
+        """Whether this layer reads a merged pair's region."""
+        return self.store.slot_mask is not None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' call: the cache scores and stores the new tokens (MPT's attention hands its queries
+        over as ``query``); returns the K/V this layer attends over."""
+        owner = self._owner()
+        assert owner is not None
+        return owner.append_step(self, key_states, value_states, kwargs.get("query"))
+
+    def append(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, step: Step,
+        new_scores: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``q`` new tokens ``[B, Hkv, q, D]`` (scores ``[B, Hkv, q]``, else zeros); return what this
+        layer attends over. A layer of a merged pair appends private slots to its pair's region: exact K/V,
+        magnitude 1, visible to it only."""
+        if self.merged:
+            return self.store._append_private(key_states, value_states, step, self.member, new_scores)
+        keys, values = super().update(key_states, value_states)
+        self._append_side(key_states, step, new_scores)
+        return keys, values
+
+    def _append_side(self, key_states: torch.Tensor, step: Step,
+                     new_scores: torch.Tensor | None = None) -> None:
+        """Append positions, scores (``new_scores [B, Hkv, q]``, else zeros) and validity of ``q`` new tokens
+        ``[B, Hkv, q, D]``."""
+        B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
+        new_pos = step.positions[:, None, :].expand(B, hkv, q_len)  # [B, Hkv, q]
+        if new_scores is None:
+            new_scores = torch.zeros(B, hkv, q_len, dtype=torch.float32, device=key_states.device)
+        if self.positions is None:
+            self.positions, self.scores, self.valid = new_pos.clone(), new_scores, step.valid.clone()
+        else:
+            self.positions = torch.cat([self.positions, new_pos], dim=-1)
+            self.scores = torch.cat([self.scores, new_scores], dim=-1)
+            self.valid = torch.cat([self.valid, step.valid], dim=-1)
+
+    def _append_private(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, step: Step, member: int,
+        new_scores: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``member``'s new tokens to this region; return the region restored for ``member``."""
+        assert self.k_mag is not None and self.v_mag is not None and self.slot_mask is not None
+        B, hkv, q_len = key_states.shape[0], key_states.shape[1], key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._append_side(key_states, step, new_scores)
+        ones = torch.ones(2, B, hkv, q_len, dtype=torch.float32, device=key_states.device)
+        self.k_mag = torch.cat([self.k_mag, ones], dim=-1)
+        self.v_mag = torch.cat([self.v_mag, ones], dim=-1)
+        bit = torch.full((B, hkv, q_len), 1 << member, dtype=torch.uint8, device=key_states.device)
+        self.slot_mask = torch.cat([self.slot_mask, bit], dim=-1)
+        return self.restored(member)
+
+    def restored(self, member: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This region's K/V ``[B, Hkv, N, D]`` as layer ``member`` of the pair sees them: ``direction * mag``
+        (private slots have magnitude 1, so they come back exactly)."""
+        assert self.k_mag is not None and self.v_mag is not None
+        return merge_restore(self.keys, self.k_mag[member]), merge_restore(self.values, self.v_mag[member])
+
+    def visible(self, member: int) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: the slots layer ``member`` attends to (valid and, in a region, its bit)."""
+        assert self.valid is not None and self.positions is not None
+        seen = self.valid[:, None, :].expand(self.positions.shape)
+        if self.slot_mask is None:
+            return seen
+        return seen & ((self.slot_mask & (1 << member)) != 0)
+
+    def kept_tokens(self) -> torch.Tensor:
+        """``[B]`` int64 valid tokens (a region: slots) held per sequence."""
+        if self.valid is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self.valid.sum(-1)
+
+    def nbytes(self) -> int:
+        if not self.is_initialized or self.keys is None:
+            return 0
+        held = [self.keys, self.values, self.k_mag, self.v_mag, self.slot_mask]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def compact(
+        self,
+        budgets: torch.Tensor,
+        n_sink: torch.Tensor,
+        n_recent: torch.Tensor,
+        priority: torch.Tensor | None = None,
+    ) -> None:
+        """Keep, per (sequence, KV head), the forced slots plus the top scores up to ``budgets[b]`` tokens.
+
+        budgets, n_sink, n_recent: ``[B]`` int. The selection is ``kvkernels.topk_compact``, the op that
+        kvmodels' paged cache compacts with (docs/contract.md §2.4: forced sinks and recent window, ties to
+        the earlier token, NaN lowest, kept slots in original order and bit-identical); this layer only lays
+        its storage out as that op's pool (:meth:`_as_pool`). Sequences at or under budget keep everything;
+        the tensors shrink to the longest kept row. ``priority`` ``[B, Hkv, N]`` ranks the slots instead of
+        ``scores`` (which are kept as they are), as MiniCache's joint selection of a pair does. A region's
+        magnitudes and visibility move with its slots.
+        """
+        if self.valid is None or self.valid.shape[1] == 0:
+            return
+        (priority,) = self._pack(priority)
+        B, H, N, _ = self.keys.shape
+        dev = self.valid.device
+        count = self.valid.sum(-1)  # [B]
+        keep_n = torch.minimum(count, budgets.to(dev, torch.int64))  # [B]
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # [B] -> [B * Hkv]: each KV head is a pool sequence
+            return t.to(dev, torch.int64).repeat_interleave(H)
+
+        pool = self._as_pool()
+        k, v, pos, score, *extra = pool.values()
+        if priority is not None:  # rank by it (a copy: the op sorts it in place); the scores ride along
+            extra, score = [score, *extra], priority.reshape(B * H, N, 1).to(torch.float32, copy=True)
+        table = torch.arange(B * H, dtype=torch.int32, device=dev)[:, None]  # row r is page r
+        free = torch.zeros(B * H + 1, dtype=torch.int32, device=dev)  # released pages: dropped below
+        topk_compact(k, v, pos, score, table, per_row(count).to(torch.int32), per_row(budgets),
+                     per_row(n_sink), per_row(n_recent), free, torch.zeros(1, dtype=torch.int64, device=dev),
+                     extra=extra)
+        new_n = int(keep_n.max()) if keep_n.numel() else 0
+        self._from_pool(pool, new_n)
+        self.valid = torch.arange(new_n, device=dev)[None, :] < keep_n[:, None]  # [B, new_n]
+
+    def _pack(self, *also: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Move each sequence's valid slots to the front, in order (left padding, a decode step's new token
+        behind a compacted row): the layout ``topk_compact``'s sequences have. Pure storage. ``also``:
+        further ``[B, Hkv, N]`` tensors (or None), returned packed the same way."""
+        assert self.valid is not None
+        N = self.valid.shape[1]
+        count = self.valid.sum(-1)  # [B]
+        packed = torch.arange(N, device=self.valid.device)[None, :] < count[:, None]  # [B, N]
+        if torch.equal(packed, self.valid):
+            return list(also)
+        order = torch.sort((~self.valid).to(torch.uint8), dim=-1, stable=True).indices  # [B, N] valid first
+
+        def gather(x: torch.Tensor | None, per_token: bool = False) -> torch.Tensor | None:
+            """Along the slot dim of ``[..., B, Hkv, N]`` (``[B, Hkv, N, D]`` when ``per_token``)."""
+            if x is None:
+                return None
+            idx = order[:, None, :, None] if per_token else order[:, None, :]
+            return torch.gather(x, x.dim() - 1 - per_token, idx.expand(x.shape))
+
+        self.keys, self.values = gather(self.keys, True), gather(self.values, True)
+        self.positions, self.scores, self.slot_mask = (gather(x) for x in (self.positions, self.scores,
+                                                                          self.slot_mask))
+        self.k_mag, self.v_mag = gather(self.k_mag), gather(self.v_mag)
+        self.valid = packed
+        return [gather(x) for x in also]
+
+    def _as_pool(self) -> dict[str, torch.Tensor]:
+        """This layer's per-slot tensors as a ``kvkernels`` page pool (docs/contract.md §2): each (sequence,
+        KV head) row is a sequence of one page of ``N`` slots with one KV head, ``[B * Hkv, N, 1, ...]``,
+        positions as int32, a region's magnitudes one tensor per member. Copies, so that an op working in
+        place never writes into a tensor someone else still holds. Order: ``k v pos`` then ``score``, then
+        what is present of ``k_mag[0..1] v_mag[0..1] slot_mask``."""
+        B, H, N, D = self.keys.shape
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(B * H, N, 1, *x.shape[3:])
+
+        pool = {"k": rows(self.keys), "v": rows(self.values), "pos": rows(self.positions.to(torch.int32)),
+                "score": rows(self.scores)}
+        for name in ("k_mag", "v_mag"):
+            mag = getattr(self, name)
+            if mag is not None:
+                pool[f"{name}0"], pool[f"{name}1"] = rows(mag[0]), rows(mag[1])
+        if self.slot_mask is not None:
+            pool["slot_mask"] = rows(self.slot_mask)
+        return {k: v.clone(memory_format=torch.contiguous_format) for k, v in pool.items()}
+
+    def _from_pool(self, pool: dict[str, torch.Tensor], n: int) -> None:
+        """Take back :meth:`_as_pool`'s tensors, keeping each row's first ``n`` slots."""
+        B, H = self.keys.shape[:2]
+
+        def back(x: torch.Tensor) -> torch.Tensor:
+            return x.view(B, H, x.shape[1], *x.shape[3:])[:, :, :n].contiguous()
+
+        self.keys, self.values, self.scores = back(pool["k"]), back(pool["v"]), back(pool["score"])
+        self.positions = back(pool["pos"]).to(torch.int64)
+        for name in ("k_mag", "v_mag"):
+            if f"{name}0" in pool:
+                setattr(self, name, torch.stack([back(pool[f"{name}0"]), back(pool[f"{name}1"])]))
+        if "slot_mask" in pool:
+            self.slot_mask = back(pool["slot_mask"])
+
+    # Beam search / contrastive search reorder or crop the batch; keep the side tensors in step.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PolicyCache does not support beam search; use greedy or sampling")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PolicyCache cannot be cropped (assisted decoding is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("PolicyCache does not support num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PolicyCache does not support batch selection")
