@@ -367,3 +367,27 @@ def test_forced_fits_the_budget(name):
     n_sink, n_recent = policy.forced(budgets)
     assert n_sink.dtype == n_recent.dtype == torch.int32
     assert (n_sink >= 0).all() and (n_recent >= 0).all() and (n_sink + n_recent <= budgets).all()
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "keyformer", "tova", "chunkkv", "a2sf"])
+def test_prompt_scores_is_the_kernel_run_with_the_policy_settings(name):
+    """Every cache scores a prompt through ``EvictionPolicy.prompt_scores``: the kernel with the policy's
+    mode, window and keywords (which may override the caller's seed), then its post-processing."""
+    from kvkernels import prefill_scores
+
+    ev = compose(name, budget=0.5).eviction
+    g = torch.Generator().manual_seed(3)
+    L, Hq, Hkv, D = 23, 4, 2, 16
+    q, k = torch.randn(L, Hq, D, generator=g), torch.randn(L, Hkv, D, generator=g)
+    kwargs = {"seed": 7, **ev.prefill_kwargs(L)}
+    raw = prefill_scores(q, k, scale=0.25, mode=ev.prefill_mode, window=ev.prefill_window(L), **kwargs)
+    assert torch.equal(ev.prompt_scores(q, k, scale=0.25, seed=7), ev.postprocess_prefill_scores(raw))
+    if name == "keyformer":  # its noise follows the seed: another seed, other scores
+        assert not torch.equal(ev.prompt_scores(q, k, scale=0.25, seed=8), ev.prompt_scores(q, k, scale=0.25,
+                                                                                           seed=7))
+
+
+def test_prompt_scores_of_a_policy_that_scores_no_prompt_is_refused_by_name():
+    with pytest.raises(ValueError, match="'streaming' scores no prompt"):
+        compose("streaming", budget=0.5).eviction.prompt_scores(torch.zeros(3, 2, 8), torch.zeros(3, 1, 8),
+                                                                scale=1.0)

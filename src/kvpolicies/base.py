@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
+from kvkernels import prefill_scores
+
 Role = Literal["eviction", "budget", "merge", "heads", "precision"]
 ROLES: tuple[Role, ...] = ("eviction", "budget", "merge", "heads", "precision")
 
@@ -255,6 +257,21 @@ class EvictionPolicy(Policy):
     def postprocess_prefill_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Transform ``[Hkv, L]`` prompt scores before selection (e.g. SnapKV pooling)."""
         return scores
+
+    def prompt_scores(self, q: torch.Tensor, k: torch.Tensor, *, scale: float, seed: int = 0,
+                      alibi_slopes: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None) -> torch.Tensor:
+        """``[Hkv, L]`` scores of a prompt's keys ``k [L, Hkv, D]`` by its rotated queries ``q [L, Hq, D]``:
+        ``kvkernels.prefill_scores`` with this policy's ``prefill_mode``, ``prefill_window(L)`` and
+        ``prefill_kwargs(L)`` (which may override ``seed``), then :meth:`postprocess_prefill_scores`. Every
+        cache (kvmodels' paged cache, the transformers bridge, the vLLM plugin) scores a prompt through it."""
+        if self.prefill_mode is None:
+            raise ValueError(f"eviction policy {self.name!r} scores no prompt (prefill_mode is None)")
+        L = q.shape[0]
+        kwargs = {"seed": seed, **self.prefill_kwargs(L)}
+        scores = prefill_scores(q, k, scale=scale, mode=self.prefill_mode, window=self.prefill_window(L),
+                                alibi_slopes=alibi_slopes, lse=lse, **kwargs)
+        return self.postprocess_prefill_scores(scores)
 
     def score_source_layer(self, layer: int) -> int:
         """The cache layer whose prompt scores ``layer`` selects by (itself; ChunkKV's layer-wise index

@@ -16,7 +16,6 @@ from kvkernels.score_update import (
     COLUMN_SUM_MODES,
     prefill_attention,
     prefill_attention_scores,
-    prefill_scores,
 )
 from kvpolicies.base import NewTokens
 
@@ -164,15 +163,11 @@ class PrefillSteps:
         source = self.eviction.score_source_layer(l)
         if source != l:  # layer-wise index reuse: the scores an earlier layer of this sequence computed
             return self._shared_scores[source, b]
-        L = q.shape[0]
-        mode = self.eviction.prefill_mode
-        assert mode is not None  # callers check
-        scores = raw
-        if scores is None:
-            kwargs = {"seed": self.prefill_seed(l, b), **self.eviction.prefill_kwargs(L)}
-            scores = prefill_scores(q, k, scale=scale, mode=mode, window=self.eviction.prefill_window(L),
-                                    alibi_slopes=alibi_slopes, lse=lse, **kwargs)
-        scores = self.eviction.postprocess_prefill_scores(scores)
+        if raw is None:
+            scores = self.eviction.prompt_scores(q, k, scale=scale, seed=self.prefill_seed(l, b),
+                                                 alibi_slopes=alibi_slopes, lse=lse)
+        else:
+            scores = self.eviction.postprocess_prefill_scores(raw)
         if l + 1 < self.n_layers and self.eviction.score_source_layer(l + 1) == l:
             self._shared_scores[l, b] = scores  # [Hkv, L], read by the layers that reuse this one's
         return scores

@@ -31,7 +31,6 @@ from kvkernels import (
     draw_gumbel_,
     noise_seed,
     paged_decode_attention,
-    prefill_scores,
     prefill_seed,
 )
 from kvpolicies.base import LayerStats, NewTokens, residual_cos_sim
@@ -407,22 +406,11 @@ class PolicyCache(Cache):
             return
         for b in range(q.shape[0]):
             idx = self.step.valid[b].nonzero().squeeze(-1)  # real (unpadded) prompt tokens
-            L = int(idx.numel())
             qb = q[b][:, idx].transpose(0, 1).contiguous()  # [L, Hq, D]
             kb = k[b][:, idx].transpose(0, 1).contiguous()  # [L, Hkv, D]
-            kw = dict(ev.prefill_kwargs(L))
             # The in-house cache's seed for (layer, sequence), so both draw the same prefill noise.
-            kw.setdefault("seed", prefill_seed(self._noise_seed, layer.layer_idx, b))
-            s = prefill_scores(
-                qb,
-                kb,
-                scale=scale,
-                mode=ev.prefill_mode,
-                window=ev.prefill_window(L),
-                alibi_slopes=slopes,
-                **kw,
-            )  # [Hkv, L]
-            s = ev.postprocess_prefill_scores(s)
+            s = ev.prompt_scores(qb, kb, scale=scale, alibi_slopes=slopes,
+                                 seed=prefill_seed(self._noise_seed, layer.layer_idx, b))  # [Hkv, L]
             layer.scores[b][:, idx] = s.to(torch.float32)
 
     def _decode_scores(

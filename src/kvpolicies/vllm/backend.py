@@ -332,7 +332,6 @@ def prompt_scores(policy: ComposedPolicy, k: torch.Tensor, v: torch.Tensor, q: t
     policy's window may be zeros: only the last ``prefill_window(L)`` are read) through
     ``kvkernels.prefill_scores`` and the policy's ``postprocess_prefill_scores``; zeros when the selection
     needs no scores."""
-    import kvkernels
 
     ev = policy.eviction
     L, H = k.shape[0], k.shape[1]
@@ -341,9 +340,7 @@ def prompt_scores(policy: ComposedPolicy, k: torch.Tensor, v: torch.Tensor, q: t
         return ev.token_scores(new).to(torch.float32).transpose(0, 1).contiguous()
     if ev.prefill_mode is not None:
         assert q is not None
-        s = kvkernels.prefill_scores(q.contiguous(), k.contiguous(), scale=scale, mode=ev.prefill_mode,
-                                     window=ev.prefill_window(L), **ev.prefill_kwargs(L))
-        return ev.postprocess_prefill_scores(s).to(torch.float32)
+        return ev.prompt_scores(q.contiguous(), k.contiguous(), scale=scale).to(torch.float32)
     return torch.zeros(H, L, dtype=torch.float32)
 
 
