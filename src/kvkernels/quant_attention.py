@@ -218,6 +218,18 @@ if HAS_TRITON:
         return gm_i, gl_i, n_vis
 
     @triton.jit
+    def _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows, g_ok, slots,
+                   in_seq, tau, logits_len, noise_len, DOT_PRECISION: tl.constexpr,
+                   KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr):
+        """A tile's step after :func:`_softmax_step`, shared by both loops of :func:`_attend_region`: the
+        rescaled ``acc`` plus ``p @ v`` and (``KEEP_LOGITS``) :func:`_keep_logits`."""
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        if KEEP_LOGITS:
+            gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows, g_ok, slots,
+                                             in_seq, tau, logits_len, noise_len, GUMBEL)
+        return acc, gm_i, gl_i, n_vis
+
+    @triton.jit
     def _attend_region(q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr,
                        noise_ptr, q_rows, g_ok, b, kvh, start, end, scale, tau, max_pages, logits_len,
                        noise_len, offs_d, d_ok,
@@ -244,7 +256,8 @@ if HAS_TRITON:
         after the current tile's products and waits for them first thing in the next step, behind a plain
         page-table load (2 stages) or plain loads of the scales and zero points (3 stages): each step
         waits for one or two round trips to memory that nothing overlaps. Both do the same arithmetic in
-        the same order: bit-identical in the interpreter (sm_90, run 10: 4-bit differs in the last bits).
+        the same order (:func:`_softmax_step`, then :func:`_tile_tail`): bit-identical in the interpreter
+        (sm_90, run 10: 4-bit differs in the last bits).
         """
         offs_n = tl.arange(0, BLOCK_N)
         if PREFETCH:
@@ -271,12 +284,10 @@ if HAS_TRITON:
                 vb, vs, vz = _fetch_rows(v_ptr, next_row, next_in, D, V_BITS, V_GROUP, V_F32)
                 after_slots = next_slots + BLOCK_N  # the tile after next: the next step's rows
                 next_page = _slot_pages(page_table_ptr, b, after_slots, after_slots < end, max_pages, S)
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                    input_precision=DOT_PRECISION)
+                acc, gm_i, gl_i, n_vis = _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr,
+                                                    noise_ptr, q_rows, g_ok, slots, in_seq, tau, logits_len,
+                                                    noise_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
                 m_i = m_new
-                if KEEP_LOGITS:
-                    gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows,
-                                                     g_ok, slots, in_seq, tau, logits_len, noise_len, GUMBEL)
         else:
             for n0 in range(start, end, BLOCK_N):
                 slots = n0 + offs_n
@@ -286,12 +297,10 @@ if HAS_TRITON:
                 k = _load_rows(k_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, K_BITS, K_GROUP, K_F32)
                 x, m_new, alpha, p, l_i = _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION)
                 v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32)
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                    input_precision=DOT_PRECISION)
+                acc, gm_i, gl_i, n_vis = _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr,
+                                                    noise_ptr, q_rows, g_ok, slots, in_seq, tau, logits_len,
+                                                    noise_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
                 m_i = m_new
-                if KEEP_LOGITS:
-                    gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows,
-                                                     g_ok, slots, in_seq, tau, logits_len, noise_len, GUMBEL)
         return m_i, l_i, acc, gm_i, gl_i, n_vis
 
     @triton.jit

@@ -10,10 +10,11 @@ region, :meth:`SideRegion.split` asks the precision policy which format each tok
 (``PrecisionPolicy.assign`` over the prompt, from the eviction's kept set and the prompt scores) and
 compacts each region to its tokens. Decode steps append to the main region and attend to both regions in one
 softmax (``kvkernels.quant_attention.quant_decode_attention(second=...)``); KIVI's residual ages into the
-side region a group at a time (:meth:`SideRegion.migrate`). Nothing is evicted after the split: a
-continuation (``begin_extend``: a follow-up turn) attends to both regions and appends its tokens to the main
-region whole, as decode steps do, and KIVI's residual ages after it; a chunked prefill, which must evict
-between chunks to keep the budget, is refused by ``kvmodels.decoder.Decoder``.
+side region a group at a time (:meth:`SideRegion.migrate`). A continuation (``begin_extend``: a follow-up
+turn) evicts nothing: it attends to both regions and appends its tokens to the main region whole, as decode
+steps do, and KIVI's residual ages after it; decode-time eviction with KIVI's residual evicts quantized
+tokens only (below). A chunked prefill, which must evict between chunks to keep the budget, is refused by
+``kvmodels.decoder.Decoder``.
 
 The split (and KIVI's aging) compacts by a membership flag written into each region's slot scores, then
 writes the kept tokens' eviction scores back (a compaction keeps the flagged slots in order), and tokens
