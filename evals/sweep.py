@@ -228,11 +228,11 @@ class Runner:
         self._references: dict[tuple[int, int], list[str]] = {}
 
     def samples(self, task: str, context: int, n: int) -> list[Any]:
-        from evals.tasks import passkey_samples, summary_samples
+        from evals.tasks import passkey_samples, story_samples, summary_samples
 
         key = (task, context, n)
         if key not in self._samples:
-            make = passkey_samples if task == "passkey" else summary_samples
+            make = {"passkey": passkey_samples, "story": story_samples}.get(task, summary_samples)
             self._samples[key] = make(self.tokenizer, self.corpus, n, context, self.seed)
         return self._samples[key]
 

@@ -44,6 +44,18 @@ PASSKEY_ANSWER_PREFIX = "The pass key is"
 PASSKEY_NEW_TOKENS = 8   # " 12345." is 7 SmolLM2 tokens (digits are single tokens)
 
 SUMMARY_REQUEST = "Summarize the passage above in two or three sentences."
+# Story QA (issue 37): facts about a ship's crew woven into the prose, a question about one of them; the other
+# facts are distractors of the same form, so the answer needs the binding (whose pet), not just a name.
+STORY_INSTRUCTION = "Read the story below carefully; a question about it follows."
+STORY_FACT = "The {role}'s {pet} was called {name}."
+STORY_QUESTION = "What was the {role}'s {pet} called?"
+STORY_ANSWER_PREFIX = "The {role}'s {pet} was called"
+STORY_ROLES = ("cook", "carpenter", "captain", "harpooner", "blacksmith", "first mate", "boatswain",
+               "cabin boy")
+STORY_PETS = ("dog", "parrot", "cat", "goat")
+STORY_NAMES = ("Biscuit", "Pepper", "Juniper", "Clover", "Marlowe", "Tansy", "Barnaby", "Wren", "Pickles",
+               "Hazel", "Rufus", "Mabel", "Otis", "Poppy", "Jasper", "Nutmeg")
+STORY_FACTS = 4  # facts per story: the asked one and three distractors
 
 
 # --- text ------------------------------------------------------------------------------------------------
@@ -127,12 +139,23 @@ def passkey_user_message(sentences: Sequence[str], key: str, depth: float) -> st
 
 @dataclass(frozen=True)
 class Sample:
-    """One prompt of a task: its token ids and what scores it (the passkey, or nothing)."""
+    """One prompt of a task: its token ids, what scores it (the passkey, the story's name, or nothing) and
+    the question it ends with (the story's; a passkey prompt's is ``PASSKEY_QUESTION``)."""
 
     prompt: tuple[int, ...]
     answer: str = ""
     depth: float = math.nan
     start: int = 0
+    question: str = ""
+
+
+def filler_tokens(context: int, overhead: int) -> int:
+    """Tokens of prose a prompt of about ``context`` tokens has room for after its ``overhead``-token frame
+    (instruction, question, chat template, answer prefix)."""
+    if context - overhead < 16:
+        raise ValueError(f"context={context} leaves no room for filler after the {overhead}-token prompt "
+                         "frame; ask for a longer context")
+    return context - overhead
 
 
 def passkey_samples(tokenizer: Any, corpus: Corpus, n: int, context: int, seed: int = 0) -> list[Sample]:
@@ -144,16 +167,51 @@ def passkey_samples(tokenizer: Any, corpus: Corpus, n: int, context: int, seed: 
     """
     rng = np.random.default_rng((seed, context))
     overhead = len(chat_prompt(tokenizer, passkey_user_message([], "00000", 0.0), PASSKEY_ANSWER_PREFIX))
-    filler = context - overhead
-    if filler < 16:
-        raise ValueError(f"context={context} leaves no room for filler after the {overhead}-token prompt "
-                         "frame; ask for a longer context")
+    filler = filler_tokens(context, overhead)
     out = []
     for i, start in enumerate(corpus.starts(n, filler, rng)):
         key = str(int(rng.integers(10000, 100000)))
         depth = (i + 0.5) / n
         user = passkey_user_message(corpus.passage(start, filler), key, depth)
         out.append(Sample(tuple(chat_prompt(tokenizer, user, PASSKEY_ANSWER_PREFIX)), key, depth, start))
+    return out
+
+
+def story_user_message(sentences: Sequence[str], facts: Sequence[tuple[str, str, str, float]],
+                       asked: int) -> str:
+    """The user turn of a story-QA prompt: instruction, prose with each ``(role, pet, name, depth)`` fact
+    inserted at its depth (fraction of the sentences before it), the question about fact ``asked``."""
+    prose = list(sentences)
+    for role, pet, name, depth in sorted(facts, key=lambda f: -f[3]):  # deepest first: indices stay valid
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth={depth} must be in [0, 1] (fraction of the prose before the fact)")
+        prose.insert(round(depth * len(sentences)), STORY_FACT.format(role=role, pet=pet, name=name))
+    role, pet = facts[asked][0], facts[asked][1]
+    return f"{STORY_INSTRUCTION} {' '.join(prose)} {STORY_QUESTION.format(role=role, pet=pet)}"
+
+
+def story_samples(tokenizer: Any, corpus: Corpus, n: int, context: int, seed: int = 0) -> list[Sample]:
+    """``n`` story-QA prompts of about ``context`` tokens: a passage with ``STORY_FACTS`` facts of the form
+    "The cook's dog was called Biscuit." (distinct roles, pets' pairs and names, at random depths), asking
+    for one of them; the asked fact's depth is ``(i + 0.5) / n`` so every depth band is covered. Correct:
+    :func:`word_match` of the answer against the name. Drawn from ``numpy.random.default_rng((seed,
+    context, 2))``."""
+    rng = np.random.default_rng((seed, context, 2))
+    frame = [(STORY_ROLES[0], STORY_PETS[0], STORY_NAMES[0], 0.0)] * STORY_FACTS
+    prefix = STORY_ANSWER_PREFIX.format(role=STORY_ROLES[-1], pet=STORY_PETS[0])
+    overhead = len(chat_prompt(tokenizer, story_user_message([], frame, 0), prefix))
+    filler = filler_tokens(context, overhead)
+    out = []
+    for i, start in enumerate(corpus.starts(n, filler, rng)):
+        roles = rng.choice(len(STORY_ROLES), STORY_FACTS, replace=False)
+        names = rng.choice(len(STORY_NAMES), STORY_FACTS, replace=False)
+        depths = [(i + 0.5) / n, *rng.uniform(0, 1, STORY_FACTS - 1)]
+        facts = [(STORY_ROLES[r], STORY_PETS[int(rng.integers(len(STORY_PETS)))], STORY_NAMES[m], d)
+                 for r, m, d in zip(roles, names, depths, strict=True)]
+        role, pet, name = facts[0][:3]
+        user = story_user_message(corpus.passage(start, filler), facts, 0)
+        prompt = chat_prompt(tokenizer, user, STORY_ANSWER_PREFIX.format(role=role, pet=pet))
+        out.append(Sample(tuple(prompt), name, depths[0], start, STORY_QUESTION.format(role=role, pet=pet)))
     return out
 
 
@@ -179,6 +237,12 @@ def extract_number(text: str) -> str:
 def exact_match(prediction: str, answer: str) -> bool:
     """Whether the first number in ``prediction`` is exactly ``answer``."""
     return extract_number(prediction) == answer
+
+
+def word_match(prediction: str, answer: str) -> bool:
+    """Whether the first word of ``prediction`` is ``answer`` (letters only, case ignored)."""
+    m = re.search(r"[A-Za-z]+", prediction)
+    return bool(m) and m.group(0).lower() == answer.lower()
 
 
 def near_miss(prediction: str, answer: str) -> bool:

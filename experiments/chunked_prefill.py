@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None, runner: Any = None) -> int:
     p.add_argument("--no-once", action="store_true", help="run only the chunked configs (compressing once "
                    "is cheap, replayed: run it after them)")
     p.add_argument("--policies", default=";".join(POLICIES), help="';'-separated compose names")
-    p.add_argument("--budgets", default="0.2,0.5")
+    p.add_argument("--budgets", default="0.2,0.5", help="fractions of the prompt, or ints: tokens per layer")
     p.add_argument("--chunks", default="512,128", help="chunk sizes, comma-separated (run in this order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=8, help="sequences per generate call after the first")
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None, runner: Any = None) -> int:
     t_start = time.perf_counter()
     done = {r["key"] for r in read_records(out)}
     policies = args.policies.split(";")
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = [int(b) if b.isdigit() else float(b) for b in args.budgets.split(",")]  # int: tokens
     chunks = [int(c) for c in args.chunks.split(",") if c]
     runner = runner or Runner(seed=args.seed)
     replay = _replay_class()(runner.model)

@@ -123,6 +123,58 @@ def test_bundled_text():
 
 
 # --- scoring -----------------------------------------------------------------------------------------------
+def test_story_user_message_form():
+    sentences = ["One.", "Two.", "Three.", "Four."]
+    facts = [("cook", "dog", "Biscuit", 0.5), ("captain", "cat", "Wren", 0.0),
+             ("boatswain", "goat", "Otis", 1.0)]
+    msg = tasks.story_user_message(sentences, facts, 0)
+    assert msg == (f"{tasks.STORY_INSTRUCTION} The captain's cat was called Wren. One. Two. The cook's dog "
+                   "was called Biscuit. Three. Four. The boatswain's goat was called Otis. What was the "
+                   "cook's dog called?")
+    assert tasks.story_user_message(sentences, facts, 2).endswith("What was the boatswain's goat called?")
+    with pytest.raises(ValueError, match="depth"):
+        tasks.story_user_message(sentences, [("cook", "dog", "Biscuit", -0.1)], 0)
+
+
+def test_story_samples():
+    tok = WordTokenizer()
+    samples = tasks.story_samples(tok, tasks.Corpus.from_text(TEXT, tok), 6, 300, seed=1)
+    assert [s.depth for s in samples] == pytest.approx([(i + 0.5) / 6 for i in range(6)])
+    for s in samples:
+        text = tok.decode(list(s.prompt))
+        facts = re.findall(r"The ([a-z ]+)'s (\w+) was called (\w+)\.", text)
+        assert len(facts) == tasks.STORY_FACTS  # the asked fact and its distractors; the prefix has no "."
+        roles, names = [f[0] for f in facts], [f[2] for f in facts]
+        assert len(set(roles)) == len(roles) and len(set(names)) == len(names)
+        role, pet = re.fullmatch(r"What was the ([a-z ]+)'s (\w+) called\?", s.question).groups()
+        assert (role, pet, s.answer) in facts  # the question asks a fact of this story, by its name
+        assert text.endswith(f"{s.question} </user> <assistant> The {role}'s {pet} was called")
+        assert 300 - 30 <= len(s.prompt) <= 300 + 10
+        # The asked fact sits at the sample's depth of the prose (in words, within one sentence or so).
+        prose = text.split(tasks.STORY_INSTRUCTION)[1].split(s.question)[0].split()
+        at = prose.index(s.answer + ".") / len(prose)
+        assert abs(at - s.depth) < 0.08
+        assert tasks.word_match(f" {s.answer}.", s.answer)
+    assert tasks.story_samples(tok, tasks.Corpus.from_text(TEXT, tok), 6, 300, seed=1) == samples
+    other = tasks.story_samples(tok, tasks.Corpus.from_text(TEXT, tok), 6, 300, seed=2)
+    assert [s.answer for s in other] != [s.answer for s in samples]
+
+
+@pytest.mark.parametrize("make", [tasks.passkey_samples, tasks.story_samples])
+def test_a_context_too_short_for_the_prompt_frame_is_refused(make):
+    tok = WordTokenizer()
+    with pytest.raises(ValueError, match="context=40 leaves no room for filler"):
+        make(tok, tasks.Corpus.from_text(TEXT, tok), 2, 40)
+
+
+def test_word_match():
+    assert tasks.word_match(" Biscuit.", "Biscuit")
+    assert tasks.word_match(" biscuit, the dog", "Biscuit")
+    assert not tasks.word_match(" Biscuits.", "Biscuit")
+    assert not tasks.word_match(" the dog Biscuit", "Biscuit")
+    assert not tasks.word_match(" 12345", "Biscuit")
+
+
 def test_exact_match():
     assert tasks.exact_match(" 12345.", "12345")
     assert tasks.exact_match(": 12345 is it", "12345")

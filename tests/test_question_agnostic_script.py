@@ -1,7 +1,7 @@
 """experiments/question_agnostic.py at a tiny setting: the question fed after the context's compression
 (both protocols) equals one-shot greedy decoding under the full cache, replayed contexts change nothing,
 head-budget configs run through the feed protocol, and the script's pieces (question split, table, entry
-point) work."""
+point, the story task's records) work."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class _Tok:
         return "".join(chr(ord("a") + i) if i < 26 else " " for i in ids)
 
 
-def test_split_question_and_table(tmp_path):
+def test_split_question_and_table(tmp_path, capsys):
     prompt = [0, 1, 2, 30, 3, 4, 5, 6]  # "abc" + " " + "defg"
     assert qa.split_question(_Tok(), prompt, "def") == ([0, 1, 2, 30], [3, 4, 5, 6])  # the shortest suffix
     with pytest.raises(ValueError, match="question"):
@@ -77,6 +77,12 @@ def test_split_question_and_table(tmp_path):
     for r in records:
         append_record(out, r)
     assert qa.main(["--report", "--out", str(out)]) == 0
+    append_record(out, {"config": "snapkv", "budget": 0.5, "protocol": "feed", "correct": 4, "n": 6,
+                        "task": "story"})
+    capsys.readouterr()
+    assert qa.main(["--report", "--out", str(out), "--task", "story"]) == 0
+    story = capsys.readouterr().out  # the story's record alone: the passkey records stay in their table
+    assert "| snapkv | 4/6 |" in story and "full" not in story
     with pytest.raises(SystemExit) as e:
         qa.main(["--help"])
     assert e.value.code == 0
