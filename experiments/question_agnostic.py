@@ -49,7 +49,22 @@ CONFIGS: dict[str, str] = {
     "profile+snapkv": "profile+{snapkv}",
     "snapkv+duo": "{snapkv}+duo",
     "profile+snapkv+duo": "profile+{snapkv}+duo",
+    # The other eviction policies (defaults; with the feed protocol the ones that evict while decoding
+    # evict nothing after the context's compression either) and the other layer / head budget policies.
+    "window": "window",
+    "h2o": "h2o",
+    "tova": "tova",
+    "knorm": "knorm",
+    "keyformer": "keyformer",
+    "a2sf": "a2sf",
+    "scissorhands": "scissorhands",
+    "chunkkv": "chunkkv",
+    "squeeze+snapkv": "squeeze+{snapkv}",
+    "pyramid+snapkv": "pyramid+{snapkv}",
+    "snapkv+adakv": "{snapkv}+adakv",
 }
+# What --configs runs by default: the configs of the first tables (the others: --configs all).
+DEFAULT_CONFIGS = ("full", "streaming", "snapkv", "profile+snapkv", "snapkv+duo", "profile+snapkv+duo")
 EVICT_EVERY = 64  # past the question and the answer: the feed protocol evicts nothing after the context
 
 
@@ -174,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=24, help="prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budgets", default="0.2,0.5")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated names of {list(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated names of {list(CONFIGS)}, or all")
     p.add_argument("--protocols", default="feed,extend", help="feed and/or extend (extend: every config but "
                    "adakv's)")
     p.add_argument("--new", type=int, default=10, help="tokens generated after the question")
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     samples = runner.samples(args.task, args.context, args.n)
     pieces = [split_question(tok, s.prompt, s.question or PASSKEY_QUESTION) for s in samples]
     correct = exact_match if args.task == "passkey" else word_match
-    names = args.configs.split(",")
+    names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     budgets = [float(b) for b in args.budgets.split(",")]
     protocols = args.protocols.split(",")
     done = {r["key"] for r in read_records(out)}

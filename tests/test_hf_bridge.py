@@ -395,6 +395,22 @@ def test_keyformer_by_hand_needs_max_new_tokens():
                   past_key_values=cache, use_cache=True)
 
 
+def test_a_cache_is_driven_only_by_the_hooks_of_its_own_model():
+    """Each model's hooks recognise the caches built for it: a cache passed to another model (with hooks of
+    its own) is not driven by them, so its first update says how to build one instead of running on a
+    family it was not set up for."""
+    model, other = model_of("llama"), tiny("llama")
+    policy = compose("h2o", budget=0.5)
+    hf_cache(policy, other)  # hooks on the other model too
+    ids, mask = left_pad(prompts([9]))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="not prepared by the kvpolicies hooks"):
+        other(input_ids=ids, attention_mask=mask, past_key_values=hf_cache(policy, model), use_cache=True)
+    cache = hf_cache(policy, other)
+    with torch.no_grad():
+        other(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.prefilled and cache.hooks is other._kvpolicies_hooks
+
+
 def test_report_is_a_table_and_keeps_its_fields():
     model = model_of("llama")
     _, cache = run(model, prompts([20, 12], seed=2), compose("h2o", budget=0.25))
