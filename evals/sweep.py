@@ -51,18 +51,21 @@ def policy_names(evictions: Sequence[str] | None = None, budget_policies: Sequen
     """``full``, then every eviction policy alone, under each layer-budget policy and with ``minicache``;
     ``heads``: then with ``adakv`` head budgets under each layer-budget policy (for every eviction policy
     that ``adakv`` composes with)."""
-    from kvpolicies import available, compose
+    from kvpolicies import available, compose, get_policy
 
     if evictions is None:
         evictions = [p.name for p in available("eviction") if p.name != "full"]
+    # A policy ranking by a reconstruction pass (kvzip) extends each sequence, which merged layers and
+    # per-head budgets cannot take (the Decoder refuses them): not combined with those.
+    extendable = [e for e in evictions if not getattr(get_policy(e), "probe", False)]
     names = ["full"]
     for bp in budget_policies:
         names += [e if bp == "uniform" else f"{bp}+{e}" for e in evictions]
     if merge:
-        names += [f"{e}+minicache" for e in evictions]
+        names += [f"{e}+minicache" for e in extendable]
     if heads:
         for bp in budget_policies:
-            for e in evictions:
+            for e in extendable:
                 name = f"{e}+adakv" if bp == "uniform" else f"{bp}+{e}+adakv"
                 try:
                     compose(name)

@@ -360,6 +360,12 @@ class PrefillReplay:
     def decode_step(self, tokens: Tensor, positions: Tensor, cache: Any) -> Tensor:
         return self.model.decode_step(tokens, positions, cache)
 
+    @property
+    def can_extend(self) -> bool:
+        """Whether the wrapped model continues a cached sequence (``prefill(start=)``, which this replay
+        hands to it: a continuation attends to the compressed cache, so it cannot be recorded)."""
+        return bool(getattr(self.model, "can_extend", False))
+
     def record(self, prompts: Sequence[Sequence[int]],
                progress: Callable[[int], None] | None = None) -> None:
         """Prefill each prompt not yet recorded (``progress(i)`` after the ``i``-th) and forget the others."""
@@ -378,8 +384,10 @@ class PrefillReplay:
                 if progress is not None:
                     progress(i)
 
-    def prefill(self, tokens: Tensor, cache: Any, b: int, *, last_only: bool = False,
+    def prefill(self, tokens: Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
                 on_layer: Callable[[int], None] | None = None) -> Tensor:
+        if start:  # a continuation (an extension, kvzip's reconstruction pass): the model's own
+            return self.model.prefill(tokens, cache, b, start=start, last_only=last_only, on_layer=on_layer)
         key = tuple(tokens.tolist())
         if key not in self._store:
             raise KeyError("PrefillReplay.prefill: this prompt was not recorded; call record(prompts) first")

@@ -46,10 +46,6 @@ def _replay_class() -> Any:
         recorded token list (a whole prompt, or a prompt's first chunk) is replayed; any other prefill (a
         later chunk, ``start > 0``) runs the wrapped model on the compressed cache."""
 
-        @property
-        def can_extend(self) -> bool:
-            return bool(getattr(self.model, "can_extend", False))
-
         def prefill(self, tokens: torch.Tensor, cache: Any, b: int, *, start: int = 0,
                     last_only: bool = False, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
             if start == 0 and tuple(tokens.tolist()) in self._store:

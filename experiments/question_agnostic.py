@@ -62,6 +62,7 @@ CONFIGS: dict[str, str] = {
     "squeeze+snapkv": "squeeze+{snapkv}",
     "pyramid+snapkv": "pyramid+{snapkv}",
     "snapkv+adakv": "{snapkv}+adakv",
+    "kvzip": "kvzip",  # ranks the context by a second pass over it (the reconstruction)
 }
 # What --configs runs by default: the configs of the first tables (the others: --configs all).
 DEFAULT_CONFIGS = ("full", "streaming", "snapkv", "profile+snapkv", "snapkv+duo", "profile+snapkv+duo")
@@ -126,33 +127,6 @@ def head_tokens(model: Any, policy: Any, context: list[int]) -> Any:
     dec = Decoder(model, policy)
     dec.extend([context])
     return dec.cache.report().head_tokens
-
-
-class ReplayedContext:
-    """A model whose first prefill of a sequence (the context) is replayed from ``replay``
-    (``evals.tasks.PrefillReplay``, identical to the model's own), and whose later ones (``start > 0``, an
-    extension) and decode steps are the model's: the contexts are prefilled once for every config."""
-
-    can_extend = True
-
-    def __init__(self, model: Any, replay: Any) -> None:
-        self.model, self.replay = model, replay
-        self.n_cache_layers, self.max_seq_len = model.n_cache_layers, model.max_seq_len
-
-    def cache_layout(self) -> Any:
-        return self.model.cache_layout()
-
-    def parameters(self) -> Any:
-        return self.model.parameters()
-
-    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        return self.model.decode_step(tokens, positions, cache)
-
-    def prefill(self, tokens: torch.Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
-                on_layer: Any = None) -> torch.Tensor:
-        if start == 0:
-            return self.replay.prefill(tokens, cache, b, last_only=last_only, on_layer=on_layer)
-        return self.model.prefill(tokens, cache, b, start=start, last_only=last_only, on_layer=on_layer)
 
 
 def build_policies(names: Sequence[str], budgets: Sequence[float], model: Any, snapkv: str = SNAPKV,
@@ -238,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if runs:  # every context prefilled once, replayed for every config
         runner.replay.record([c for c, _ in pieces])
         print(f"{len(pieces)} contexts prefilled ({time.perf_counter() - t0:.0f} s)", flush=True)
-    replayed = ReplayedContext(model, runner.replay)
+    replayed = runner.replay  # each context's prefill replayed; the question and decode steps run the model
     for key, (name, budget, protocol, policy) in runs.items():  # in --configs order, a record each
         answer = answer_feed if protocol == "feed" else answer_extend
         t = time.perf_counter()

@@ -28,6 +28,9 @@ from reference_policies import (
 )
 
 EVICTION = [row.name for row in available("eviction")]
+# The simulated reference scores a prompt by its own queries; a policy ranked by a reconstruction pass (kvzip)
+# is checked against its own dense oracle in tests/test_kvzip.py.
+SIMULATED = [row.name for row in available("eviction") if not get_policy(row.name).probe]
 
 
 def select(policy: EvictionPolicy, scores: torch.Tensor, b: int) -> torch.Tensor:
@@ -153,7 +156,7 @@ def cases(draw, name: str):
     return q_prompt, k_prompt, q_steps, k_steps, budget, evict_every, params, seed
 
 
-@pytest.mark.parametrize("name", EVICTION)
+@pytest.mark.parametrize("name", SIMULATED)
 def test_every_eviction_policy_has_a_reference(name):
     assert name in DEFAULTS
     # The paper defaults written in the reference are the policy's defaults.
@@ -165,7 +168,7 @@ def dataclass_defaults(cls) -> dict:
     return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
-@pytest.mark.parametrize("name", EVICTION)
+@pytest.mark.parametrize("name", SIMULATED)
 def test_description_matches_reference(name):
     @given(cases(name))
     def check(case):

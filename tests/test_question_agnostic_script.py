@@ -32,8 +32,8 @@ def test_full_cache_answers_as_one_shot_greedy():
 def test_replayed_contexts_change_nothing():
     replay = PrefillReplay(MODEL)
     replay.record([CONTEXT])
-    model = qa.ReplayedContext(MODEL, replay)
-    for text in ("snapkv(window=4)", "streaming"):
+    model = replay  # the context replayed, the rest (the question, kvzip's reconstruction) the model's
+    for text in ("snapkv(window=4)", "streaming", "kvzip"):
         policy = compose(text, budget=0.5, evict_every=qa.EVICT_EVERY)
         assert (qa.answer_feed(model, policy, CONTEXT, REST, 3)
                 == qa.answer_feed(MODEL, policy, CONTEXT, REST, 3))

@@ -14,7 +14,7 @@ from kvpolicies import EvictionPolicy, available, get_policy, register_policy
 
 BUILTINS = {
     "eviction": {"full", "window", "streaming", "h2o", "keyformer", "a2sf", "snapkv", "scissorhands", "tova",
-                 "chunkkv", "knorm"},
+                 "chunkkv", "knorm", "kvzip"},
     "budget": {"uniform", "squeeze", "pyramid"},
     "merge": {"none", "minicache"},
 }

@@ -17,6 +17,13 @@ one ``generate(final=True)``::
   takes the one-shot path (dense causal attention, then prompt compression). ``chunk=N`` prefills ``N``
   tokens at a time and compresses after each chunk, so a layer never holds more than its budget plus one
   chunk, whatever the prompt's length.
+* A policy that ranks the context by a reconstruction pass (``kvzip``: its eviction's ``probe``) keeps the
+  first call's prompts whole, then feeds each prompt once more after itself (``begin_extend(...,
+  probe=True)``): the copy's attention scores the prompt, nothing of it is stored, and the prompt is
+  compressed to its budget by those scores. It costs one more forward over each prompt, and the prompt must
+  fit twice in the model's positions (with ``chunk=`` too, the prompt is held whole until its probe). Only
+  the first call's prompts are probed: tokens a later ``extend`` adds (a question, a follow-up turn) are
+  appended and kept.
 * ``generate(max_new_tokens)`` decodes every sequence. A sequence that stops (an eos id, or its last token)
   is paused: it keeps its pages, and its last token, which no step has fed yet, is fed first by the next
   ``extend`` (or ``generate``). ``final=True`` returns each sequence's pages as it stops instead.
@@ -149,6 +156,9 @@ class Decoder:
         with torch.no_grad():
             if first_call:
                 self._prefill(new, chunk, max_new_tokens, on_prefill)
+                if self.policy.eviction.probe:
+                    for b, toks in enumerate(new):
+                        self._probe(b, toks, max_new_tokens)
             else:
                 for b, toks in enumerate(new):
                     if toks:
@@ -203,6 +213,8 @@ class Decoder:
                                       f"prompt's token scores ({policy.heads.name}), which evicted tokens no "
                                       "longer have, so it cannot take tokens after the prompt (extend, "
                                       "chunk=); duo's per-head budgets can")
+        if first_call and policy.eviction.probe:
+            self._check_probe(new)
         if first_call and continues and _two_formats(policy):
             raise NotImplementedError(f"policy {policy.name!r} stores tokens in two formats, split once "
                                       "after the prompt and never evicted afterwards, so a chunked prefill "
@@ -241,6 +253,46 @@ class Decoder:
                     raise ValueError(f"chunk={chunk}: each layer holds its budget ({budget} tokens) plus one "
                                      f"chunk, more than max_tokens={self.max_tokens}; lower chunk or raise "
                                      "max_tokens")
+
+    def _check_probe(self, prompts: list[list[int]]) -> None:
+        """Refuse a reconstruction pass (``kvzip``) that cannot run: a model that cannot continue a sequence,
+        merged layers, per-head budgets, two storage formats, a prompt that does not fit twice in the model's
+        positions."""
+        name, model = self.policy.name, self.model
+        what = f"policy {name!r} ranks the prompt by a reconstruction pass ({self.policy.eviction.name}"
+        if not getattr(model, "can_extend", False):
+            raise NotImplementedError(f"{what}: the prompt fed again after itself), and "
+                                      f"{type(model).__name__} cannot continue a cached sequence; use Llama, "
+                                      "GPT-J or MPT")
+        if self.policy.merge_layout(model.n_cache_layers).pairs:
+            raise NotImplementedError(f"{what}: an extension of each sequence), which merge policy "
+                                      f"{self.policy.merge.name!r} cannot take (a merged region takes no "
+                                      "tokens after the prompt); use a policy without merging")
+        if self.policy.heads.per_head:
+            raise NotImplementedError(f"{what}: an extension of each sequence), which head-budget policy "
+                                      f"{self.policy.heads.name!r}'s per-head pages cannot take; use even "
+                                      "head budgets")
+        if _two_formats(self.policy):
+            raise NotImplementedError(f"{what}), and precision {self.policy.precision.name!r} stores tokens "
+                                      "in two formats, split after the prompt and never evicted afterwards; "
+                                      "use native precision or kivi(residual=0)")
+        for b, toks in enumerate(prompts):
+            if 2 * len(toks) > model.max_seq_len:
+                raise ValueError(f"tokens[{b}]: policy {name!r} feeds the prompt of {len(toks)} "
+                                 f"tokens again after itself (the reconstruction pass), at positions up to "
+                                 f"{2 * len(toks)}, past the model's context of {model.max_seq_len}; shorten "
+                                 "the prompt")
+
+    def _probe(self, b: int, toks: list[int], max_new_tokens: int) -> None:
+        """Sequence ``b``'s reconstruction pass: its prompt ``toks`` fed again at the positions after it,
+        scoring the kept prompt and storing nothing; ``end_extend`` compresses the prompt by those scores.
+        The sequence's length and its last logits (what ``generate`` samples from) stay the prompt's."""
+        cache = self.cache
+        cache.begin_extend(b, len(toks), max_new_tokens=max_new_tokens, probe=True)
+        model = cast(_Extendable, self.model)  # checked: model.can_extend
+        model.prefill(torch.tensor(toks, dtype=torch.int64, device=self.device), cache, b,
+                      start=self.lengths[b], last_only=True)
+        cache.end_extend(b)
 
     def _build_cache(self, batch: int) -> None:
         from kvmodels.cache import paged_cache  # the cache pulls in the kernels; import when used

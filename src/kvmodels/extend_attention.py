@@ -47,8 +47,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     kept_pos : ``[m, Hkv]`` int, their original positions.
     scale : logit scale.
     alibi_slopes : optional ``[Hq]`` float32; the logit gets ``slope * (key_pos - query_pos)``.
-    mode : score mode (``accumulate``, ``decay``, ``replace``, ``gumbel``, ``count_low``), or ``None`` /
-        ``"none"`` for no scores.
+    mode : score mode (``accumulate``, ``decay``, ``replace``, ``gumbel``, ``count_low``; ``max``: the largest
+        probability any scored row and any query head of the KV group gives the token, kvzip's
+        reconstruction score), or ``None`` / ``"none"`` for no scores.
     window : score only the last ``window`` query rows (0: all rows).
     decay, seed, temperature : the mode's parameters (``decay``: ``score = decay * score + c``; ``gumbel``:
         ``p = softmax((x + G) / temperature)`` with ``G = gumbel_noise_hash(seed, query head, query position,
@@ -99,6 +100,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             probs = torch.softmax((x[:, :, r0:] + noise) / temperature, dim=-1)
         else:
             probs = probs[:, :, r0:]
+        if mode == "max":  # the largest probability over the group's query heads and the scored rows
+            torch.maximum(scores, probs.amax(dim=(1, 2)), out=scores)
+            continue
         contrib = probs.mean(dim=1)  # [Hkv, C', T]: the group mean, each row summing to 1 per KV head
         rows = rows[r0:]
         if mode == "count_low":

@@ -229,6 +229,10 @@ class EvictionPolicy(Policy):
     needs_max_new_tokens: ClassVar[bool] = False
     # Whether ``token_scores`` reads ``NewTokens.q`` (the caches then hand it the tokens' queries).
     reads_queries: ClassVar[bool] = False
+    # The context is ranked by a reconstruction pass that the Decoder runs (kvzip), with this score mode over
+    # the pass's rows (``kvmodels.extend_attention``'s modes; ``max``: the largest probability a token gets).
+    probe: ClassVar[bool] = False
+    probe_mode: ClassVar[str] = "accumulate"
 
     def prefill_window(self, prompt_len: int) -> int:
         """Query rows (the last ``window``) that score the prompt; 0 = all rows."""

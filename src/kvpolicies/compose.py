@@ -247,7 +247,8 @@ class ComposedPolicy:
         lens = prompt_lens.to(torch.int64)
         if lens.numel() and int(lens.min()) < 0:
             raise ValueError(f"prompt_lens must be >= 0, got min {int(lens.min())}")
-        if not self.eviction.prefill_compress and not self.eviction.decode_evict:
+        ev = self.eviction
+        if not ev.prefill_compress and not ev.decode_evict and not ev.probe:  # full: keeps every token
             return lens.clone()
         if isinstance(self.budget, float):
             # The 1e-9 guard keeps binary rounding from adding a token (0.2 * 5 = 1.0000000000000002).

@@ -28,6 +28,7 @@ class Extension:
     n: int
     budget_len: int  # the length the sequence's budget is a fraction of afterwards
     done: np.ndarray  # [Lc] bool, the layers extended so far
+    probe: bool = False  # a reconstruction pass: scores the kept tokens, stores nothing (begin_extend)
 
 
 class ExtendSteps:
@@ -76,7 +77,7 @@ class ExtendSteps:
         return self.max_pages * self.page_size // self.layout.max_width
 
     def begin_extend(self, b: int, n: int, *, budget_len: int | None = None,
-                     max_new_tokens: int | None = None) -> None:
+                     max_new_tokens: int | None = None, probe: bool = False) -> None:
         """Let sequence ``b`` (between decode steps, or paused) take ``n`` more tokens.
 
         The model then runs the ``n`` tokens through every cache layer at their true positions (the
@@ -93,6 +94,14 @@ class ExtendSteps:
             The planning horizon: the plan caps each layer's budget at the context plus this many decode
             steps (the next generation's length); default: the current one (``start``'s or
             :meth:`restart_decode`'s).
+        probe:
+            A reconstruction pass (an eviction policy with ``probe = True``, ``kvzip``): the ``n`` tokens
+            attend as an extension's would, at the positions after every token seen, but they only score:
+            each kept token's score is REPLACED by the attention mass the ``n`` rows pay it (the policy's
+            ``prefill_mode`` and window), and the tokens are not stored (no pages, lengths and ``seen``
+            unchanged). :meth:`end_extend` then compresses the sequence to its budgets by those scores,
+            whatever the policy's ``prefill_compress``. ``budget_len`` defaults to the tokens seen (the probe
+            adds none).
         """
         if self._state != "decode":
             raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
@@ -105,7 +114,11 @@ class ExtendSteps:
                              "extended")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r} must be a positive int (the tokens to add)")
-        seen = int(self.host.seen[rows[0]]) + n
+        if not isinstance(probe, bool):
+            raise TypeError(f"probe must be True or False, got {probe!r}")
+        if probe:
+            self._check_probe()
+        seen = int(self.host.seen[rows[0]]) + (0 if probe else n)
         budget_len = seen if budget_len is None else int(budget_len)
         if budget_len < seen:
             raise ValueError(f"budget_len={budget_len} is less than the {seen} tokens sequence {b} will have "
@@ -114,6 +127,10 @@ class ExtendSteps:
             if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
                 raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
             self.max_new_tokens = max_new_tokens
+        if probe:  # stores nothing: no slots or pages to check
+            self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), probe=True)
+            self._state = "extend"
+            return
         S, capacity = self.page_size, self.max_pages * self.page_size
         lens = self.host.lens[:, rows]  # [Lc, rows of b]
         if (lens + n > capacity).any():
@@ -133,6 +150,24 @@ class ExtendSteps:
                 raise self.side.pool.out_of_pages(aged, f"extension of sequence {b} by {n} tokens ({what})")
         self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool))
         self._state = "extend"
+
+    def _check_probe(self) -> None:
+        """Raise naming the policy when a reconstruction pass (``begin_extend(..., probe=True)``) cannot run:
+        an eviction policy that does not rank by one, two storage formats, per-head rows."""
+        ev = self.eviction
+        if not ev.probe:
+            raise ValueError(f"begin_extend(probe=True): eviction policy {ev.name!r} does not rank the "
+                             "context by a reconstruction pass (its probe is False); use kvzip, or extend "
+                             "without probe")
+        if self.side is not None:
+            raise NotImplementedError(f"eviction policy {ev.name!r} ranks the context by a reconstruction "
+                                      "pass, and this cache stores tokens in two formats "
+                                      f"({self.policy.precision.name!r}), split after the prompt and never "
+                                      "evicted afterwards; use native precision or kivi(residual=0)")
+        if self.rows.name != "sequences":
+            raise NotImplementedError(f"eviction policy {ev.name!r} ranks the context by a reconstruction "
+                                      f"pass, which per-head rows (head budgets {self.policy.heads.name!r}) "
+                                      "cannot take; use even head budgets")
 
     def extend_attend(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,
@@ -214,9 +249,10 @@ class ExtendSteps:
         # evicted at the split, never again); one that evicts while decoding (with KIVI's residual) goes on
         # scoring both regions' tokens, as its decode steps do.
         ev = self.eviction
+        probe = self._extension is not None and self._extension.probe
         scoring = self.side is None or ev.decode_evict
-        mode = ev.prefill_mode if scoring else None
-        window = ev.prefill_window(n) if mode is not None else 0
+        mode = ev.probe_mode if probe else ev.prefill_mode if scoring else None
+        window = ev.prefill_window(n) if mode is not None and not probe else 0
         kwargs = ev.prefill_kwargs(n) if mode is not None else {}
         decay = float(kwargs.get("decay", 1.0))
         kept_k = self.storage.decode(by_position(self.k_pages))
@@ -236,6 +272,11 @@ class ExtendSteps:
             q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
             window=window, decay=decay, seed=self.prefill_seed(l, b),
             temperature=float(kwargs.get("temperature", 1.0)))
+        if probe:  # a reconstruction pass: its rows' mass replaces the kept tokens' scores; nothing stored
+            assert scores is not None and ms == 0  # _check_probe: one format, a scoring policy
+            kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
+            self.slot_score[page, offset] = kept  # back in slot order
+            return out
         if scores is not None:
             if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
                 scores = ev.postprocess_prefill_scores(scores)
@@ -277,7 +318,9 @@ class ExtendSteps:
         """Finish sequence ``b``'s extension: re-plan the batch (``b``'s budget from ``budget_len``, its
         layer budgets capped at its context plus the planning horizon) and compress every layer over budget
         (the policy's ``prefill_compress``), returning pages; with two formats, compress nothing and let
-        KIVI's residual age instead. The sequence decodes at the next step."""
+        KIVI's residual age instead. The sequence decodes at the next step. After a probe
+        (``begin_extend(..., probe=True)``) the sequence has seen no more tokens, and its layers are
+        compressed to their budgets by the probe's scores now, whatever the policy's ``prefill_compress``."""
         ext = self._extension
         if self._state != "extend" or ext is None or b != ext.b:
             raise RuntimeError(f"end_extend({b!r}) must follow begin_extend({b!r}) and extend_attend on "
@@ -287,7 +330,8 @@ class ExtendSteps:
             raise RuntimeError(f"layer {l} of sequence {b} was not extended; call extend_attend for every "
                                "cache layer")
         rows = self.rows.rows(b)
-        self.host.seen[rows] += ext.n
+        if not ext.probe:  # a probe's tokens were never stored: the sequence has seen nothing more
+            self.host.seen[rows] += ext.n
         for row in rows:
             self.prompt_lens[row] = ext.budget_len
         self.budget_tokens[rows] = self.policy.checked_budget_tokens(torch.tensor([ext.budget_len]))[0]
@@ -298,8 +342,21 @@ class ExtendSteps:
         self._extension = None
         self._state = "decode"
         self._replan()
+        if ext.probe:
+            self._compress_sequence(rows)
         if self.side is not None:  # KIVI: the extension's tokens older than the residual are quantized now
             self.side.migrate(self)
+
+    def _compress_sequence(self, rows: list[int]) -> None:
+        """After a reconstruction pass: the rows of one sequence compressed to the plan's budgets now, by the
+        scores the probe left (other sequences untouched: they may not be ranked yet)."""
+        assert self.plan is not None  # _replan made it
+        budgets, n_sink, n_recent = (x.numpy()[:, rows] for x in self.plan.rows)  # [Lc, rows] each
+        layers = [l for l in range(self.n_layers) if (self.host.lens[l, rows] > budgets[l]).any()]
+        if layers:
+            self.compactor.compact(self.host.lens, layers, rows, budgets[layers], n_sink[layers],
+                                   n_recent[layers])
+        self.host.compressed[rows] = True
 
     def restart_decode(self, max_new_tokens: int) -> None:
         """Start the next generation of the batch: ``max_new_tokens`` decode steps from step 0 (Keyformer's

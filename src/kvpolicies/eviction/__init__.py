@@ -6,11 +6,12 @@ from .full import Full
 from .h2o import H2O
 from .keyformer import Keyformer
 from .knorm import KNorm
+from .kvzip import KVzip
 from .scissorhands import Scissorhands
 from .snapkv import SnapKV
 from .streaming import Streaming
 from .tova import TOVA
 from .window import Window
 
-__all__ = ["A2SF", "ChunkKV", "Full", "H2O", "KNorm", "Keyformer", "Scissorhands", "SnapKV", "Streaming",
-           "TOVA", "Window"]
+__all__ = ["A2SF", "ChunkKV", "Full", "H2O", "KNorm", "KVzip", "Keyformer", "Scissorhands", "SnapKV",
+           "Streaming", "TOVA", "Window"]

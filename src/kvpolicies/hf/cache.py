@@ -111,6 +111,13 @@ class PolicyCache(Cache):
                 f"token count, so it cannot hold head-budget policy {policy.heads.name!r}; run it on a "
                 "kvmodels model (kvmodels.generate), whose HeadPagedKVCache gives each head its own pages"
             )
+        if policy.eviction.probe:
+            raise ValueError(
+                f"policy {policy.name!r}: eviction policy {policy.eviction.name!r} ranks the context by a "
+                "reconstruction pass (the context fed again after itself, scoring it and storing nothing), "
+                "which the transformers bridge cannot run inside model.generate; run it on a kvmodels model "
+                "(kvmodels.Decoder or kvmodels.generate)"
+            )
         if policy.precision.quantizes:
             raise ValueError(
                 f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens as "

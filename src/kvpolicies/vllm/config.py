@@ -49,7 +49,8 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
     """Refuse, in one line, what this slice of the plugin does not apply: a budget policy other than
     ``uniform`` (vLLM's one block table per KV-cache group holds every layer at one length), per-head budgets,
     layer merging, eviction that scores decode steps (h2o, tova, ...), open score rules that read queries,
-    ChunkKV's layer-wise index reuse, and quantized precision (kivi, zipcache, mikv)."""
+    ChunkKV's layer-wise index reuse, a reconstruction pass (kvzip) and quantized precision (kivi, zipcache,
+    mikv)."""
     ev = policy.eviction
     problems = []
     if policy.budget_policy.name != "uniform":
@@ -64,6 +65,9 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
         problems.append(f"eviction {ev.name!r} reads queries in its token_scores")
     if ev.score_source_layer(1) != 1:
         problems.append(f"eviction {ev.name!r} reuses an earlier layer's scores")
+    if ev.probe:
+        problems.append(f"eviction {ev.name!r}, which ranks the context by a reconstruction pass (the "
+                        "context fed again after itself) that the plugin cannot run")
     if policy.precision.quantizes:
         problems.append(f"quantized storage {policy.precision.name!r}")
     if problems:

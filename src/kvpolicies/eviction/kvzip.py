@@ -1,0 +1,65 @@
+"""KVzip-style question-agnostic eviction (after Kim et al., 2025, "KVzip: Query-Agnostic KV Cache
+Compression with Context Reconstruction", arXiv 2505.23416). Written from the paper's idea, not its code.
+
+Why: a prompt-compression policy that votes with the prompt's last queries (SnapKV) keeps what the end of
+the prompt asks about; when the question comes after the compression (a context cached once and asked many
+questions), those votes are the wrong ones. KVzip ranks the context by how much the model needs each token
+to *reproduce the whole context*, which depends on no question.
+
+How it runs here: the context is prefilled and kept whole (``prefill_compress = False``); then
+``kvmodels.decoder.Decoder`` runs a reconstruction pass (``probe = True``): the context's own tokens are fed
+again, at the positions after it, through every layer as an extension (``PagedKVCache.begin_extend(...,
+probe=True)``). Their attention covers the kept context and, causally, themselves; each context token's
+score is REPLACED by the largest attention probability any probe row and any query head of its KV group
+gives it (``probe_mode = "max"``): a token the reconstruction needs once, sharply (a number, a name), ranks
+high, where a sum over the rows favours tokens every row glances at (measured: ranked by the summed mass,
+~1k question-agnostic passkey kept 0 of 24 answers at 0.2). The probe's own tokens are not stored, and
+``end_extend`` compresses the sequence to its budget by those scores: the ``sinks`` first and ``recent``
+last context tokens forced, the top of the rest (ties: the earlier token). Nothing is evicted while
+decoding (``decode_evict = False``): the questions and answers that follow are appended.
+
+Differences from the paper as we read it (not checked against its code): it asks the model to repeat the
+context before the copy and reconstructs a long context chunk by chunk; here the copy is the bare context
+and the whole context is one probe. Cost: one more forward over the context at prefill time, and the
+context must fit twice in the model's positions. Only kvmodels' Decoder runs the probe: the transformers
+bridge and the vLLM plugin refuse this policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import EvictionPolicy, check_int
+from ..registry import register_policy
+
+
+@register_policy("kvzip", role="eviction")
+@dataclass(frozen=True)
+class KVzip(EvictionPolicy):
+    """KVzip: rank the context by a reconstruction pass's attention, keep the top of it (question-agnostic).
+
+    sinks: the first tokens always kept (attention sinks, StreamingLLM's 4).
+    recent: the last context tokens always kept (the text a question continues from; 8 by default, small
+        against any useful budget so that the reconstruction's ranking decides the rest).
+    """
+
+    sinks: int = 4
+    recent: int = 8
+
+    prefill_mode = "accumulate"  # the prompt's own scores (as h2o's); the probe's replace them
+    probe_mode = "max"           # the reconstruction pass: the largest probability a token gets
+    prefill_compress = False     # the context is kept whole until the probe has ranked it
+    decode_evict = False         # questions and answers are appended, never evicted
+    probe = True
+
+    def __post_init__(self) -> None:
+        check_int("kvzip", "sinks", self.sinks, 0)
+        check_int("kvzip", "recent", self.recent, 0)
+
+    def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sinks`` first and ``recent`` last tokens, cut to the budget (sinks first)."""
+        b = budgets.to(torch.int32)
+        n_sink = b.clamp(max=self.sinks)
+        return n_sink, (b - n_sink).clamp(max=self.recent)

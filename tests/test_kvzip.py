@@ -1,0 +1,219 @@
+"""kvzip: the question-agnostic policy that ranks a context by a reconstruction pass (the context fed again
+after itself). Kept set == forced slots + top-k of a dense oracle's attention; kept K/V == the full cache's;
+the probe stores nothing (lengths, positions, generation unchanged); the bridge, the vLLM plugin, two
+formats, merging and per-head budgets refuse it by name; compose and its spec take it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devices import DEVICE
+from kvkernels import prefill_attention
+from kvmodels.decoder import Decoder
+from kvpolicies import compose
+from test_generate import V, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = tiny_llama(seed=3)
+
+
+def context(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n,), generator=g).tolist()
+
+
+def oracle_scores(model, ctx: list[int]) -> list[torch.Tensor]:
+    """Per layer, ``[Hkv, L]``: the dense causal forward of ``ctx + ctx``; each first-copy key's largest
+    softmax probability from any second-copy query row and any query head of its KV group (the
+    reconstruction pass's scores, computed without the cache)."""
+    L = len(ctx)
+    tokens = torch.tensor(ctx + ctx, device=DEVICE)
+    positions = torch.arange(2 * L, device=DEVICE)
+    out = []
+    with torch.no_grad():
+        x = model.tok_embeddings(tokens)
+        cos, sin = model._rope(positions, x.dtype)
+        for layer in model.blocks:
+            q, k, v = layer.qkv(x, cos, sin)  # [2L, Hq, D], [2L, Hkv, D]
+            Hq, Hkv = q.shape[1], k.shape[1]
+            G = Hq // Hkv
+            logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(G, dim=1))
+            logits = logits * layer.scale
+            causal = torch.ones(2 * L, 2 * L, dtype=torch.bool, device=DEVICE).triu(1)
+            probs = logits.masked_fill(causal, float("-inf")).softmax(-1)  # [Hq, 2L, 2L]
+            second = probs[:, L:, :L].amax(1)  # [Hq, L]: the copy's rows over the context's keys
+            out.append(second.view(Hkv, G, L).amax(1))  # the largest over the group's query heads
+            attn, _ = prefill_attention(q, k, v, scale=layer.scale)
+            x = x + layer.wo(attn.reshape(2 * L, -1))
+            x = x + layer.mlp(x)
+    return out
+
+
+def expected_kept(scores: torch.Tensor, budget: int, n_sink: int, n_recent: int) -> list[list[int]]:
+    """Per KV head, the kept positions: the forced first / last tokens plus the top of the rest (ties: the
+    earlier token)."""
+    H, L = scores.shape
+    kept = []
+    for h in range(H):
+        forced = set(range(n_sink)) | set(range(L - n_recent, L))
+        rest = [j for j in range(L) if j not in forced]
+        rest.sort(key=lambda j: (-float(scores[h, j]), j))
+        kept.append(sorted(forced | set(rest[:budget - len(forced)])))
+    return kept
+
+
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip(sinks=1, recent=2)"])
+def test_kept_set_is_the_top_of_the_reconstruction_oracle(spec):
+    ctx = context(40)
+    dec = Decoder(MODEL, compose(spec, budget=0.5))
+    dec.extend([ctx])
+    cache = dec.cache
+    oracle = oracle_scores(MODEL, ctx)
+    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in cache.plan.rows)
+    for l in range(MODEL.n_cache_layers):
+        assert budgets[l] < len(ctx)  # compressed
+        got = cache.layer_contents(l, 0)
+        assert got["pos"].shape[0] == budgets[l]
+        want = expected_kept(oracle[l], budgets[l], n_sink[l], n_recent[l])
+        for h, positions in enumerate(want):
+            assert got["pos"][:, h].tolist() == positions, (l, h)
+            # the stored scores are the probe's, replaced (not added to the prefill's)
+            torch.testing.assert_close(got["score"][:, h], oracle[l][h, positions], rtol=1e-4, atol=1e-5)
+
+
+def test_kept_kv_identical_to_the_full_cache():
+    """The kept tokens' K/V are the uncompressed cache's at the same positions: bit for bit against a cache
+    that scores its prompt and keeps every token (h2o at budget 1.0: the same prefill attention), and to
+    float rounding against ``full``, whose unscored prefill attention rounds differently from layer 1 on."""
+    ctx = context(40, seed=1)
+    dec = Decoder(MODEL, compose("kvzip", budget=0.3))
+    dec.extend([ctx])
+    for ref_policy, exact in (("h2o", True), ("full", False)):
+        ref_dec = Decoder(MODEL, compose(ref_policy, budget=1.0))
+        ref_dec.extend([ctx])
+        for l in range(MODEL.n_cache_layers):
+            ref, got = ref_dec.cache.layer_contents(l, 0), dec.cache.layer_contents(l, 0)
+            assert ref["pos"].shape[0] == len(ctx) > got["pos"].shape[0]
+            for h in range(got["pos"].shape[1]):
+                pos = got["pos"][:, h].long()
+                for name in ("k", "v"):
+                    if exact or l == 0:
+                        assert torch.equal(got[name][:, h], ref[name][pos, h]), (ref_policy, l, h, name)
+                    else:
+                        torch.testing.assert_close(got[name][:, h], ref[name][pos, h], rtol=0, atol=1e-5)
+
+
+def test_probe_stores_nothing_and_generation_continues():
+    ctx, question = context(30, seed=2), context(5, seed=9)
+    dec = Decoder(MODEL, compose("kvzip", budget=0.4))
+    dec.extend([ctx])
+    assert dec.lengths == [len(ctx)]
+    assert int(dec.cache.host.seen[0]) == len(ctx)
+    budget = int(dec.cache.plan.rows.budgets[0, 0])
+    assert int(dec.cache.seq_lens[0, 0]) == budget
+    assert int(dec.cache.layer_contents(0, 0)["pos"].max()) <= len(ctx) - 1  # no probe token stored
+    answer = dec.generate(4)
+    assert len(answer.tokens[0]) == 4
+    dec.extend([question])  # the pending token, then the question, at the positions after the context
+    pos = dec.cache.layer_contents(0, 0)["pos"][:, 0]
+    new = len(question) + 1 + 3  # three decoded tokens cached, the pending one, the question
+    assert pos[-new:].tolist() == list(range(len(ctx), len(ctx) + new))
+    assert len(dec.generate(3).tokens[0]) == 3
+
+
+def test_full_budget_generates_as_the_full_cache():
+    """At budget 1.0 the probe keeps everything: the tokens are the full cache's (nothing of the probe
+    leaks into the positions, the lengths or the logits the first token is sampled from)."""
+    ctxs = [context(20, seed=4), context(13, seed=5)]
+    ref = Decoder(MODEL, compose("full"))
+    ref.extend(ctxs)
+    dec = Decoder(MODEL, compose("kvzip", budget=1.0))
+    dec.extend(ctxs)
+    assert dec.generate(6).tokens == ref.generate(6).tokens
+
+
+def test_batch_compresses_each_sequence():
+    ctxs = [context(36, seed=6), context(24, seed=7)]
+    dec = Decoder(MODEL, compose("kvzip", budget=0.5))
+    dec.extend(ctxs)
+    for b, ctx in enumerate(ctxs):
+        assert int(dec.cache.seq_lens[0, b]) == int(dec.cache.plan.rows.budgets[0, b]) < len(ctx)
+        assert dec.lengths[b] == len(ctx)
+
+
+def test_compose_and_spec():
+    p = compose("kvzip", budget=0.2)
+    assert p.name == "kvzip" and p.eviction.probe and not p.eviction.prefill_compress
+    assert compose(p.spec()) == p
+    assert compose(p.to_json()) == p
+    q = compose("kvzip(sinks=2, recent=0)", budget=0.2)
+    assert compose(q.spec()) == q and q.eviction.params() == {"sinks": 2, "recent": 0}
+    assert int(p.budget_tokens(torch.tensor([100]))[0]) == 20  # compresses (not full's whole prompt)
+    assert int(compose("full", budget=0.2).budget_tokens(torch.tensor([100]))[0]) == 100
+    with pytest.raises(ValueError, match="kvzip: parameter sinks"):
+        compose("kvzip(sinks=-1)")
+
+
+@pytest.mark.parametrize("other", ["minicache", "adakv"])
+def test_merge_and_per_head_refused(other):
+    policy = compose("kvzip", other, budget=0.5)  # composes (a plan may list it); the Decoder refuses it
+    dec = Decoder(tiny_llama(seed=3, n_layers=4), policy)
+    with pytest.raises(NotImplementedError, match=f"'kvzip\\+{other}'.*reconstruction pass.*{other}"):
+        dec.extend([context(20)])
+
+
+def test_two_formats_refused():
+    dec = Decoder(MODEL, compose("kvzip", "kivi(group=8)", budget=0.5))
+    with pytest.raises(NotImplementedError, match="kvzip.*two formats"):
+        dec.extend([context(20)])
+
+
+def test_prompt_must_fit_twice():
+    dec = Decoder(MODEL, compose("kvzip", budget=0.5))
+    with pytest.raises(ValueError, match="'kvzip'.*reconstruction pass"):
+        dec.extend([context(MODEL.max_seq_len // 2 + 1)])
+
+
+def test_probe_refused_for_other_policies():
+    dec = Decoder(MODEL, compose("h2o", budget=0.5))
+    dec.extend([context(10)])
+    with pytest.raises(ValueError, match="'h2o'.*probe is False"):
+        dec.cache.begin_extend(0, 3, probe=True)
+
+
+def test_vllm_refuses_kvzip():
+    from kvpolicies.vllm.config import PolicySpecError, check_supported
+
+    with pytest.raises(PolicySpecError, match="'kvzip'.*reconstruction pass"):
+        check_supported(compose("kvzip", budget=0.2))
+
+
+def test_bridge_refuses_kvzip():
+    pytest.importorskip("transformers")
+    from kvpolicies.hf import PolicyCache
+
+    with pytest.raises(ValueError, match="'kvzip'.*reconstruction pass.*transformers bridge"):
+        PolicyCache(compose("kvzip", budget=0.2), torch.nn.Linear(1, 1))
+
+
+def test_generate_runs_the_probe():
+    from kvmodels.generate import generate
+
+    ctxs = [context(24, seed=8), context(17, seed=10)]
+    kept = generate(MODEL, ctxs, 5, compose("kvzip", budget=1.0)).tokens
+    assert kept == generate(MODEL, ctxs, 5, compose("full")).tokens
+    res = generate(MODEL, ctxs, 5, compose("kvzip", budget=0.3))
+    assert [len(t) for t in res.tokens] == [5, 5]
+    assert res.report.total_bytes < res.report.full_cache_bytes
+
+
+def test_chunked_prompt_is_probed_whole():
+    ctx = context(40, seed=11)
+    dec = Decoder(MODEL, compose("kvzip", budget=0.4))
+    dec.extend([ctx], chunk=16)
+    assert dec.lengths == [len(ctx)] and int(dec.cache.host.seen[0]) == len(ctx)
+    for l in range(MODEL.n_cache_layers):
+        assert int(dec.cache.seq_lens[l, 0]) == int(dec.cache.plan.rows.budgets[l, 0]) < len(ctx)
+    assert len(dec.generate(3).tokens[0]) == 3
