@@ -63,6 +63,7 @@ CONFIGS: dict[str, str] = {
     "pyramid+snapkv": "pyramid+{snapkv}",
     "snapkv+adakv": "{snapkv}+adakv",
     "kvzip": "kvzip",  # ranks the context by a second pass over it (the reconstruction)
+    "profile+kvzip": "profile+kvzip",
 }
 # What --configs runs by default: the configs of the first tables (the others: --configs all).
 DEFAULT_CONFIGS = ("full", "streaming", "snapkv", "profile+snapkv", "snapkv+duo", "profile+snapkv+duo")

@@ -11,18 +11,22 @@ How it runs here: the context is prefilled and kept whole (``prefill_compress = 
 again, at the positions after it, through every layer as an extension (``PagedKVCache.begin_extend(...,
 probe=True)``). Their attention covers the kept context and, causally, themselves; each context token's
 score is REPLACED by the largest attention probability any probe row and any query head of its KV group
-gives it (``probe_mode = "max"``): a token the reconstruction needs once, sharply (a number, a name), ranks
-high, where a sum over the rows favours tokens every row glances at (measured: ranked by the summed mass,
-~1k question-agnostic passkey kept 0 of 24 answers at 0.2). The probe's own tokens are not stored, and
+gives it (``probe_mode = "max"``, the paper's choice as we read it: a token the reconstruction needs once,
+sharply, ranks high, where a sum over the rows favours tokens every row glances at). The probe's own tokens
+are not stored, and
 ``end_extend`` compresses the sequence to its budget by those scores: the ``sinks`` first and ``recent``
 last context tokens forced, the top of the rest (ties: the earlier token). Nothing is evicted while
 decoding (``decode_evict = False``): the questions and answers that follow are appended.
 
 Differences from the paper as we read it (not checked against its code): it asks the model to repeat the
 context before the copy and reconstructs a long context chunk by chunk; here the copy is the bare context
-and the whole context is one probe. Cost: one more forward over the context at prefill time, and the
-context must fit twice in the model's positions. Only kvmodels' Decoder runs the probe: the transformers
-bridge and the vLLM plugin refuse this policy.
+and the whole context is one probe; and every KV head keeps the layer's share, where kvpress's KVzip
+spreads the budget unevenly over heads and layers. Measured (SmolLM2-135M, ~1k question-agnostic passkey,
+docs/results.md): 0 of 24 answers at 0.2 and 13 at 0.5 (with ``profile``'s layer budgets 4 and 21),
+against kvpress's KVzip's 21 and 20 on the same prompts: not yet the paper's method in effect at 0.2.
+Cost: one more forward over the context at prefill time, and the context must fit twice in the model's
+positions. Only kvmodels' Decoder runs the
+probe: the transformers bridge and the vLLM plugin refuse this policy.
 """
 
 from __future__ import annotations
