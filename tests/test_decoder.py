@@ -286,9 +286,12 @@ def naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, *, scale, slop
             if mode == "gumbel":
                 noise = gumbel_noise_hash(seed, hq, positions[i:i + 1].long(), key_pos).double()
                 contrib[h] += torch.softmax((logits + noise) / temperature, 0) / G
+            elif mode == "max":  # kvzip's probe: the largest probability of any scored row and query head
+                if i >= first:
+                    scores[h, :m + i + 1] = torch.maximum(scores[h, :m + i + 1], torch.softmax(logits, 0))
             else:
                 contrib[h] += torch.softmax(logits, 0) / G
-        if i >= first:
+        if i >= first and mode != "max":
             visible = scores[:, :m + i + 1].float()
             scores[:, :m + i + 1] = update_scores_ref(visible, contrib.float(), mode, decay=decay,
                                                       n_valid=m + i + 1).double()
@@ -296,7 +299,7 @@ def naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, *, scale, slop
 
 
 @pytest.mark.parametrize("mode, window", [("accumulate", 0), ("accumulate", 3), ("decay", 0), ("replace", 1),
-                                          ("gumbel", 0), ("count_low", 0)])
+                                          ("gumbel", 0), ("count_low", 0), ("max", 0)])
 @pytest.mark.parametrize("alibi", [False, True])
 @given(m=st.integers(0, 9), n=st.integers(1, 7), seed=st.integers(0, 2**16))
 def test_extend_attention_equals_a_naive_loop(mode, window, alibi, m, n, seed):
