@@ -48,9 +48,9 @@ def _replay_class() -> Any:
 
         def prefill(self, tokens: torch.Tensor, cache: Any, b: int, *, start: int = 0,
                     last_only: bool = False, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-            if start == 0 and tuple(tokens.tolist()) in self._store:
-                return super().prefill(tokens, cache, b, last_only=last_only, on_layer=on_layer)
-            return self.model.prefill(tokens, cache, b, start=start, last_only=last_only, on_layer=on_layer)
+            if start == 0 and tuple(tokens.tolist()) not in self._store:  # a first chunk not recorded
+                return self.model.prefill(tokens, cache, b, last_only=last_only, on_layer=on_layer)
+            return super().prefill(tokens, cache, b, start=start, last_only=last_only, on_layer=on_layer)
 
     return ChunkReplay
 

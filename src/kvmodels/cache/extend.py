@@ -97,11 +97,11 @@ class ExtendSteps:
         probe:
             A reconstruction pass (an eviction policy with ``probe = True``, ``kvzip``): the ``n`` tokens
             attend as an extension's would, at the positions after every token seen, but they only score:
-            each kept token's score is REPLACED by the attention mass the ``n`` rows pay it (the policy's
-            ``prefill_mode`` and window), and the tokens are not stored (no pages, lengths and ``seen``
-            unchanged). :meth:`end_extend` then compresses the sequence to its budgets by those scores,
-            whatever the policy's ``prefill_compress``. ``budget_len`` defaults to the tokens seen (the probe
-            adds none).
+            each kept token's score is REPLACED by what the ``n`` rows give it (the policy's ``probe_mode``
+            over every row; kvzip's ``max``: the largest probability), and the tokens are not stored (no
+            pages, lengths and ``seen`` unchanged). :meth:`end_extend` then compresses the sequence to its
+            budgets by those scores, whatever the policy's ``prefill_compress``. ``budget_len`` defaults to
+            the tokens seen (the probe adds none).
         """
         if self._state != "decode":
             raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
@@ -342,21 +342,11 @@ class ExtendSteps:
         self._extension = None
         self._state = "decode"
         self._replan()
-        if ext.probe:
-            self._compress_sequence(rows)
+        if ext.probe:  # compressed now by the probe's scores; other sequences may not be ranked yet
+            assert self.plan is not None  # _replan made it
+            self._compress_rows(rows, *(x.numpy()[:, rows] for x in self.plan.rows))
         if self.side is not None:  # KIVI: the extension's tokens older than the residual are quantized now
             self.side.migrate(self)
-
-    def _compress_sequence(self, rows: list[int]) -> None:
-        """After a reconstruction pass: the rows of one sequence compressed to the plan's budgets now, by the
-        scores the probe left (other sequences untouched: they may not be ranked yet)."""
-        assert self.plan is not None  # _replan made it
-        budgets, n_sink, n_recent = (x.numpy()[:, rows] for x in self.plan.rows)  # [Lc, rows] each
-        layers = [l for l in range(self.n_layers) if (self.host.lens[l, rows] > budgets[l]).any()]
-        if layers:
-            self.compactor.compact(self.host.lens, layers, rows, budgets[layers], n_sink[layers],
-                                   n_recent[layers])
-        self.host.compressed[rows] = True
 
     def restart_decode(self, max_new_tokens: int) -> None:
         """Start the next generation of the batch: ``max_new_tokens`` decode steps from step 0 (Keyformer's

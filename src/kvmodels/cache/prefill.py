@@ -8,6 +8,7 @@ layout (``kvmodels.cache.rows``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvkernels import check_shape, check_tensor, prefill_seed
@@ -239,10 +240,16 @@ class PrefillSteps:
         if not self.eviction.prefill_compress or self.layout.pairs or self.host.compressed[rows].all():
             self._split_formats(rows)
             return
-        budgets, n_sink, n_recent = (x.numpy() for x in self._plan(rows).rows)  # [Lc, rows] each
+        self._compress_rows(rows, *(x.numpy() for x in self._plan(rows).rows))
+        self._split_formats(rows)
+
+    def _compress_rows(self, rows: list[int], budgets: np.ndarray, n_sink: np.ndarray,
+                       n_recent: np.ndarray) -> None:
+        """Compact pool rows ``rows`` in every layer holding more than its budget (``budgets``, ``n_sink``,
+        ``n_recent``: ``[Lc, len(rows)]``), and mark them compressed (a prompt's compression, kvzip's after
+        its reconstruction pass)."""
         layers = [l for l in range(self.n_layers) if (self.host.lens[l, rows] > budgets[l]).any()]
         if layers:
             self.compactor.compact(self.host.lens, layers, rows, budgets[layers], n_sink[layers],
                                    n_recent[layers])
         self.host.compressed[rows] = True
-        self._split_formats(rows)
