@@ -64,6 +64,8 @@ CONFIGS: dict[str, str] = {
     "snapkv+adakv": "{snapkv}+adakv",
     "kvzip": "kvzip",  # ranks the context by a second pass over it (the reconstruction)
     "profile+kvzip": "profile+kvzip",
+    "kvzip+adakv": "kvzip+adakv",      # the reconstruction's scores, a layer's budget split among its heads
+    "kvzip+pooled": "kvzip+pooled",    # ... and among every layer's heads at once (KVzip's allocation)
 }
 # What --configs runs by default: the configs of the first tables (the others: --configs all).
 DEFAULT_CONFIGS = ("full", "streaming", "snapkv", "profile+snapkv", "snapkv+duo", "profile+snapkv+duo")
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         for protocol in protocols:
             if protocol not in ("feed", "extend"):
                 raise SystemExit(f"--protocols: unknown protocol {protocol!r}; choose feed or extend")
-            if protocol == "extend" and policy.heads.per_head and policy.heads.split_reads_scores:
+            if protocol == "extend" and policy.heads_refuse_extension:
                 continue  # adakv: its split reads the prompt's scores (the cache refuses to extend it)
             key = (f"{args.task}-qa|{runner.model_name}|ctx={args.context}|n={args.n}|seed={args.seed}|"
                    f"{name}|{budget:g}|{protocol}|new={args.new}")

@@ -156,12 +156,65 @@ def test_compose_and_spec():
         compose("kvzip(sinks=-1)")
 
 
-@pytest.mark.parametrize("other", ["minicache", "adakv"])
-def test_merge_and_per_head_refused(other):
-    policy = compose("kvzip", other, budget=0.5)  # composes (a plan may list it); the Decoder refuses it
+def test_merge_refused():
+    policy = compose("kvzip", "minicache", budget=0.5)  # composes (a plan may list it); the Decoder refuses
     dec = Decoder(tiny_llama(seed=3, n_layers=4), policy)
-    with pytest.raises(NotImplementedError, match=f"'kvzip\\+{other}'.*reconstruction pass.*{other}"):
+    with pytest.raises(NotImplementedError, match="'kvzip\\+minicache'.*reconstruction pass.*minicache"):
         dec.extend([context(20)])
+
+
+MODEL4 = tiny_llama(seed=5, n_layers=4)
+
+
+@pytest.mark.parametrize("heads", ["adakv", "pooled", "pooled(alpha=0.3)",
+                                   "duo(weights=((1.0, 0.0), (0.0, 0.5), (0.2, 0.1), (0.9, 0.3)))"])
+def test_per_head_budgets_split_the_reconstruction_scores(heads):
+    """With per-head rows, each (layer, KV head) keeps its forced tokens and the top of the reconstruction
+    oracle, at the budgets the head policy gives those oracle scores (``pooled``: over every layer at
+    once; ``adakv``: within each layer); kept K/V bit-identical to the prompt's."""
+    from test_pooled_heads import reference_pooled
+
+    ctx = context(44, seed=12)
+    policy = compose(f"kvzip+{heads}", budget=0.4)
+    dec = Decoder(MODEL4, policy)
+    dec.extend([ctx])
+    cache = dec.cache
+    oracle = oracle_scores(MODEL4, ctx)
+    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in cache.plan.layers)
+    forced = list(zip(n_sink, n_recent))
+    if policy.heads.pools_layers:
+        want = reference_pooled([o.tolist() for o in oracle], budgets, policy.heads.alpha, forced)
+    else:
+        want = [policy.head_budgets(oracle[l], budgets[l], *forced[l], layer=l).tolist()
+                for l in range(MODEL4.n_cache_layers)]
+    got = [list(x[0]) for x in cache.report().head_tokens]
+    assert got == want
+    assert sum(map(sum, got)) == sum(budgets) * len(got[0])  # the layer budgets' total
+    full = Decoder(MODEL4, compose("h2o", budget=1.0))
+    full.extend([ctx])
+    for l in range(MODEL4.n_cache_layers):
+        ref = full.cache.layer_contents(l, 0)
+        for h, head in enumerate(cache.head_contents(l, 0)):
+            assert head["pos"].tolist() == expected_kept(oracle[l][h:h + 1], want[l][h], *forced[l])[0]
+            pos = head["pos"].long()
+            assert torch.equal(head["k"], ref["k"][pos, h]) and torch.equal(head["v"], ref["v"][pos, h])
+
+
+def test_per_head_budgets_take_a_question_after_the_probe():
+    """The probe splits once over the whole context; a question and a generation follow (nothing is
+    evicted afterwards: every head keeps what it kept, plus the new tokens)."""
+    ctx, question = context(40, seed=13), context(5, seed=14)
+    dec = Decoder(MODEL4, compose("kvzip", "pooled", budget=0.3))
+    dec.extend([ctx])
+    kept = dec.cache.report().head_tokens
+    dec.extend([question])
+    res = dec.generate(4)
+    assert len(res.tokens[0]) == 4
+    after = dec.cache.report().head_tokens
+    grew = len(question) + 4  # the question and the four generated tokens, the last still pending
+    assert all(a - k == grew - 1 for ka, aa in zip(kept, after) for k, a in zip(ka[0], aa[0]))
+    with pytest.raises(NotImplementedError, match="'snapkv\\+pooled'.*token scores"):
+        Decoder(MODEL4, compose("snapkv", "pooled", budget=0.5)).extend([ctx], chunk=16)
 
 
 def test_two_formats_refused():

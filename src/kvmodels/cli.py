@@ -467,7 +467,7 @@ def _check_continuable(model: Any, policy: Any) -> None:
         raise CliError(f"--policy {policy.label}: merging layers ({policy.merge.name}) cannot take questions "
                        "after the compressed context; use a policy without a merge part with --context, or "
                        "put the question in the prompt")
-    if policy.heads.per_head and policy.heads.split_reads_scores:
+    if policy.heads_refuse_extension:
         raise CliError(f"--policy {policy.label}: per-head budgets ({policy.heads.name}) cannot take "
                        "questions after the compressed context (its split reads the prompt's scores, which "
                        "evicted tokens no longer have); use duo or no head part with --context, or put the "

@@ -208,7 +208,7 @@ class Decoder:
         if continues and policy.merge_layout(model.n_cache_layers).pairs:
             raise NotImplementedError(f"policy {policy.name!r} merges layers, which cannot take tokens after "
                                       "the prompt (extend, chunk=); use a policy without merging")
-        if continues and policy.heads.per_head and policy.heads.split_reads_scores:
+        if continues and policy.heads_refuse_extension:
             raise NotImplementedError(f"policy {policy.name!r} gives KV heads their own budgets from the "
                                       f"prompt's token scores ({policy.heads.name}), which evicted tokens no "
                                       "longer have, so it cannot take tokens after the prompt (extend, "
@@ -256,7 +256,7 @@ class Decoder:
 
     def _check_probe(self, prompts: list[list[int]]) -> None:
         """Refuse a reconstruction pass (``kvzip``) that cannot run: a model that cannot continue a sequence,
-        merged layers, per-head budgets, two storage formats, a prompt that does not fit twice in the model's
+        merged layers, two storage formats, a prompt that does not fit twice in the model's
         positions."""
         name, model = self.policy.name, self.model
         what = f"policy {name!r} ranks the prompt by a reconstruction pass ({self.policy.eviction.name}"
@@ -268,10 +268,6 @@ class Decoder:
             raise NotImplementedError(f"{what}: an extension of each sequence), which merge policy "
                                       f"{self.policy.merge.name!r} cannot take (a merged region takes no "
                                       "tokens after the prompt); use a policy without merging")
-        if self.policy.heads.per_head:
-            raise NotImplementedError(f"{what}: an extension of each sequence), which head-budget policy "
-                                      f"{self.policy.heads.name!r}'s per-head pages cannot take; use even "
-                                      "head budgets")
         if _two_formats(self.policy):
             raise NotImplementedError(f"{what}), and precision {self.policy.precision.name!r} stores tokens "
                                       "in two formats, split after the prompt and never evicted afterwards; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -412,6 +413,9 @@ class HeadBudgetPolicy(Policy):
     # reads scores would then see only the survivors of the first split (``adakv``), so the cache refuses to
     # extend it; one that reads the scores' shape only (``duo``: which heads retrieve is fixed) can continue.
     split_reads_scores: ClassVar[bool] = True
+    # Whether the policy splits the budgets of all of a sequence's compressed layers together
+    # (:meth:`split_layers`, ``pooled``): slots move between layers as well as heads, the total is kept.
+    pools_layers: ClassVar[bool] = False
 
     @property
     def needs_calibration(self) -> bool:
@@ -445,6 +449,15 @@ class HeadBudgetPolicy(Policy):
         most ``L``) and ``B`` for every head otherwise.
         """
         return torch.full((scores.shape[0],), int(budget), dtype=torch.int64)
+
+    def split_layers(self, scores: Sequence[torch.Tensor], budgets: Sequence[int],
+                     n_forced: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """``[n, Hkv]`` int64 budgets of the ``n`` compressed layers of one sequence, split together
+        (called instead of :meth:`split` when ``pools_layers``): ``scores[i]`` ``[Hkv, L_i]`` with ``L_i >
+        budgets[i]``, ``n_forced[i]`` as :meth:`split`'s. Returns budgets summing to ``Hkv * sum(budgets)``,
+        each at least ``n_sink + n_recent`` and 1 and at most ``L_i``. The default splits each layer alone."""
+        return torch.stack([torch.as_tensor(self.split(s, b, f)).to(torch.int64)
+                            for s, b, f in zip(scores, budgets, n_forced)])
 
 
 NATIVE_BITS = 16  # PrecisionPolicy.assign's code for a token stored unquantized, in the cache's dtype

@@ -289,6 +289,17 @@ class ComposedPolicy:
         return EvictionSchedule(bool(self.eviction.prefill_compress), bool(self.eviction.decode_evict),
                                 self.evict_every)
 
+    @property
+    def heads_refuse_extension(self) -> bool:
+        """Whether a sequence cannot take tokens after its prompt because of its head budgets: a per-head
+        split that reads the tokens' scores (``adakv``, ``pooled``) is made again after an extension, from
+        what the heads hold; once anything was evicted, only the survivors' scores are left. A policy that
+        compresses nothing but after its reconstruction pass (``kvzip``: the context is held whole until the
+        probe ranks it) splits once over the whole context, and a later re-split compresses nothing."""
+        ev = self.eviction
+        return (self.heads.per_head and self.heads.split_reads_scores
+                and (ev.prefill_compress or ev.decode_evict))
+
     def evicts_after(self, step: int) -> bool:
         """Whether decode step ``step`` (0-based) ends with an eviction (:attr:`schedule`)."""
         return self.schedule.evicts_after(step)
@@ -366,25 +377,48 @@ class ComposedPolicy:
 
     def _plan_heads(self, layers: LayerBudgets,
                     head_scores: Callable[[int, int], torch.Tensor] | None) -> torch.Tensor:
-        """``[Lc, B, Hkv]`` head budgets: each compressed layer's budget split by :meth:`head_budgets`;
-        a layer the prompt fits in (or without prompt compression) gives every head its budget."""
+        """``[Lc, B, Hkv]`` head budgets: each compressed layer's budget split by :meth:`head_budgets` (all
+        of a sequence's compressed layers together by :meth:`pooled_head_budgets` when the head policy
+        ``pools_layers``); a layer the prompt fits in (or without prompt compression) gives every head its
+        budget. A policy that ranks the prompt by a reconstruction pass (``kvzip``) compresses after it: its
+        layers are split too (before the pass, by the prompt's own scores; the cache replans after it)."""
         if head_scores is None:
             raise ValueError(f"head-budget policy {self.heads.name!r} splits each layer's budget by its "
                              "heads' prompt scores; pass plan(..., head_scores=lambda l, j: scores [Hkv, L])")
+        compresses = self.eviction.prefill_compress or self.eviction.probe
         Lc, B = layers.budgets.shape
-        rows = []
-        for l in range(Lc):
-            row = []
-            for j in range(B):
-                scores = head_scores(l, j)  # [Hkv, L]
-                budget, n_sink, n_recent = (int(x[l, j]) for x in layers)
-                H, L = scores.shape
-                if L > budget and self.eviction.prefill_compress:
-                    row.append(self.head_budgets(scores, budget, n_sink, n_recent, layer=l))
-                else:
-                    row.append(torch.full((H,), budget, dtype=torch.int64))
-            rows.append(torch.stack(row))
-        return torch.stack(rows)  # [Lc, B, Hkv]
+        out = []
+        for j in range(B):
+            scores = [head_scores(l, j) for l in range(Lc)]  # [Hkv, L] each
+            budget, n_sink, n_recent = (x[:, j].tolist() for x in layers)
+            H = scores[0].shape[0]
+            row = torch.tensor(budget, dtype=torch.int64)[:, None].repeat(1, H)  # [Lc, Hkv]
+            split = [l for l in range(Lc) if compresses and scores[l].shape[1] > budget[l]]
+            if self.heads.pools_layers and split:
+                row[split] = self.pooled_head_budgets([scores[l] for l in split], [budget[l] for l in split],
+                                                      [(n_sink[l], n_recent[l]) for l in split])
+            else:
+                for l in split:
+                    row[l] = self.head_budgets(scores[l], budget[l], n_sink[l], n_recent[l], layer=l)
+            out.append(row)
+        return torch.stack(out, dim=1)  # [Lc, B, Hkv]
+
+    def pooled_head_budgets(self, scores: list[torch.Tensor], budgets: list[int],
+                            n_forced: list[tuple[int, int]]) -> torch.Tensor:
+        """``[n, Hkv]`` int64 budgets of ``n`` compressed layers of one sequence split together
+        (``heads.split_layers``); checked: each head keeps its forced tokens (and at least one) and at most
+        its layer's ``L``, and the heads hold ``Hkv * sum(budgets)`` tokens in all."""
+        H = scores[0].shape[0]
+        out = torch.as_tensor(self.heads.split_layers(scores, budgets, n_forced)).to(torch.int64).cpu()
+        lens = torch.tensor([s.shape[1] for s in scores])[:, None]
+        floor = torch.tensor([max(1, a + b) for a, b in n_forced])[:, None]
+        if (out.shape != (len(scores), H) or bool((out < torch.minimum(floor, lens)).any())
+                or bool((out > lens).any()) or int(out.sum()) != H * sum(budgets)):
+            raise ValueError(f"head-budget policy {self.heads.name!r} split budgets {budgets} of layers of "
+                             f"{lens.flatten().tolist()} tokens into {out.tolist()} for {H} KV heads; it "
+                             f"must give each head at least max(1, n_sink + n_recent), at most its layer's "
+                             f"tokens, and {H * sum(budgets)} in all")
+        return out
 
     def head_budgets(self, scores: torch.Tensor, budget: int, n_sink: int, n_recent: int, *,
                      layer: int | None = None) -> torch.Tensor:

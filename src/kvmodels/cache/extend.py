@@ -153,7 +153,7 @@ class ExtendSteps:
 
     def _check_probe(self) -> None:
         """Raise naming the policy when a reconstruction pass (``begin_extend(..., probe=True)``) cannot run:
-        an eviction policy that does not rank by one, two storage formats, per-head rows."""
+        an eviction policy that does not rank by one, two storage formats."""
         ev = self.eviction
         if not ev.probe:
             raise ValueError(f"begin_extend(probe=True): eviction policy {ev.name!r} does not rank the "
@@ -164,10 +164,6 @@ class ExtendSteps:
                                       "pass, and this cache stores tokens in two formats "
                                       f"({self.policy.precision.name!r}), split after the prompt and never "
                                       "evicted afterwards; use native precision or kivi(residual=0)")
-        if self.rows.name != "sequences":
-            raise NotImplementedError(f"eviction policy {ev.name!r} ranks the context by a reconstruction "
-                                      f"pass, which per-head rows (head budgets {self.policy.heads.name!r}) "
-                                      "cannot take; use even head budgets")
 
     def extend_attend(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,

@@ -144,7 +144,7 @@ class HeadRows(SequenceRows):
                              "the same tokens, which a cache of separate heads cannot see; use PagedKVCache")
 
     def check_extendable(self, policy) -> None:
-        if policy.heads.split_reads_scores:
+        if policy.heads_refuse_extension:
             raise NotImplementedError(
                 f"extending a sequence with head budgets {policy.heads.name!r} is not supported: its split "
                 "ranks heads by the prompt's token scores, and after the first split the evicted tokens' "

@@ -3,5 +3,6 @@
 from .adakv import AdaKV
 from .duo import Duo
 from .even import Even
+from .pooled import Pooled
 
-__all__ = ["AdaKV", "Duo", "Even"]
+__all__ = ["AdaKV", "Duo", "Even", "Pooled"]
