@@ -66,7 +66,10 @@ CONFIGS: dict[str, str] = {
     "profile+kvzip": "profile+kvzip",
     "kvzip+adakv": "kvzip+adakv",      # the reconstruction's scores, a layer's budget split among its heads
     "kvzip+pooled": "kvzip+pooled",    # ... and among every layer's heads at once (KVzip's allocation)
+    "kvzip+pooled+repeat": "kvzip+pooled",  # ... with KVzip's instruction before the copy (REPEAT_CONFIGS)
 }
+# Configs whose reconstruction pass starts with KVzip's instruction and the assistant's turn (probe_prefix).
+REPEAT_CONFIGS = ("kvzip+pooled+repeat",)
 # What --configs runs by default: the configs of the first tables (the others: --configs all).
 DEFAULT_CONFIGS = ("full", "streaming", "snapkv", "profile+snapkv", "snapkv+duo", "profile+snapkv+duo")
 EVICT_EVERY = 64  # past the question and the answer: the feed protocol evicts nothing after the context
@@ -83,7 +86,17 @@ def split_question(tokenizer: Any, prompt: Sequence[int], question: str) -> tupl
     raise ValueError(f"the prompt does not hold the question {question!r}")
 
 
-def answer_feed(model: Any, policy: Any, context: list[int], rest: list[int], new: int) -> list[int]:
+def repeat_prefix(tokenizer: Any) -> list[int]:
+    """KVzip's instruction (``kvpolicies.eviction.kvzip.REPEAT``) then the chat template's generation prompt
+    (what follows a user turn's text), as token ids: fed before the context's copy (``probe_prefix``)."""
+    from kvpolicies.eviction.kvzip import REPEAT
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "KVZIPMARK"}])
+    return tokenizer.encode(REPEAT + text.partition("KVZIPMARK")[2], add_special_tokens=False)
+
+
+def answer_feed(model: Any, policy: Any, context: list[int], rest: list[int], new: int,
+                probe_prefix: Sequence[int] = ()) -> list[int]:
     """Protocol ``feed``: ``context`` prefilled and compressed by a Decoder, then ``rest`` teacher-forced
     through decode steps, then ``new`` greedy tokens; the generated ids."""
     from kvmodels.decoder import Decoder
@@ -92,7 +105,7 @@ def answer_feed(model: Any, policy: Any, context: list[int], rest: list[int], ne
     if policy.evict_every <= steps:
         raise ValueError(f"policy evicts every {policy.evict_every} decode steps; the question and the "
                          f"answer take {steps}: compose it with evict_every > {steps}")
-    dec = Decoder(model, policy)
+    dec = Decoder(model, policy, probe_prefix=probe_prefix)
     dec.extend([context], max_new_tokens=steps + 1)
     cache, device = dec.cache, dec.device
     out: list[int] = []
@@ -113,21 +126,22 @@ def answer_feed(model: Any, policy: Any, context: list[int], rest: list[int], ne
     return out  # the predictions of steps len(rest) - 1 onward: `new` tokens
 
 
-def answer_extend(model: Any, policy: Any, context: list[int], rest: list[int], new: int) -> list[int]:
+def answer_extend(model: Any, policy: Any, context: list[int], rest: list[int], new: int,
+                  probe_prefix: Sequence[int] = ()) -> list[int]:
     """Protocol ``extend``: ``Decoder.extend([context])``, ``extend([rest])``, ``generate(new)``."""
     from kvmodels.decoder import Decoder
 
-    dec = Decoder(model, policy)
+    dec = Decoder(model, policy, probe_prefix=probe_prefix)
     dec.extend([context])
     dec.extend([rest], max_new_tokens=new)
     return dec.generate(new, final=True).tokens[0]
 
 
-def head_tokens(model: Any, policy: Any, context: list[int]) -> Any:
+def head_tokens(model: Any, policy: Any, context: list[int], probe_prefix: Sequence[int] = ()) -> Any:
     """The cache report's ``head_tokens`` after the context's compression (per-head policies), else None."""
     from kvmodels.decoder import Decoder
 
-    dec = Decoder(model, policy)
+    dec = Decoder(model, policy, probe_prefix=probe_prefix)
     dec.extend([context])
     return dec.cache.report().head_tokens
 
@@ -219,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, (name, budget, protocol, policy) in runs.items():  # in --configs order, a record each
         answer = answer_feed if protocol == "feed" else answer_extend
         t = time.perf_counter()
-        outputs = [tok.decode(answer(replayed, policy, c, r, args.new)) for c, r in pieces]
+        prefix = repeat_prefix(tok) if name in REPEAT_CONFIGS else []
+        outputs = [tok.decode(answer(replayed, policy, c, r, args.new, prefix)) for c, r in pieces]
         seconds = time.perf_counter() - t
         right = [correct(o, s.answer) for o, s in zip(outputs, samples, strict=True)]
         record = {"key": key, "task": args.task, "setting": "question asked after compression",
@@ -232,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                   "seconds": round(seconds, 1), "calibration_s": round(calibration_s, 1),
                   "model": runner.model_name, "device": device_name(), "torch": torch.__version__}
         if policy.heads.per_head:  # each KV head's tokens after the first context's compression
-            ht = head_tokens(replayed, policy, pieces[0][0])
+            ht = head_tokens(replayed, policy, pieces[0][0], prefix)
             record["head_tokens_first_prompt"] = [list(layer[0]) for layer in ht]
         append_record(out, record)
         print(f"{name:22s} {budget:4.2f} {protocol:6s} {sum(right)}/{args.n} ({seconds:.0f} s)", flush=True)

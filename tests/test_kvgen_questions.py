@@ -376,3 +376,18 @@ def test_a_chunk_the_policy_cannot_take_is_one_line(capsys, tiny_ckpt, argv, nee
     rc, out, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "--max-new-tokens", "2", *argv,
                            CONTEXT)
     assert rc == 2 and needle in error_line(err), err
+
+
+def test_kvzip_reconstruction_starts_with_the_repeat_instruction(capsys, tiny_ckpt, context_file, prefills):
+    """With kvzip the context's copy follows KVzip's instruction and the turn's generation prompt (plain
+    text here: a newline); the probe stores nothing, so the question continues at the context's end."""
+    from kvpolicies.eviction.kvzip import REPEAT
+
+    rc, out, err = ask(capsys, tiny_ckpt, context_file, QUESTIONS[:1], "--policy", "kvzip+pooled",
+                       "--budget", "0.5", "--max-new-tokens", "2")
+    assert rc == 0, err
+    prefix = load_checkpoint(str(tiny_ckpt)).tokenizer.encode(REPEAT + "\n", add_special_tokens=False)
+    assert len(prefix) > 0
+    assert prefills[:2] == [(18, 0), (len(prefix) + 18, 18)]  # the context, then the probe after it
+    assert prefills[2] == (len(ids(QUESTIONS[0])), 18)
+    assert "context: 18 tokens prefilled once" in err and "tokens per KV head" in err  # pooled's rows

@@ -24,13 +24,14 @@ def context(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, V, (n,), generator=g).tolist()
 
 
-def oracle_scores(model, ctx: list[int]) -> list[torch.Tensor]:
-    """Per layer, ``[Hkv, L]``: the dense causal forward of ``ctx + ctx``; each first-copy key's largest
-    softmax probability from any second-copy query row and any query head of its KV group (the
-    reconstruction pass's scores, computed without the cache)."""
+def oracle_scores(model, ctx: list[int], prefix: list[int] = ()) -> list[torch.Tensor]:
+    """Per layer, ``[Hkv, L]``: the dense causal forward of ``ctx + prefix + ctx``; each first-copy key's
+    largest softmax probability from any later query row (the prefix's and the copy's) and any query head of
+    its KV group (the reconstruction pass's scores, computed without the cache)."""
     L = len(ctx)
-    tokens = torch.tensor(ctx + ctx, device=DEVICE)
-    positions = torch.arange(2 * L, device=DEVICE)
+    tokens = torch.tensor(ctx + list(prefix) + ctx, device=DEVICE)
+    T = tokens.shape[0]
+    positions = torch.arange(T, device=DEVICE)
     out = []
     with torch.no_grad():
         x = model.tok_embeddings(tokens)
@@ -41,12 +42,12 @@ def oracle_scores(model, ctx: list[int]) -> list[torch.Tensor]:
             G = Hq // Hkv
             logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(G, dim=1))
             logits = logits * layer.scale
-            causal = torch.ones(2 * L, 2 * L, dtype=torch.bool, device=DEVICE).triu(1)
+            causal = torch.ones(T, T, dtype=torch.bool, device=DEVICE).triu(1)
             probs = logits.masked_fill(causal, float("-inf")).softmax(-1)  # [Hq, 2L, 2L]
             second = probs[:, L:, :L].amax(1)  # [Hq, L]: the copy's rows over the context's keys
             out.append(second.view(Hkv, G, L).amax(1))  # the largest over the group's query heads
             attn, _ = prefill_attention(q, k, v, scale=layer.scale)
-            x = x + layer.wo(attn.reshape(2 * L, -1))
+            x = x + layer.wo(attn.reshape(T, -1))
             x = x + layer.mlp(x)
     return out
 
@@ -270,3 +271,27 @@ def test_chunked_prompt_is_probed_whole():
     for l in range(MODEL.n_cache_layers):
         assert int(dec.cache.seq_lens[l, 0]) == int(dec.cache.plan.rows.budgets[l, 0]) < len(ctx)
     assert len(dec.generate(3).tokens[0]) == 3
+
+
+def test_probe_prefix_rows_score_the_context_too():
+    """``probe_prefix`` (KVzip's instruction) is fed before the copy: the kept set is the top of the oracle
+    over ``ctx + prefix + ctx``; nothing of it is stored; it is checked up front."""
+    ctx, prefix = context(36, seed=15), context(6, seed=16)
+    dec = Decoder(MODEL, compose("kvzip", budget=0.5), probe_prefix=prefix)
+    dec.extend([ctx])
+    oracle = oracle_scores(MODEL, ctx, prefix)
+    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in dec.cache.plan.rows)
+    for l in range(MODEL.n_cache_layers):
+        got = dec.cache.layer_contents(l, 0)
+        want = expected_kept(oracle[l], budgets[l], n_sink[l], n_recent[l])
+        assert [got["pos"][:, h].tolist() for h in range(len(want))] == want
+    assert dec.lengths == [len(ctx)] and int(dec.cache.host.seen[0]) == len(ctx)
+    bare = Decoder(MODEL, compose("kvzip", budget=0.5))
+    bare.extend([ctx])
+    assert not torch.equal(bare.cache.layer_contents(0, 0)["pos"], dec.cache.layer_contents(0, 0)["pos"])
+    with pytest.raises(ValueError, match="probe_prefix.*'h2o' runs none"):
+        Decoder(MODEL, compose("h2o", budget=0.5), probe_prefix=prefix)
+    with pytest.raises(ValueError, match="probe_prefix must be a list of token ids"):
+        Decoder(MODEL, compose("kvzip", budget=0.5), probe_prefix="Repeat")
+    with pytest.raises(ValueError, match="after the 30 tokens of probe_prefix.*past the model's context"):
+        Decoder(MODEL, compose("kvzip", budget=0.5), probe_prefix=context(30)).extend([context(40)])

@@ -500,6 +500,7 @@ def run_questions(args: argparse.Namespace) -> int:
     import torch
 
     from kvmodels.decoder import Decoder
+    from kvpolicies.eviction.kvzip import REPEAT
 
     _check_numbers(args)
     context, given = _read_context(args)
@@ -517,7 +518,11 @@ def run_questions(args: argparse.Namespace) -> int:
     print(f"loaded {s.loaded.directory.name} in {s.load_s:.1f} s; context {len(ctx_ids)} tokens"
           f"{' (chat template)' if s.chat else ''}", file=err)
     compile_step, why = choose_compile(args.compile, s.device.type, n_new * max(1, len(given)))
-    dec = Decoder(model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step)
+    # kvzip's reconstruction pass: KVzip's instruction closes the context's turn, the copy is the answer's.
+    probe = REPEAT + turns.first[1]
+    probe_prefix = tok.encode(probe, add_special_tokens=False) if policy.eviction.probe else []
+    dec = Decoder(model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step,
+                  probe_prefix=probe_prefix)
 
     def synced() -> float:
         if s.device.type == "cuda":

@@ -77,6 +77,11 @@ class Decoder:
     compile : bool
         Compile the decode step once (``torch.compile(fullgraph=True)``; CUDA graphs on CUDA); every
         ``generate`` reuses it.
+    probe_prefix : list of int
+        With a policy that ranks the prompt by a reconstruction pass (``kvzip``): token ids fed before the
+        prompt's copy in that pass, e.g. KVzip's instruction (``kvpolicies.eviction.kvzip.REPEAT``, "Repeat
+        the previous context exactly.") followed by the chat template's opening of the assistant's turn, as
+        ``kvgen --context`` does; their rows score the prompt too. Default: none, the bare copy.
 
     Attributes
     ----------
@@ -92,7 +97,7 @@ class Decoder:
 
     def __init__(self, model: CausalLM, policy: Any = None, *, max_tokens: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, seed: int = 0,
-                 compile: bool = False) -> None:
+                 compile: bool = False, probe_prefix: Sequence[int] = ()) -> None:
         if policy is None:
             from kvpolicies import compose
 
@@ -114,6 +119,13 @@ class Decoder:
         self._generator = torch.Generator(device=self.device)  # sampling at temperature > 0
         self._generator.manual_seed(seed)
         self._step_fn = compile_decode_step(model) if compile else model.decode_step
+        if isinstance(probe_prefix, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in probe_prefix):
+            raise ValueError(f"probe_prefix must be a list of token ids, got {probe_prefix!r}; tokenize it")
+        if len(probe_prefix) and not policy.eviction.probe:
+            raise ValueError(f"probe_prefix is fed before the prompt's copy in a reconstruction pass, and "
+                             f"policy {policy.name!r} runs none; use kvzip, or leave probe_prefix out")
+        self.probe_prefix = [int(t) for t in probe_prefix]
         self._prefill_tokens, self._prefill_s = 0, 0.0  # since the last generate
 
     @property
@@ -272,21 +284,24 @@ class Decoder:
             raise NotImplementedError(f"{what}), and precision {self.policy.precision.name!r} stores tokens "
                                       "in two formats, split after the prompt and never evicted afterwards; "
                                       "use native precision or kivi(residual=0)")
+        extra = len(self.probe_prefix)
         for b, toks in enumerate(prompts):
-            if 2 * len(toks) > model.max_seq_len:
+            if 2 * len(toks) + extra > model.max_seq_len:
+                with_prefix = f" after the {extra} tokens of probe_prefix" if extra else ""
                 raise ValueError(f"tokens[{b}]: policy {name!r} feeds the prompt of {len(toks)} "
-                                 f"tokens again after itself (the reconstruction pass), at positions up to "
-                                 f"{2 * len(toks)}, past the model's context of {model.max_seq_len}; shorten "
-                                 "the prompt")
+                                 f"tokens again after itself{with_prefix} (the reconstruction pass), at "
+                                 f"positions up to {2 * len(toks) + extra}, past the model's context of "
+                                 f"{model.max_seq_len}; shorten the prompt")
 
     def _probe(self, b: int, toks: list[int], max_new_tokens: int) -> None:
         """Sequence ``b``'s reconstruction pass: its prompt ``toks`` fed again at the positions after it,
         scoring the kept prompt and storing nothing; ``end_extend`` compresses the prompt by those scores.
         The sequence's length and its last logits (what ``generate`` samples from) stay the prompt's."""
         cache = self.cache
-        cache.begin_extend(b, len(toks), max_new_tokens=max_new_tokens, probe=True)
+        probe = self.probe_prefix + toks
+        cache.begin_extend(b, len(probe), max_new_tokens=max_new_tokens, probe=True)
         model = cast(_Extendable, self.model)  # checked: model.can_extend
-        model.prefill(torch.tensor(toks, dtype=torch.int64, device=self.device), cache, b,
+        model.prefill(torch.tensor(probe, dtype=torch.int64, device=self.device), cache, b,
                       start=self.lengths[b], last_only=True)
         cache.end_extend(b)
 

@@ -38,6 +38,10 @@ import torch
 from ..base import EvictionPolicy, check_int
 from ..registry import register_policy
 
+#: KVzip's instruction before the context's copy (the paper's), as text: a caller with a tokenizer feeds it,
+#: then the chat template's opening of the assistant's turn, before the copy (``Decoder(probe_prefix=)``).
+REPEAT = "\n\nRepeat the previous context exactly."
+
 
 @register_policy("kvzip", role="eviction")
 @dataclass(frozen=True)
