@@ -263,13 +263,17 @@ def test_generate_runs_the_probe():
     assert res.report.total_bytes < res.report.full_cache_bytes
 
 
-def test_chunked_prompt_is_probed_whole():
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip+pooled"])
+def test_chunked_prompt_is_probed_whole(spec):
     ctx = context(40, seed=11)
-    dec = Decoder(MODEL, compose("kvzip", budget=0.4))
+    dec = Decoder(MODEL, compose(spec, budget=0.4))
     dec.extend([ctx], chunk=16)
     assert dec.lengths == [len(ctx)] and int(dec.cache.host.seen[0]) == len(ctx)
-    for l in range(MODEL.n_cache_layers):
-        assert int(dec.cache.seq_lens[l, 0]) == int(dec.cache.plan.rows.budgets[l, 0]) < len(ctx)
+    lens, budgets = dec.cache.host.lens[:, :dec.cache.rows.per_sequence], dec.cache.plan.rows.budgets
+    assert (lens == budgets.numpy()).all() and (lens < len(ctx)).all()
+    whole = Decoder(MODEL, compose(spec, budget=0.4))
+    whole.extend([ctx])  # the same kept counts per row as compressing once (the probe saw the same tokens)
+    assert (whole.cache.host.lens[:, :whole.cache.rows.per_sequence] == lens).all()
     assert len(dec.generate(3).tokens[0]) == 3
 
 
