@@ -22,8 +22,9 @@ per engine waited on cores busy with other work, and a trial ran about 10x slowe
     VLLM_CPU_OMP_THREADS_BIND=0 python bench/vllm_savings.py --out DIR [--smoke]
 
 writes ``DIR/vllm-savings.json`` (settings, every engine's numbers and per-step series) and
-``DIR/vllm-savings.md`` (the table). ``--smoke``: short prompts, a small pool, plain vLLM and ``streaming``
-only (tests_vllm/test_vllm_savings.py runs it).
+``DIR/vllm-savings.md`` (the table); ``--name NAME`` writes ``DIR/NAME.{json,md}`` instead (another setting
+beside the default one, e.g. ``--set L=2048 pool=1040 --name vllm-savings-2048``). ``--smoke``: short
+prompts, a small pool, plain vLLM and ``streaming`` only (tests_vllm/test_vllm_savings.py runs it).
 """
 
 from __future__ import annotations
@@ -261,6 +262,7 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for vllm-savings.json and vllm-savings.md")
+    ap.add_argument("--name", default="vllm-savings", help="file names in --out: NAME.json and NAME.md")
     ap.add_argument("--smoke", action="store_true", help="short prompts, a small pool, plain and streaming")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per engine")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=INT",
@@ -320,9 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{' + '.join(wave)}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     text = json.dumps(report, indent=1)  # lists of numbers (the per-step series) on one line each
     text = re.sub(r"\[\s+([-0-9.e,\s]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
-    (out / "vllm-savings.json").write_text(text + "\n")
+    (out / f"{args.name}.json").write_text(text + "\n")
     table = markdown(report)
-    (out / "vllm-savings.md").write_text(table)
+    (out / f"{args.name}.md").write_text(table)
     print(table)
     return report
 
