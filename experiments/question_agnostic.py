@@ -67,6 +67,7 @@ CONFIGS: dict[str, str] = {
     "kvzip+adakv": "kvzip+adakv",      # the reconstruction's scores, a layer's budget split among its heads
     "kvzip+pooled": "kvzip+pooled",    # ... and among every layer's heads at once (KVzip's allocation)
     "kvzip+pooled+repeat": "kvzip+pooled",  # ... with KVzip's instruction before the copy (REPEAT_CONFIGS)
+    "kvzip(recent=0)+pooled": "kvzip(recent=0)+pooled",  # sinks forced only, as kvpress's KVzip
 }
 # Configs whose reconstruction pass starts with KVzip's instruction and the assistant's turn (probe_prefix).
 REPEAT_CONFIGS = ("kvzip+pooled+repeat",)
