@@ -41,6 +41,8 @@ PASSKEY += [(f"full+{KIVI2[:-1]}, channel_scale=True)", 1.0), ("full+kivi(bits=2
             (f"{SCORER}+zipcache(channel_scale=True)", 1.0)]
 PASSKEY += [(p, b) for b in (0.2, 0.5)
             for p in (SNAPKV, f"{SNAPKV}+kivi(bits=4, residual=0)", f"{SNAPKV}+mikv")]
+# One scale and zero point per 64 channels (a whole head of SmolLM2) instead of 32: 4.5 bits per value
+PASSKEY += [(f"{SNAPKV}+kivi(bits=4, group=64, residual=0)", b) for b in (0.2, 0.5)]
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
               (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2),
               ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2)]  # h2o: scores fused over packed rows
