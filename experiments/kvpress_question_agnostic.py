@@ -1,4 +1,4 @@
-"""NVIDIA kvpress on the question-agnostic passkey prompts of ``experiments/question_agnostic.py`` (issue 37).
+"""NVIDIA kvpress on the question-agnostic passkey and story prompts of ``experiments/question_agnostic.py``.
 
 What it measures: how many of the harness's passkey prompts (``evals.tasks.passkey_samples``, seed 0) each
 kvpress press answers when the context is compressed *without the question* and the question is asked
@@ -23,6 +23,16 @@ Setting (the same as ``experiments/question_agnostic.py``):
   checked to equal our split's token ids; a prompt where it does not is run through the pipeline's
   ``_forward`` with our ids instead (``record["path"]``: ``pipeline`` or ``pipeline._forward``);
 * scoring: correct when the first number of the answer is the key (``evals.tasks.exact_match``).
+
+``--task story`` (issue 37; default ``passkey``) runs the story-QA prompts instead, built as
+``experiments/question_agnostic.py --task story`` builds them: ``story_samples(tokenizer, corpus, n, context,
+seed)`` (facts such as "The cook's dog was called Biscuit." in the prose, three of them distractors), each
+cut before its own question (``split_question(tok, s.prompt, s.question)``); the question part is the
+question ("What was the cook's dog called?"), the end of the user turn, the assistant header and the answer
+prefix "The cook's dog was called" (``STORY_ANSWER_PREFIX`` of the asked fact: the same tokens as ours);
+correct when the answer's first word is the name (``evals.tasks.word_match``). Its records carry
+``"task": "story"`` and keys of their own (``kvpress-story-qa|...``; a passkey record's key is unchanged:
+``kvpress-qa|...``); ``--report --task story`` prints their table.
 
 Presses (``PRESSES``; kvpress's defaults for everything but the ratio): ``full`` (no press), StreamingLLM,
 SnapKV, TOVA, Knorm, ExpectedAttention, ObservedAttention (needs ``attn_implementation="eager"``: it runs on a
@@ -60,12 +70,16 @@ Run (from the repository root)::
 
     nice -n 10 /work/kvpress-venv/bin/python -m experiments.kvpress_question_agnostic --n 24 --context 1024
     python -m experiments.kvpress_question_agnostic --report --context 1024
+    nice -n 10 /work/kvpress-venv/bin/python -m experiments.kvpress_question_agnostic --task story \
+        --presses full,kvzip,snapkv,streaming_llm,expected_attention,tova
+    python -m experiments.kvpress_question_agnostic --report --task story
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +87,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = "experiments/results/kvpress-question-agnostic.jsonl"
+TASKS = ("passkey", "story")
 KVPRESS_MODULE = "kvpress"  # what must import (a test points it elsewhere)
 
 #: press name -> kvpress class names, outermost first (None: no press): ``("AdaKVPress", "SnapKVPress")`` is
@@ -135,6 +150,46 @@ def make_press(name: str, budget: float) -> Any:
 
 
 # --- prompts -----------------------------------------------------------------------------------------------
+
+def answer_prefix(task: str, question: str) -> str:
+    """The answer prefix a prompt of ``task`` ends with: ``PASSKEY_ANSWER_PREFIX``, or for a story the
+    ``STORY_ANSWER_PREFIX`` of the fact its ``question`` (``Sample.question``) asks about."""
+    from evals.tasks import PASSKEY_ANSWER_PREFIX, STORY_ANSWER_PREFIX, STORY_QUESTION
+
+    if task == "passkey":
+        return PASSKEY_ANSWER_PREFIX
+    pattern = re.escape(STORY_QUESTION).replace(re.escape("{role}"), "(?P<role>.+)").replace(
+        re.escape("{pet}"), "(?P<pet>.+)")
+    m = re.fullmatch(pattern, question)
+    if m is None:
+        raise ValueError(f"not a story question: {question!r}")
+    return STORY_ANSWER_PREFIX.format(role=m["role"], pet=m["pet"])
+
+
+def build_prompts(task: str, tok: Any, corpus: Any, n: int, context: int,
+                  seed: int) -> tuple[list[Any], list[tuple[list[int], list[int]]], list[str]]:
+    """``(samples, pieces, answer prefixes)`` of ``task``, as ``experiments/question_agnostic.py`` builds
+    them (``evals.sweep.Runner.samples``, then ``split_question(tok, s.prompt, s.question or
+    PASSKEY_QUESTION)``): ``pieces[i]`` is sample ``i``'s (context, rest) token ids, the rest starting with
+    the question and ending with ``prefixes[i]``."""
+    from evals.tasks import PASSKEY_QUESTION, passkey_samples, story_samples
+    from experiments.question_agnostic import split_question
+
+    make = {"passkey": passkey_samples, "story": story_samples}[task]
+    samples = make(tok, corpus, n, context, seed)
+    pieces = [split_question(tok, s.prompt, s.question or PASSKEY_QUESTION) for s in samples]
+    return samples, pieces, [answer_prefix(task, s.question or PASSKEY_QUESTION) for s in samples]
+
+
+def record_key(task: str, model_name: str, context: int, n: int, seed: int, press: str, budget: float,
+               new: int, sample: int, protocol: str = "pipeline") -> str:
+    """A record's identity: ``kvpress-qa|...`` for the passkey task (the keys recorded before ``--task``
+    existed), ``kvpress-story-qa|...`` for the story; ``|feed`` at the end for the feed protocol."""
+    feed = "|feed" if protocol == "feed" else ""
+    head = "kvpress-qa" if task == "passkey" else f"kvpress-{task}-qa"
+    return (f"{head}|{model_name}|ctx={context}|n={n}|seed={seed}|{press}|{budget:g}|new={new}|{sample}"
+            f"{feed}")
+
 
 def template_parts(hf_tok: Any) -> tuple[str, str]:
     """The chat template's text around a lone user turn's content: ``(before, after)``, i.e. the system
@@ -254,15 +309,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's warning of its cost, once per press
 
     from evals.sweep import append_record, device_name, read_records
-    from evals.tasks import (
-        PASSKEY_ANSWER_PREFIX,
-        PASSKEY_QUESTION,
-        Corpus,
-        exact_match,
-        load_text,
-        passkey_samples,
-    )
-    from experiments.question_agnostic import split_question
+    from evals.tasks import Corpus, exact_match, load_text, word_match
     from kvmodels.loading import load_checkpoint
 
     out = Path(args.out)
@@ -272,15 +319,15 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     tok, directory = loaded.tokenizer, loaded.directory
     del loaded  # the in-house model is not used: transformers' model runs every press
     model_name = directory.name
-    samples = passkey_samples(tok, Corpus.from_text(load_text(), tok), args.n, args.context, args.seed)
-    pieces = [split_question(tok, s.prompt, PASSKEY_QUESTION) for s in samples]
+    samples, pieces, prefixes = build_prompts(args.task, tok, Corpus.from_text(load_text(), tok), args.n,
+                                              args.context, args.seed)
+    correct = exact_match if args.task == "passkey" else word_match
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
-    texts = [pipeline_inputs(hf_tok, c, r, PASSKEY_ANSWER_PREFIX) for c, r in pieces]
+    texts = [pipeline_inputs(hf_tok, c, r, a) for (c, r), a in zip(pieces, prefixes, strict=True)]
 
     def key(name: str, budget: float, i: int) -> str:
-        feed = "|feed" if args.protocol == "feed" else ""
-        return (f"kvpress-qa|{model_name}|ctx={args.context}|n={args.n}|seed={args.seed}|{name}|{budget:g}|"
-                f"new={args.new}|{i}{feed}")
+        return record_key(args.task, model_name, args.context, args.n, args.seed, name, budget, args.new, i,
+                          args.protocol)
 
     cells = [(name, budget) for name in args.press_list
              for budget in ([1.0] if PRESSES[name] is None else args.budget_list)]
@@ -302,14 +349,13 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     # which prompts the public pipeline call tokenizes exactly as our split (else: _forward with our ids)
     probe = pipeline_for("sdpa")
     same = []
-    for (c, r), (ctx_text, q_text) in zip(pieces, texts, strict=True):
-        pre = probe.preprocess(ctx_text, questions=[q_text], answer_prefix=PASSKEY_ANSWER_PREFIX,
-                               max_context_length=10**9)
+    for (c, r), (ctx_text, q_text), prefix in zip(pieces, texts, prefixes, strict=True):
+        pre = probe.preprocess(ctx_text, questions=[q_text], answer_prefix=prefix, max_context_length=10**9)
         same.append(pre["context_ids"][0].tolist() == list(c)
                     and pre["questions_ids"][0][0].tolist() == list(r))
-    say(f"{args.n} prompts of ~{args.context} tokens ready ({time.perf_counter() - t0:.0f} s); the pipeline "
-        f"tokenizes {sum(same)}/{args.n} of them exactly as our split")
-    base = {"task": "passkey", "setting": "question asked after compression (kvpress pipeline)",
+    say(f"{args.n} {args.task} prompts of ~{args.context} tokens ready ({time.perf_counter() - t0:.0f} s); "
+        f"the pipeline tokenizes {sum(same)}/{args.n} of them exactly as our split")
+    base = {"task": args.task, "setting": "question asked after compression (kvpress pipeline)",
             "model": model_name, "context": args.context, "n": args.n, "seed": args.seed,
             "new_tokens": args.new,
             "device": device_name(), "threads": args.threads, "torch": torch.__version__,
@@ -319,7 +365,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
         impl = "eager" if name in EAGER else "sdpa"
         pipe = pipeline_for(impl)
         right, t_cell = 0, time.perf_counter()
-        for i, (s, (c, r), (ctx_text, q_text)) in enumerate(zip(samples, pieces, texts, strict=True)):
+        for i, (s, (c, r), (ctx_text, q_text), prefix) in enumerate(zip(samples, pieces, texts, prefixes,
+                                                                          strict=True)):
             k = key(name, budget, i)
             if k in done:
                 continue
@@ -329,12 +376,12 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
                 if args.protocol == "feed":
                     answer, kept, seen = run_feed(models[impl], hf_tok, press, c, r, args.new)
                 else:
-                    answer, kept, seen = run_sample(pipe, press, ctx_text, q_text, PASSKEY_ANSWER_PREFIX,
+                    answer, kept, seen = run_sample(pipe, press, ctx_text, q_text, prefix,
                                                     None if same[i] else (c, r), args.new)
                 error = None
             except Exception as e:  # recorded: a press that does not run here is a result too
                 answer, kept, seen, error = "", -1, -1.0, f"{type(e).__name__}: {e}"
-            ok = error is None and exact_match(answer, s.answer)
+            ok = error is None and correct(answer, s.answer)
             right += ok
             record = {**base, "key": k, "press": name, "press_repr": repr(press) if press else "None",
                       "budget": budget, "compression_ratio": compression_ratio(budget) if press else 0.0,
@@ -406,6 +453,8 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", default="passkey", choices=TASKS, help="passkey prompts (exact_match of the "
+                   "key) or story-QA prompts (word_match of the name)")
     p.add_argument("--context", type=int, default=1024, help="tokens per prompt (about)")
     p.add_argument("--n", type=int, default=24, help="prompts")
     p.add_argument("--seed", type=int, default=0)
@@ -419,8 +468,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2)")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON lines file, one line per (press, budget, prompt)")
-    p.add_argument("--report", action="store_true", help="print the recorded table (of --context) and run "
-                   "nothing")
+    p.add_argument("--report", action="store_true", help="print the recorded table (of --task and --context) "
+                   "and run nothing")
     args = p.parse_args(argv)
     try:
         args.budget_list = [float(b) for b in args.budgets.split(",")]
@@ -445,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         from evals.sweep import read_records
 
-        print(table([r for r in read_records(args.out) if r.get("context", args.context) == args.context]))
+        print(table([r for r in read_records(args.out) if r.get("context", args.context) == args.context
+                     and r.get("task", "passkey") == args.task]))
         return 0
     return run(args, lambda line: print(line, flush=True))
 

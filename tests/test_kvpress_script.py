@@ -121,3 +121,112 @@ def test_pipeline_inputs_from_our_split():
         kq.pipeline_inputs(tok, prompt[:cut], prompt[cut:-1], "It is")
     with pytest.raises(ValueError, match="user prefix"):
         kq.pipeline_inputs(tok, prompt[3:cut], prompt[cut:], "It is")
+
+
+# --- --task story ---------------------------------------------------------------------------------------
+
+class _WordTok:
+    """One id per whitespace-separated word (a growing vocabulary), a minimal chat template: prompts without
+    a checkpoint (as tests/test_eval.py's)."""
+
+    def __init__(self):
+        self.vocab, self.words = {}, []
+
+    def encode(self, text, add_special_tokens=True):
+        ids = []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words) + 1
+                self.words.append(w)
+            ids.append(self.vocab[w])
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(self.words[i - 1] for i in ids if i > 0)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"<user> {m['content']} </user> " for m in messages) + "<assistant> "
+
+
+_TEXT = " ".join(f"Sentence number {i} tells of the sea and the {i % 7} whales." for i in range(400))
+
+
+@pytest.mark.parametrize("task", kq.TASKS)
+def test_prompts_and_cut_are_the_harness_ones(task):
+    """The samples, the cut and the answer prefix of experiments/question_agnostic.py's main()
+    (Runner.samples, then split_question with the sample's question): the same prompts for the same seed,
+    context and n."""
+    from types import SimpleNamespace
+
+    from evals import tasks
+    from evals.sweep import Runner
+    from experiments.question_agnostic import split_question
+
+    tok = _WordTok()
+    corpus = tasks.Corpus.from_text(_TEXT, tok)
+    runner = SimpleNamespace(tokenizer=tok, corpus=corpus, seed=3, _samples={})
+    theirs = Runner.samples(runner, task, 300, 6)  # what question_agnostic.main() runs
+    samples, pieces, prefixes = kq.build_prompts(task, tok, corpus, 6, 300, 3)
+    assert samples == theirs
+    assert pieces == [split_question(tok, s.prompt, s.question or tasks.PASSKEY_QUESTION) for s in theirs]
+    for s, (context, rest), prefix in zip(samples, pieces, prefixes, strict=True):
+        assert list(context) + list(rest) == list(s.prompt)
+        question = s.question or tasks.PASSKEY_QUESTION
+        assert tok.decode(rest).startswith(question) and tok.decode(rest).endswith(prefix)
+        assert question not in tok.decode(context)
+        if task == "story":
+            role_pet = question.removeprefix("What was the ").removesuffix(" called?")
+            assert prefix == f"The {role_pet} was called" and s.answer in tasks.STORY_NAMES
+        else:
+            assert prefix == tasks.PASSKEY_ANSWER_PREFIX
+    assert len({s.prompt for s in samples}) == 6
+
+
+def test_story_answer_prefix():
+    from evals import tasks
+
+    assert (kq.answer_prefix("story", "What was the first mate's goat called?")
+            == "The first mate's goat was called")
+    assert kq.answer_prefix("passkey", tasks.PASSKEY_QUESTION) == tasks.PASSKEY_ANSWER_PREFIX
+    for role in tasks.STORY_ROLES:
+        for pet in tasks.STORY_PETS:
+            question = tasks.STORY_QUESTION.format(role=role, pet=pet)
+            assert kq.answer_prefix("story", question) == tasks.STORY_ANSWER_PREFIX.format(role=role, pet=pet)
+    with pytest.raises(ValueError, match="story question"):
+        kq.answer_prefix("story", tasks.PASSKEY_QUESTION)
+
+
+def test_record_keys_of_passkey_records_are_unchanged():
+    assert kq.record_key("passkey", "M", 1024, 24, 0, "full", 1.0, 10, 0) == (
+        "kvpress-qa|M|ctx=1024|n=24|seed=0|full|1|new=10|0")
+    assert kq.record_key("passkey", "M", 1024, 24, 0, "pyramidkv", 0.5, 10, 7, "feed") == (
+        "kvpress-qa|M|ctx=1024|n=24|seed=0|pyramidkv|0.5|new=10|7|feed")
+    assert kq.record_key("story", "M", 1024, 24, 0, "kvzip", 0.2, 10, 3) == (
+        "kvpress-story-qa|M|ctx=1024|n=24|seed=0|kvzip|0.2|new=10|3")
+    # every recorded line's key is the one a rerun computes (so a rerun skips it)
+    from pathlib import Path
+
+    from evals.sweep import read_records
+
+    recorded = read_records(Path(__file__).resolve().parents[1] / kq.DEFAULT_OUT)
+    for r in recorded:
+        assert r["key"] == kq.record_key(r.get("task", "passkey"), r["model"], r["context"], r["n"],
+                                         r["seed"], r["press"], r["budget"], r["new_tokens"], r["sample"],
+                                         r.get("protocol", "pipeline"))
+
+
+def test_report_prints_the_table_of_one_task(tmp_path, capsys):
+    from evals.sweep import append_record
+
+    out = tmp_path / "r.jsonl"
+    story = _records("full", 1.0, [0, 0, 1], task="story") + _records("kvzip", 0.2, [1, 0, 0], task="story")
+    for r in RECORDS + story:  # RECORDS have no "task": passkey records
+        append_record(out, r)
+    assert kq.main(["--report", "--out", str(out), "--task", "story"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "| press | 0.2 |", "|---|---|", "| full | 1/3 |", "| kvzip | 1/3 |"]
+    assert kq.main(["--report", "--out", str(out)]) == 0  # the passkey table, as before
+    assert capsys.readouterr().out.strip() == kq.table([r for r in RECORDS if r["context"] == 1024])
+    with pytest.raises(SystemExit) as e:
+        kq.main(["--report", "--task", "summary"])
+    assert e.value.code == 2

@@ -18,15 +18,17 @@ are not stored, and
 last context tokens forced, the top of the rest (ties: the earlier token). Nothing is evicted while
 decoding (``decode_evict = False``): the questions and answers that follow are appended.
 
-Differences from the paper as we read it (not checked against its code): it asks the model to repeat the
-context before the copy and reconstructs a long context chunk by chunk; here the copy is the bare context
-and the whole context is one probe; and every KV head keeps the layer's share, where kvpress's KVzip
-spreads the budget unevenly over heads and layers. Measured (SmolLM2-135M, ~1k question-agnostic passkey,
-docs/results.md): 0 of 24 answers at 0.2 and 13 at 0.5 (with ``profile``'s layer budgets 4 and 21),
-against kvpress's KVzip's 21 and 20 on the same prompts: not yet the paper's method in effect at 0.2.
-Cost: one more forward over the context at prefill time, and the context must fit twice in the model's
-positions. Only kvmodels' Decoder runs the
-probe: the transformers bridge and the vLLM plugin refuse this policy.
+Use it with ``pooled`` head budgets (``compose("kvzip", "pooled")``): KVzip's own allocation, one top-k
+over the scores of every layer and KV head, so that a layer or head the reconstruction needs little gives
+its slots to one that needs many (the split is made after the pass; docs/contract.md §4.1). Alone, every KV
+head keeps its layer's share. ``Decoder(probe_prefix=)`` feeds KVzip's instruction (:data:`REPEAT`) before
+the copy; ``kvgen --context`` does. Differences from the paper as we read it: a long context is
+reconstructed chunk by chunk there, in one pass here (so the context must fit twice in the model's
+positions), and the ``recent`` last tokens are forced here. Measured (SmolLM2-135M, 24 ~1k passkey prompts,
+the question asked after compression, full cache 22; docs/results.md): ``kvzip+pooled`` answers 19 at 0.2
+and 22 at 0.5, ``kvzip+adakv`` (heads within a layer only) 9 and 23, ``kvzip`` alone 0 and 13; kvpress's
+KVzip 21 and 20 on the same prompts. Cost: one more forward over the context at prefill time. Only
+kvmodels' Decoder runs the probe: the transformers bridge and the vLLM plugin refuse this policy.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ attention-mass scores (each head's votes sum to the same total), the setting of 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..base import HeadBudgetPolicy, check_number, check_range
 from ..registry import register_policy
+from ._split import top_k_split
 
 
 @register_policy("adakv", role="heads")
@@ -42,18 +42,4 @@ class AdaKV(HeadBudgetPolicy):
         if L <= budget:
             return torch.full((H,), int(budget), dtype=torch.int64)
         n_sink, n_recent = (int(x) for x in n_forced)
-        # The 1e-9 guard keeps binary rounding from adding a slot (0.2 * 5 = 1.0000000000000002).
-        floor = min(L, max(math.ceil(self.alpha * budget - 1e-9), n_sink + n_recent, 1))
-        ranked = scores.to(torch.float32).clone()
-        forced = torch.zeros(L, dtype=torch.bool, device=scores.device)
-        forced[:n_sink] = True
-        if n_recent:
-            forced[L - n_recent:] = True
-        ranked[:, forced] = float("inf")  # kept first by every head
-        # Each head's tokens best first (stable: ties to the earlier token); its first `floor` are kept.
-        order = torch.sort(ranked, dim=1, descending=True, stable=True).values  # [H, L]
-        rest = order[:, floor:].flatten()  # [H * (L - floor)], head-major: ties to the lower head
-        extra = H * budget - H * floor
-        top = torch.sort(rest, descending=True, stable=True).indices[:extra]
-        won = torch.bincount(torch.div(top, L - floor, rounding_mode="floor"), minlength=H)
-        return floor + won.to(torch.int64)
+        return top_k_split([scores], [int(budget)], [(n_sink, n_recent)], self.alpha)[0]

@@ -19,7 +19,6 @@ earlier token.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -28,6 +27,7 @@ import torch
 
 from ..base import HeadBudgetPolicy, check_number, check_range
 from ..registry import register_policy
+from ._split import top_k_split
 
 
 @register_policy("pooled", role="heads")
@@ -55,25 +55,4 @@ class Pooled(HeadBudgetPolicy):
         """``[n, Hkv]`` int64 budgets of ``n`` compressed layers of one sequence, from their ``[Hkv, L_l]``
         scores (``L_l > budgets[l]``), budgets and forced ``(n_sink, n_recent)``: they sum to ``Hkv *
         sum(budgets)``, each head of layer ``l`` keeps at least its floor and at most ``L_l``."""
-        floors, rests = [], []
-        for s, budget, (n_sink, n_recent) in zip(scores, budgets, n_forced):
-            H, L = s.shape
-            floor = min(L, max(math.ceil(self.alpha * budget - 1e-9), n_sink + n_recent, 1))
-            ranked = s.to(torch.float32).clone()
-            forced = torch.zeros(L, dtype=torch.bool, device=s.device)
-            forced[:n_sink] = True
-            if n_recent:
-                forced[L - n_recent:] = True
-            ranked[:, forced] = float("inf")  # in every head's floor
-            order = torch.sort(ranked, dim=1, descending=True, stable=True).values  # [H, L] best first
-            floors.append(floor)
-            rests.append(order[:, floor:])  # what each head's floor leaves to compete
-        H = scores[0].shape[0]
-        sizes = [r.shape[1] for r in rests]
-        extra = sum(H * (b - f) for b, f in zip(budgets, floors))
-        flat = torch.cat([r.flatten() for r in rests])  # layer-major, then head-major: the ties' order
-        top = torch.sort(flat, descending=True, stable=True).indices[:extra]
-        # Which (layer, head) each winning entry belongs to.
-        owner = torch.cat([torch.arange(H).repeat_interleave(n) + i * H for i, n in enumerate(sizes)])
-        won = torch.bincount(owner[top.cpu()], minlength=len(rests) * H).view(len(rests), H)
-        return torch.tensor(floors, dtype=torch.int64)[:, None] + won.to(torch.int64)
+        return top_k_split(scores, budgets, n_forced, self.alpha)
