@@ -208,12 +208,15 @@ def test_per_head_budgets_take_a_question_after_the_probe():
     dec = Decoder(MODEL4, compose("kvzip", "pooled", budget=0.3))
     dec.extend([ctx])
     kept = dec.cache.report().head_tokens
+    budgets_after_probe = dec.cache.plan.rows.budgets.clone()  # [Lc, Hkv]: each head's budget
     dec.extend([question])
     res = dec.generate(4)
     assert len(res.tokens[0]) == 4
     after = dec.cache.report().head_tokens
     grew = len(question) + 4  # the question and the four generated tokens, the last still pending
     assert all(a - k == grew - 1 for ka, aa in zip(kept, after) for k, a in zip(ka[0], aa[0]))
+    # the probe's split stays the sequence's head budgets (the question evicted nothing, so no new split)
+    assert torch.equal(dec.cache.plan.rows.budgets, budgets_after_probe)
     with pytest.raises(NotImplementedError, match="'snapkv\\+pooled'.*token scores"):
         Decoder(MODEL4, compose("snapkv", "pooled", budget=0.5)).extend([ctx], chunk=16)
 

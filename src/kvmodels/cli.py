@@ -485,9 +485,9 @@ def _extend(dec: Any, ids: list[list[int]], args: argparse.Namespace, **kw: Any)
 
 def _held(report: Any, seen: int) -> str:
     """Tokens the cache's layers hold for sequence 0 out of the ``seen`` tokens of its context."""
-    counts = [row[0] for row in report.tokens_per_layer]
+    counts = [row[0] for row in report.tokens_per_layer]  # per-head rows: the mean over a layer's heads
     lo, hi = min(counts), max(counts)
-    held = f"{lo}" if lo == hi else f"{lo}-{hi} (mean {sum(counts) / len(counts):.0f})"
+    held = f"{lo:g}" if lo == hi else f"{lo:.4g}-{hi:.4g} (mean {sum(counts) / len(counts):.0f})"
     mib = 2.0 ** -20
     ratio = report.total_bytes / report.full_cache_bytes if report.full_cache_bytes else float("nan")
     return (f"held {held} of {seen} tokens per layer; KV {report.total_bytes * mib:.2f} MiB kept vs "

@@ -334,7 +334,10 @@ class ExtendSteps:
         self.active[rows] = True
         self.host.active[rows] = True
         self.host.parked[rows] = False
-        self.rows.replanned(b)
+        if ext.probe or self.eviction.prefill_compress or self.eviction.decode_evict:
+            # Planned anew (per-head rows: split again). A policy that evicts only after its
+            # reconstruction pass (kvzip) keeps the pass's split when a later turn appends tokens.
+            self.rows.replanned(b)
         self._extension = None
         self._state = "decode"
         self._replan()
