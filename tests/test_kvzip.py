@@ -28,28 +28,7 @@ def oracle_scores(model, ctx: list[int], prefix: list[int] = ()) -> list[torch.T
     """Per layer, ``[Hkv, L]``: the dense causal forward of ``ctx + prefix + ctx``; each first-copy key's
     largest softmax probability from any later query row (the prefix's and the copy's) and any query head of
     its KV group (the reconstruction pass's scores, computed without the cache)."""
-    L = len(ctx)
-    tokens = torch.tensor(ctx + list(prefix) + ctx, device=DEVICE)
-    T = tokens.shape[0]
-    positions = torch.arange(T, device=DEVICE)
-    out = []
-    with torch.no_grad():
-        x = model.tok_embeddings(tokens)
-        cos, sin = model._rope(positions, x.dtype)
-        for layer in model.blocks:
-            q, k, v = layer.qkv(x, cos, sin)  # [2L, Hq, D], [2L, Hkv, D]
-            Hq, Hkv = q.shape[1], k.shape[1]
-            G = Hq // Hkv
-            logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(G, dim=1))
-            logits = logits * layer.scale
-            causal = torch.ones(T, T, dtype=torch.bool, device=DEVICE).triu(1)
-            probs = logits.masked_fill(causal, float("-inf")).softmax(-1)  # [Hq, 2L, 2L]
-            second = probs[:, L:, :L].amax(1)  # [Hq, L]: the copy's rows over the context's keys
-            out.append(second.view(Hkv, G, L).amax(1))  # the largest over the group's query heads
-            attn, _ = prefill_attention(q, k, v, scale=layer.scale)
-            x = x + layer.wo(attn.reshape(T, -1))
-            x = x + layer.mlp(x)
-    return out
+    return _pass_scores(model, ctx, list(prefix) + ctx)
 
 
 def expected_kept(scores: torch.Tensor, budget: int, n_sink: int, n_recent: int) -> list[list[int]]:
@@ -302,3 +281,87 @@ def test_probe_prefix_rows_score_the_context_too():
         Decoder(MODEL, compose("kvzip", budget=0.5), probe_prefix="Repeat")
     with pytest.raises(ValueError, match="after the 30 tokens of probe_prefix.*past the model's context"):
         Decoder(MODEL, compose("kvzip", budget=0.5), probe_prefix=context(30)).extend([context(40)])
+
+
+def span_oracle(model, ctx: list[int], span: int, prefix: list[int] = ()) -> list[torch.Tensor]:
+    """Per layer, ``[Hkv, L]``: KVzip's chunked reconstruction computed densely, one forward per pass: pass
+    ``s`` (every ``span`` tokens) is ``ctx + prefix + ctx[s - OVERLAP : s + span]`` and gives the context
+    tokens ``[s, s + span)`` their scores (the largest probability from any of its rows after the context)."""
+    from kvpolicies.eviction.kvzip import OVERLAP
+
+    out = None
+    for s in range(0, len(ctx), span):
+        scores = _pass_scores(model, ctx, list(prefix) + ctx[max(0, s - OVERLAP):s + span])
+        out = [torch.zeros_like(x) for x in scores] if out is None else out
+        for l, x in enumerate(scores):
+            out[l][:, s:s + span] = x[:, s:s + span]
+    return out
+
+
+def _pass_scores(model, ctx: list[int], rows: list[int]) -> list[torch.Tensor]:
+    """Per layer ``[Hkv, L]``: each context key's largest probability from the rows fed after it."""
+    L = len(ctx)
+    tokens = torch.tensor(ctx + rows, device=DEVICE)
+    T = tokens.shape[0]
+    positions = torch.arange(T, device=DEVICE)
+    out = []
+    with torch.no_grad():
+        x = model.tok_embeddings(tokens)
+        cos, sin = model._rope(positions, x.dtype)
+        for layer in model.blocks:
+            q, k, v = layer.qkv(x, cos, sin)
+            Hq, Hkv = q.shape[1], k.shape[1]
+            logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(Hq // Hkv, dim=1))
+            causal = torch.ones(T, T, dtype=torch.bool, device=DEVICE).triu(1)
+            probs = (logits * layer.scale).masked_fill(causal, float("-inf")).softmax(-1)
+            out.append(probs[:, L:, :L].amax(1).view(Hkv, Hq // Hkv, L).amax(1))
+            attn, _ = prefill_attention(q, k, v, scale=layer.scale)
+            x = x + layer.wo(attn.reshape(T, -1))
+            x = x + layer.mlp(x)
+    return out
+
+
+@pytest.mark.parametrize("span,prefix_len", [(16, 0), (10, 3), (7, 0)])
+def test_span_reconstructs_in_parts(span, prefix_len):
+    """``kvzip(span=N)``: one pass per span, each scoring its own span's tokens, the kept set the top of the
+    dense per-pass oracle; a context too long to fit twice in the positions runs with a span (not without)."""
+    ctx, prefix = context(60, seed=17), context(prefix_len, seed=18)
+    with pytest.raises(ValueError, match=r"past the model's context of 96.*kvzip\(span=N\)"):
+        Decoder(MODEL, compose("kvzip", budget=0.3), probe_prefix=prefix).extend([ctx])
+    dec = Decoder(MODEL, compose(f"kvzip(span={span})", budget=0.3), probe_prefix=prefix)
+    dec.extend([ctx])
+    oracle = span_oracle(MODEL, ctx, span, prefix)
+    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in dec.cache.plan.rows)
+    for l in range(MODEL.n_cache_layers):
+        got = dec.cache.layer_contents(l, 0)
+        want = expected_kept(oracle[l], budgets[l], n_sink[l], n_recent[l])
+        assert [got["pos"][:, h].tolist() for h in range(len(want))] == want, l
+        torch.testing.assert_close(got["score"], torch.stack([oracle[l][h, got["pos"][:, h].long()]
+                                                              for h in range(len(want))], 1),
+                                   rtol=1e-4, atol=1e-5)
+    assert dec.lengths == [len(ctx)] and int(dec.cache.host.seen[0]) == len(ctx)
+    assert len(dec.generate(3).tokens[0]) == 3
+
+
+def test_span_covering_the_context_is_one_pass():
+    ctx = context(40, seed=19)
+    one, spanned = Decoder(MODEL, compose("kvzip", budget=0.4)), Decoder(MODEL, compose("kvzip(span=40)",
+                                                                                         budget=0.4))
+    one.extend([ctx])
+    spanned.extend([ctx])
+    for l in range(MODEL.n_cache_layers):
+        assert torch.equal(one.cache.layer_contents(l, 0)["pos"], spanned.cache.layer_contents(l, 0)["pos"])
+    p = compose("kvzip(span=512)+pooled", budget=0.2)
+    assert compose(p.spec()) == p and p.eviction.span == 512
+    with pytest.raises(ValueError, match="kvzip: parameter span"):
+        compose("kvzip(span=0)")
+
+
+def test_span_with_pooled_head_budgets_and_bad_probe_argument():
+    ctx = context(60, seed=20)
+    dec = Decoder(MODEL4, compose("kvzip(span=20)+pooled", budget=0.3))
+    dec.extend([ctx])
+    budgets = dec.cache.plan.layers.budgets[:, 0]
+    assert sum(map(sum, (x[0] for x in dec.cache.report().head_tokens))) == int(budgets.sum()) * 2  # Hkv 2
+    with pytest.raises(TypeError, match="probe must be True, False or a ProbeSpan"):
+        dec.cache.begin_extend(0, 3, probe="yes")

@@ -268,8 +268,8 @@ class Decoder:
 
     def _check_probe(self, prompts: list[list[int]]) -> None:
         """Refuse a reconstruction pass (``kvzip``) that cannot run: a model that cannot continue a sequence,
-        merged layers, two storage formats, a prompt that does not fit twice in the model's
-        positions."""
+        merged layers, two storage formats, a prompt whose reconstruction passes do not fit in the model's
+        positions after it."""
         name, model = self.policy.name, self.model
         what = f"policy {name!r} ranks the prompt by a reconstruction pass ({self.policy.eviction.name}"
         if not getattr(model, "can_extend", False):
@@ -285,25 +285,47 @@ class Decoder:
                                       "in two formats, split after the prompt and never evicted afterwards; "
                                       "use native precision or kivi(residual=0)")
         extra = len(self.probe_prefix)
+        span = getattr(self.policy.eviction, "span", None)  # kvzip's; a plugin's probe policy may have none
         for b, toks in enumerate(prompts):
-            if 2 * len(toks) + extra > model.max_seq_len:
+            passes = self._probe_passes(len(toks))
+            need = len(toks) + max(len(self.probe_prefix) + stop - start for start, stop, _ in passes)
+            if need > model.max_seq_len:
                 with_prefix = f" after the {extra} tokens of probe_prefix" if extra else ""
-                raise ValueError(f"tokens[{b}]: policy {name!r} feeds the prompt of {len(toks)} "
-                                 f"tokens again after itself{with_prefix} (the reconstruction pass), at "
-                                 f"positions up to {2 * len(toks) + extra}, past the model's context of "
-                                 f"{model.max_seq_len}; shorten the prompt")
+                how = ("shorten the prompt or reconstruct it in parts (kvzip(span=N))" if span is None
+                       else "shorten the prompt or lower span")
+                raise ValueError(f"tokens[{b}]: policy {name!r} feeds the prompt of {len(toks)} tokens again "
+                                 f"after itself{with_prefix} (the reconstruction pass"
+                                 f"{'' if span is None else f', {span} tokens at a time'}), at positions up "
+                                 f"to {need}, past the model's context of {model.max_seq_len}; {how}")
+
+    def _probe_passes(self, n: int) -> list[tuple[int, int, int]]:
+        """The reconstruction's passes over a prompt of ``n`` tokens: ``(start, stop, scored)`` each copies
+        prompt tokens ``[start, stop)`` and scores those from ``scored`` on (one pass over all of them
+        without ``kvzip(span=)``; with it, each span copied from ``OVERLAP`` tokens before it)."""
+        from kvpolicies.eviction.kvzip import OVERLAP
+
+        span = getattr(self.policy.eviction, "span", None)
+        if span is None or span >= n:
+            return [(0, n, 0)]
+        return [(max(0, s - OVERLAP), min(n, s + span), s) for s in range(0, n, span)]
 
     def _probe(self, b: int, toks: list[int], max_new_tokens: int) -> None:
-        """Sequence ``b``'s reconstruction pass: its prompt ``toks`` fed again at the positions after it,
-        scoring the kept prompt and storing nothing; ``end_extend`` compresses the prompt by those scores.
-        The sequence's length and its last logits (what ``generate`` samples from) stay the prompt's."""
-        cache = self.cache
-        probe = self.probe_prefix + toks
-        cache.begin_extend(b, len(probe), max_new_tokens=max_new_tokens, probe=True)
-        model = cast(_Extendable, self.model)  # checked: model.can_extend
-        model.prefill(torch.tensor(probe, dtype=torch.int64, device=self.device), cache, b,
-                      start=self.lengths[b], last_only=True)
-        cache.end_extend(b)
+        """Sequence ``b``'s reconstruction: its prompt ``toks`` fed again at the positions after it (after
+        ``probe_prefix``; in spans with ``kvzip(span=)``), scoring the kept prompt and storing nothing; the
+        last pass's ``end_extend`` compresses the prompt by those scores. The sequence's length and its last
+        logits (what ``generate`` samples from) stay the prompt's."""
+        from kvmodels.cache import ProbeSpan
+
+        cache, model = self.cache, cast(_Extendable, self.model)  # checked: model.can_extend
+        passes = self._probe_passes(len(toks))
+        for i, (start, stop, scored) in enumerate(passes):
+            probe = self.probe_prefix + toks[start:stop]
+            last = i == len(passes) - 1
+            span = True if len(passes) == 1 else ProbeSpan(scored, None if last else stop, last)
+            cache.begin_extend(b, len(probe), max_new_tokens=max_new_tokens, probe=span)
+            model.prefill(torch.tensor(probe, dtype=torch.int64, device=self.device), cache, b,
+                          start=self.lengths[b], last_only=True)
+            cache.end_extend(b)
 
     def _build_cache(self, batch: int) -> None:
         from kvmodels.cache import paged_cache  # the cache pulls in the kernels; import when used

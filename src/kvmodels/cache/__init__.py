@@ -21,6 +21,7 @@ Its parts, one module each:
 from __future__ import annotations
 
 from .compaction import Compaction, Compactor
+from .extend import ProbeSpan
 from .mirror import HostMirror
 from .paged import HeadPagedKVCache, PagedKVCache
 from .pool import PagePool
@@ -28,7 +29,7 @@ from .report import CacheReport
 from .rows import HeadRows, SequenceRows
 
 __all__ = ["CacheReport", "Compaction", "Compactor", "HeadPagedKVCache", "HeadRows", "HostMirror", "PagePool",
-           "PagedKVCache", "SequenceRows", "paged_cache"]
+           "PagedKVCache", "ProbeSpan", "SequenceRows", "paged_cache"]
 
 
 def paged_cache(**kw) -> PagedKVCache:

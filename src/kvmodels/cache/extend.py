@@ -20,6 +20,18 @@ from .pool import ceil_div
 from .rows import INT_DTYPES, check_sequence
 
 
+@dataclass(frozen=True)
+class ProbeSpan:
+    """One pass of a reconstruction (``begin_extend(..., probe=ProbeSpan(...))``): the kept tokens at
+    positions ``[start, stop)`` take this pass's scores (``stop=None``: every position onward); the sequence
+    is compressed after the pass when it is the ``last`` one. ``probe=True`` is ``ProbeSpan()``: one pass
+    scoring every kept token, then the compression."""
+
+    start: int = 0
+    stop: int | None = None
+    last: bool = True
+
+
 @dataclass
 class Extension:
     """An extension in progress (:meth:`ExtendSteps.begin_extend`): sequence ``b`` takes ``n`` tokens."""
@@ -28,7 +40,7 @@ class Extension:
     n: int
     budget_len: int  # the length the sequence's budget is a fraction of afterwards
     done: np.ndarray  # [Lc] bool, the layers extended so far
-    probe: bool = False  # a reconstruction pass: scores the kept tokens, stores nothing (begin_extend)
+    probe: ProbeSpan | None = None  # a reconstruction pass: scores kept tokens, stores nothing (begin_extend)
 
 
 class ExtendSteps:
@@ -77,7 +89,7 @@ class ExtendSteps:
         return self.max_pages * self.page_size // self.layout.max_width
 
     def begin_extend(self, b: int, n: int, *, budget_len: int | None = None,
-                     max_new_tokens: int | None = None, probe: bool = False) -> None:
+                     max_new_tokens: int | None = None, probe: bool | ProbeSpan = False) -> None:
         """Let sequence ``b`` (between decode steps, or paused) take ``n`` more tokens.
 
         The model then runs the ``n`` tokens through every cache layer at their true positions (the
@@ -101,7 +113,9 @@ class ExtendSteps:
             over every row; kvzip's ``max``: the largest probability), and the tokens are not stored (no
             pages, lengths and ``seen`` unchanged). :meth:`end_extend` then compresses the sequence to its
             budgets by those scores, whatever the policy's ``prefill_compress``. ``budget_len`` defaults to
-            the tokens seen (the probe adds none).
+            the tokens seen (the probe adds none). A :class:`ProbeSpan` makes it one pass of several (KVzip's
+            chunked reconstruction): only the kept tokens at its positions take the pass's scores, and only
+            its ``last`` pass compresses.
         """
         if self._state != "decode":
             raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
@@ -114,11 +128,12 @@ class ExtendSteps:
                              "extended")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r} must be a positive int (the tokens to add)")
-        if not isinstance(probe, bool):
-            raise TypeError(f"probe must be True or False, got {probe!r}")
-        if probe:
+        if not isinstance(probe, (bool, ProbeSpan)):
+            raise TypeError(f"probe must be True, False or a ProbeSpan, got {probe!r}")
+        span = ProbeSpan() if probe is True else probe or None
+        if span is not None:
             self._check_probe()
-        seen = int(self.host.seen[rows[0]]) + (0 if probe else n)
+        seen = int(self.host.seen[rows[0]]) + (0 if span is not None else n)
         budget_len = seen if budget_len is None else int(budget_len)
         if budget_len < seen:
             raise ValueError(f"budget_len={budget_len} is less than the {seen} tokens sequence {b} will have "
@@ -127,8 +142,8 @@ class ExtendSteps:
             if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
                 raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
             self.max_new_tokens = max_new_tokens
-        if probe:  # stores nothing: no slots or pages to check
-            self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), probe=True)
+        if span is not None:  # stores nothing: no slots or pages to check
+            self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), probe=span)
             self._state = "extend"
             return
         S, capacity = self.page_size, self.max_pages * self.page_size
@@ -245,7 +260,8 @@ class ExtendSteps:
         # evicted at the split, never again); one that evicts while decoding (with KIVI's residual) goes on
         # scoring both regions' tokens, as its decode steps do.
         ev = self.eviction
-        probe = self._extension is not None and self._extension.probe
+        span = None if self._extension is None else self._extension.probe
+        probe = span is not None
         scoring = self.side is None or ev.decode_evict
         mode = ev.probe_mode if probe else ev.prefill_mode if scoring else None
         window = ev.prefill_window(n) if mode is not None and not probe else 0
@@ -268,9 +284,13 @@ class ExtendSteps:
             q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
             window=window, decay=decay, seed=self.prefill_seed(l, b),
             temperature=float(kwargs.get("temperature", 1.0)))
-        if probe:  # a reconstruction pass: its rows' mass replaces the kept tokens' scores; nothing stored
+        if span is not None:  # a reconstruction pass: its rows' mass replaces the scores; nothing stored
             assert scores is not None and ms == 0  # _check_probe: one format, a scoring policy
             kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
+            if span.start > 0 or span.stop is not None:  # one pass of several: its span's tokens only
+                pos = self.slot_pos[page, offset]  # [m, Hkv], slot order
+                inside = (pos >= span.start) & (pos < (span.stop if span.stop is not None else pos.max() + 1))
+                kept = torch.where(inside, kept, kept_score)
             self.slot_score[page, offset] = kept  # back in slot order
             return out
         if scores is not None:
@@ -326,7 +346,7 @@ class ExtendSteps:
             raise RuntimeError(f"layer {l} of sequence {b} was not extended; call extend_attend for every "
                                "cache layer")
         rows = self.rows.rows(b)
-        if not ext.probe:  # a probe's tokens were never stored: the sequence has seen nothing more
+        if ext.probe is None:  # a probe's tokens were never stored: the sequence has seen nothing more
             self.host.seen[rows] += ext.n
         for row in rows:
             self.prompt_lens[row] = ext.budget_len
@@ -334,14 +354,14 @@ class ExtendSteps:
         self.active[rows] = True
         self.host.active[rows] = True
         self.host.parked[rows] = False
-        if ext.probe or self.eviction.prefill_compress or self.eviction.decode_evict:
+        if ext.probe is not None or self.eviction.prefill_compress or self.eviction.decode_evict:
             # Planned anew (per-head rows: split again). A policy that evicts only after its
             # reconstruction pass (kvzip) keeps the pass's split when a later turn appends tokens.
             self.rows.replanned(b)
         self._extension = None
         self._state = "decode"
         self._replan()
-        if ext.probe:  # compressed now by the probe's scores; other sequences may not be ranked yet
+        if ext.probe is not None and ext.probe.last:  # compressed by the probe's scores; others may wait
             assert self.plan is not None  # _replan made it
             self._compress_rows(rows, *(x.numpy()[:, rows] for x in self.plan.rows))
         if self.side is not None:  # KIVI: the extension's tokens older than the residual are quantized now

@@ -201,6 +201,8 @@ class PrefillSteps:
         ext = self._extension
         if ext is not None and ext.b == b:
             self._check_layer(l)
+            if ext.probe is not None:  # a reconstruction pass re-reads the context: no new statistic
+                return
             for row in self.rows.rows(b):  # every row of the sequence holds its statistic
                 n_old, n_new = int(self.host.stat_tokens[l, row]), stat.numel()
                 self.cos_sim[l, row] = (self.cos_sim[l, row] * n_old + stat.float().sum()) / (n_old + n_new)

@@ -43,6 +43,9 @@ from ..registry import register_policy
 #: KVzip's instruction before the context's copy (the paper's), as text: a caller with a tokenizer feeds it,
 #: then the chat template's opening of the assistant's turn, before the copy (``Decoder(probe_prefix=)``).
 REPEAT = "\n\nRepeat the previous context exactly."
+#: With ``span``: each pass after the first starts its copy this many tokens before its span (the text it
+#: continues from).
+OVERLAP = 8
 
 
 @register_policy("kvzip", role="eviction")
@@ -53,10 +56,15 @@ class KVzip(EvictionPolicy):
     sinks: the first tokens always kept (attention sinks, StreamingLLM's 4).
     recent: the last context tokens always kept (the text a question continues from; 8 by default, small
         against any useful budget so that the reconstruction's ranking decides the rest).
+    span: reconstruct the context ``span`` tokens at a time (KVzip's chunked reconstruction: one pass per
+        span, each copying its span (after the probe prefix and the previous span's last ``OVERLAP``
+        tokens) and scoring only its span's tokens), so a context needs ``len + prefix + OVERLAP + span``
+        positions instead of ``2 * len + prefix``; ``None``: one pass over the whole context.
     """
 
     sinks: int = 4
     recent: int = 8
+    span: int | None = None
 
     prefill_mode = "accumulate"  # the prompt's own scores (as h2o's); the probe's replace them
     probe_mode = "max"           # the reconstruction pass: the largest probability a token gets
@@ -67,6 +75,8 @@ class KVzip(EvictionPolicy):
     def __post_init__(self) -> None:
         check_int("kvzip", "sinks", self.sinks, 0)
         check_int("kvzip", "recent", self.recent, 0)
+        if self.span is not None:
+            check_int("kvzip", "span", self.span, 1)
 
     def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``sinks`` first and ``recent`` last tokens, cut to the budget (sinks first)."""
