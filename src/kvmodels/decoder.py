@@ -21,7 +21,8 @@ one ``generate(final=True)``::
   first call's prompts whole, then feeds each prompt once more after itself (``begin_extend(...,
   probe=True)``): the copy's attention scores the prompt, nothing of it is stored, and the prompt is
   compressed to its budget by those scores. It costs one more forward over each prompt, and the prompt must
-  fit twice in the model's positions (with ``chunk=`` too, the prompt is held whole until its probe). Only
+  fit twice in the model's positions (``probe_prefix`` adds its tokens; ``kvzip(span=N)`` reconstructs in
+  spans of ``N``, each pass after the prompt; with ``chunk=`` the prompt is held whole until its probe). Only
   the first call's prompts are probed: tokens a later ``extend`` adds (a question, a follow-up turn) are
   appended and kept.
 * ``generate(max_new_tokens)`` decodes every sequence. A sequence that stops (an eos id, or its last token)
