@@ -289,7 +289,9 @@ class ExtendSteps:
             kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
             if span.start > 0 or span.stop is not None:  # one pass of several: its span's tokens only
                 pos = self.slot_pos[page, offset]  # [m, Hkv], slot order
-                inside = (pos >= span.start) & (pos < (span.stop if span.stop is not None else pos.max() + 1))
+                inside = pos >= span.start
+                if span.stop is not None:
+                    inside &= pos < span.stop
                 kept = torch.where(inside, kept, kept_score)
             self.slot_score[page, offset] = kept  # back in slot order
             return out

@@ -25,11 +25,11 @@ head keeps its layer's share. ``Decoder(probe_prefix=)`` feeds KVzip's instructi
 the copy; ``kvgen --context`` does. ``span=N`` reconstructs the context in parts of ``N`` tokens, as the
 paper does for long contexts (one pass by default, so the context must fit twice in the model's positions).
 Differences from the paper as we read it: each pass here attends to the whole kept context (there, to the
-sinks and its own chunk), and the ``recent`` last tokens are forced here. Measured (SmolLM2-135M, 24 ~1k passkey prompts,
-the question asked after compression, full cache 22; docs/results.md): ``kvzip+pooled`` answers 19 at 0.2
-and 22 at 0.5, ``kvzip+adakv`` (heads within a layer only) 9 and 23, ``kvzip`` alone 0 and 13; kvpress's
-KVzip 21 and 20 on the same prompts. Cost: one more forward over the context at prefill time. Only
-kvmodels' Decoder runs the probe: the transformers bridge and the vLLM plugin refuse this policy.
+sinks and its own chunk), and the ``recent`` last tokens are forced here. Measured (SmolLM2-135M, 24 ~1k
+passkey prompts, the question asked after compression, full cache 22; docs/results.md): ``kvzip+pooled``
+answers 19 at 0.2 and 22 at 0.5, ``kvzip+adakv`` (heads within a layer only) 9 and 23, ``kvzip`` alone 0
+and 13; kvpress's KVzip 21 and 20 on the same prompts. Cost: one more forward over the context at prefill
+time. Only kvmodels' Decoder runs the probe: the transformers bridge and the vLLM plugin refuse this policy.
 """
 
 from __future__ import annotations
