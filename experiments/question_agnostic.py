@@ -69,6 +69,7 @@ CONFIGS: dict[str, str] = {
     "kvzip+pooled+repeat": "kvzip+pooled",  # ... with KVzip's instruction before the copy (REPEAT_CONFIGS)
     "kvzip(recent=0)+pooled": "kvzip(recent=0)+pooled",  # sinks forced only, as kvpress's KVzip
     "kvzip(recent=32)+pooled": "kvzip(recent=32)+pooled",  # a longer window of the context's end forced
+    "kvzip(span=256)+pooled": "kvzip(span=256)+pooled",  # the reconstruction in passes of 256 tokens
 }
 # Configs whose reconstruction pass starts with KVzip's instruction and the assistant's turn (probe_prefix).
 REPEAT_CONFIGS = ("kvzip+pooled+repeat",)
