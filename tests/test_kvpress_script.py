@@ -125,30 +125,9 @@ def test_pipeline_inputs_from_our_split():
 
 # --- --task story ---------------------------------------------------------------------------------------
 
-class _WordTok:
-    """One id per whitespace-separated word (a growing vocabulary), a minimal chat template: prompts without
-    a checkpoint (as tests/test_eval.py's)."""
-
-    def __init__(self):
-        self.vocab, self.words = {}, []
-
-    def encode(self, text, add_special_tokens=True):
-        ids = []
-        for w in text.split():
-            if w not in self.vocab:
-                self.vocab[w] = len(self.words) + 1
-                self.words.append(w)
-            ids.append(self.vocab[w])
-        return ids
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(self.words[i - 1] for i in ids if i > 0)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        return "".join(f"<user> {m['content']} </user> " for m in messages) + "<assistant> "
-
-
-_TEXT = " ".join(f"Sentence number {i} tells of the sea and the {i % 7} whales." for i in range(400))
+# A word-level tokenizer and a text, so prompts need no checkpoint (tests/test_eval.py's).
+from test_eval import TEXT as _TEXT  # noqa: E402
+from test_eval import WordTokenizer as _WordTok  # noqa: E402
 
 
 @pytest.mark.parametrize("task", kq.TASKS)
