@@ -289,7 +289,7 @@ class Decoder:
         span = getattr(self.policy.eviction, "span", None)  # kvzip's; a plugin's probe policy may have none
         for b, toks in enumerate(prompts):
             passes = self._probe_passes(len(toks))
-            need = len(toks) + max(len(self.probe_prefix) + stop - start for start, stop, _ in passes)
+            need = len(toks) + max(extra + stop - start for start, stop, _ in passes)
             if need > model.max_seq_len:
                 with_prefix = f" after the {extra} tokens of probe_prefix" if extra else ""
                 how = ("shorten the prompt or reconstruct it in parts (kvzip(span=N))" if span is None
