@@ -70,9 +70,12 @@ CONFIGS: dict[str, str] = {
     "kvzip(recent=0)+pooled": "kvzip(recent=0)+pooled",  # sinks forced only, as kvpress's KVzip
     "kvzip(recent=32)+pooled": "kvzip(recent=32)+pooled",  # a longer window of the context's end forced
     "kvzip(span=256)+pooled": "kvzip(span=256)+pooled",  # the reconstruction in passes of 256 tokens
+    "kvzip(skip=24)+pooled": "kvzip(skip=24)+pooled",  # the template's 24-token opening not context
+    "kvzip(skip=24)+pooled+repeat": "kvzip(skip=24)+pooled",  # ... with KVzip's instruction
+    "kvzip-as-kvpress": "kvzip(skip=24, recent=0)+pooled",  # kvpress's KVzip scores
 }
 # Configs whose reconstruction pass starts with KVzip's instruction and the assistant's turn (probe_prefix).
-REPEAT_CONFIGS = ("kvzip+pooled+repeat",)
+REPEAT_CONFIGS = ("kvzip+pooled+repeat", "kvzip(skip=24)+pooled+repeat", "kvzip-as-kvpress")
 # What --configs runs by default: the configs of the first tables (the others: --configs all).
 DEFAULT_CONFIGS = ("full", "streaming", "snapkv", "profile+snapkv", "snapkv+duo", "profile+snapkv+duo")
 EVICT_EVERY = 64  # past the question and the answer: the feed protocol evicts nothing after the context

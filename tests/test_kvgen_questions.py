@@ -263,6 +263,31 @@ def test_chat_run_prefills_the_context_turn_once(capsys, tiny_ckpt, tmp_path, pr
                                             1 + len(tok.encode(turns.question(1, QUESTIONS[1])))]
 
 
+@pytest.mark.parametrize("policy,skip", [("kvzip+pooled", None), ("kvzip(skip=2)+pooled", 2)])
+def test_chat_kvzip_skips_the_templates_opening(capsys, tiny_ckpt, tmp_path, prefills, policy, skip):
+    """With a chat template, kvzip's copy leaves the template's opening (system prompt, user header) out:
+    ``kvzip(skip=<its tokens>)`` unless ``skip`` was given; the copy follows KVzip's instruction and the
+    generation prompt, after the context."""
+    from kvpolicies.eviction.kvzip import REPEAT
+
+    context_file = tmp_path / "short.txt"
+    context_file.write_text("hello world again")
+    d = tmp_path / "chat_ckpt"
+    shutil.copytree(tiny_ckpt, d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"unk_token": "a", "chat_template": SMOL_TEMPLATE}))
+    rc, out, err = run_cli(capsys, "--model", str(d), "--context", str(context_file), "--question",
+                           QUESTIONS[0], "--policy", policy, "--budget", "0.9", "--max-new-tokens", "2")
+    assert rc == 0, err
+    tok = Tokenizer(d)
+    turns = chat_turns(tok)
+    n_ctx = len(tok.encode(turns.before_context + "hello world again"))
+    n_open = len(tok.encode(turns.before_context)) if skip is None else skip
+    assert 0 < n_open < n_ctx - 1
+    n_probe = len(tok.encode(REPEAT + turns.first[1], add_special_tokens=False))
+    assert prefills[:2] == [(n_ctx, 0), (n_probe + n_ctx - n_open, n_ctx)]  # the copy: after the opening
+    assert f"kvzip(skip={n_open})" in err
+
+
 # ----------------------------------------------------------------------------------------------------- (e)
 @pytest.mark.parametrize("argv, needle", [
     (["--question", "hi"], "--question needs --context FILE"),

@@ -298,8 +298,11 @@ def span_oracle(model, ctx: list[int], span: int, prefix: list[int] = ()) -> lis
     return out
 
 
-def _pass_scores(model, ctx: list[int], rows: list[int]) -> list[torch.Tensor]:
-    """Per layer ``[Hkv, L]``: each context key's largest probability from the rows fed after it."""
+def _pass_scores(model, ctx: list[int], rows: list[int],
+                 skip: tuple[int, int] | None = None) -> list[torch.Tensor]:
+    """Per layer ``[Hkv, L]``: each context key's largest probability from the rows fed after it; with
+    ``skip = (lo, hi)`` each row's probabilities renormalised without context keys ``[lo, hi)``, which score
+    0 (kvzip(skip=))."""
     L = len(ctx)
     tokens = torch.tensor(ctx + rows, device=DEVICE)
     T = tokens.shape[0]
@@ -314,6 +317,9 @@ def _pass_scores(model, ctx: list[int], rows: list[int]) -> list[torch.Tensor]:
             logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(Hq // Hkv, dim=1))
             causal = torch.ones(T, T, dtype=torch.bool, device=DEVICE).triu(1)
             probs = (logits * layer.scale).masked_fill(causal, float("-inf")).softmax(-1)
+            if skip is not None:
+                probs[:, :, skip[0]:skip[1]] = 0
+                probs = probs / probs.sum(-1, keepdim=True)
             out.append(probs[:, L:, :L].amax(1).view(Hkv, Hq // Hkv, L).amax(1))
             attn, _ = prefill_attention(q, k, v, scale=layer.scale)
             x = x + layer.wo(attn.reshape(T, -1))
@@ -365,3 +371,68 @@ def test_span_with_pooled_head_budgets_and_bad_probe_argument():
     assert sum(map(sum, (x[0] for x in dec.cache.report().head_tokens))) == int(budgets.sum()) * 2  # Hkv 2
     with pytest.raises(TypeError, match="probe must be True, False or a ProbeSpan"):
         dec.cache.begin_extend(0, 3, probe="yes")
+
+
+def skip_oracle(model, ctx: list[int], skip: int, sinks: int, span: int | None,
+                prefix: list[int] = ()) -> list[torch.Tensor]:
+    """Per layer ``[Hkv, L]``: kvzip(skip=) computed densely. The copy starts at ``skip``; every pass's rows
+    are renormalised without keys ``[min(sinks, skip), skip)``, which score 0; the first pass scores every
+    context position, a later one (``span``) its own span."""
+    from kvpolicies.eviction.kvzip import OVERLAP
+
+    hidden = (min(sinks, skip), skip)
+    starts = [skip] if span is None else list(range(skip, len(ctx), span))
+    out = None
+    for s in starts:
+        stop = len(ctx) if span is None else s + span
+        scores = _pass_scores(model, ctx, list(prefix) + ctx[max(skip, s - OVERLAP):stop], hidden)
+        out = [torch.zeros_like(x) for x in scores] if out is None else out
+        lo = 0 if s == skip else s
+        for l, x in enumerate(scores):
+            out[l][:, lo:stop] = x[:, lo:stop]
+    return out
+
+
+@pytest.mark.parametrize("spec,skip,sinks,span,prefix_len", [
+    ("kvzip(skip=6)", 6, 4, None, 0),
+    ("kvzip(skip=6, sinks=2, recent=3)", 6, 2, None, 3),
+    ("kvzip(skip=3)", 3, 4, None, 0),  # sinks past the opening: nothing is hidden, the copy still starts at 3
+    ("kvzip(skip=6, span=12)", 6, 4, 12, 2),
+])
+def test_skip_leaves_the_template_opening_out(spec, skip, sinks, span, prefix_len):
+    """``kvzip(skip=N)`` (kvpress's KVzip treats the chat template's opening so): the copy starts after the
+    first N tokens, those past the sinks score 0 and are out of each row's normalisation; the kept set is the
+    top of that dense oracle, with its scores stored."""
+    ctx, prefix = context(44, seed=23), context(prefix_len, seed=24)
+    dec = Decoder(MODEL, compose(spec, budget=0.3), probe_prefix=prefix)
+    dec.extend([ctx])
+    oracle = skip_oracle(MODEL, ctx, skip, sinks, span, prefix)
+    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in dec.cache.plan.rows)
+    for l in range(MODEL.n_cache_layers):
+        assert bool((oracle[l][:, min(sinks, skip):skip] == 0).all())
+        got = dec.cache.layer_contents(l, 0)
+        want = expected_kept(oracle[l], budgets[l], n_sink[l], n_recent[l])
+        assert [got["pos"][:, h].tolist() for h in range(len(want))] == want, l
+        torch.testing.assert_close(got["score"], torch.stack([oracle[l][h, got["pos"][:, h].long()]
+                                                              for h in range(len(want))], 1),
+                                   rtol=1e-4, atol=1e-5)
+        if sinks < skip:  # the opening past the sinks is evicted first
+            assert not bool(((got["pos"] >= sinks) & (got["pos"] < skip)).any()), l
+    assert len(dec.generate(2).tokens[0]) == 2
+
+
+def test_skip_with_pooled_budgets_and_bad_input():
+    ctx = context(40, seed=25)
+    dec = Decoder(MODEL4, compose("kvzip(skip=8)+pooled", budget=0.3))
+    dec.extend([ctx])
+    for l in range(MODEL4.n_cache_layers):
+        for head in dec.cache.head_contents(l, 0):
+            pos = head["pos"].tolist()
+            assert pos[:4] == [0, 1, 2, 3] and not any(4 <= p < 8 for p in pos), (l, pos)
+    p = compose("kvzip(skip=24, recent=0)+pooled", budget=0.2)
+    assert compose(p.spec()) == p and p.eviction.probe_skip == (4, 24)
+    assert compose("kvzip").eviction.probe_skip is None
+    with pytest.raises(ValueError, match="kvzip: parameter skip"):
+        compose("kvzip(skip=-1)")
+    with pytest.raises(ValueError, match=r"tokens\[0\].*copies the prompt from token 8 on.*lower skip"):
+        Decoder(MODEL, compose("kvzip(skip=8)", budget=0.5)).extend([context(8)])

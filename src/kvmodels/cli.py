@@ -494,6 +494,21 @@ def _held(report: Any, seen: int) -> str:
             f"{report.full_cache_bytes * mib:.2f} MiB full ({ratio:.1%})")
 
 
+def _skip_opening(policy: Any, tok: Any, turns: Turns, ctx_ids: list[int]) -> Any:
+    """With ``kvzip`` (``skip`` not given) and a chat template: the template's opening before the context
+    (system prompt, the user turn's header) is not context: ``kvzip(skip=<its tokens>)``, as kvpress's KVzip
+    treats it. Said on stderr when the policy is printed (its label shows ``skip``)."""
+    import dataclasses
+
+    ev = policy.eviction
+    if ev.name != "kvzip" or ev.skip or not turns.before_context:
+        return policy
+    opening = tok.encode(turns.before_context)
+    if len(opening) >= len(ctx_ids) or list(ctx_ids[:len(opening)]) != list(opening):
+        return policy  # the opening is not a token prefix of the context: every token stays context
+    return dataclasses.replace(policy, eviction=dataclasses.replace(ev, skip=len(opening)))
+
+
 def run_questions(args: argparse.Namespace) -> int:
     """``--context FILE --question TEXT ...``: the context prefilled and compressed once, then each question
     extended into the compressed cache (:class:`kvmodels.decoder.Decoder`) and answered."""
@@ -510,6 +525,7 @@ def run_questions(args: argparse.Namespace) -> int:
     _check_continuable(model, policy)
     turns = chat_turns(tok) if s.chat else PLAIN_TURNS
     ctx_ids = tok.encode(turns.before_context + context)
+    policy = _skip_opening(policy, tok, turns, ctx_ids)
     limit, n_new = model.max_seq_len, args.max_new_tokens
     if len(ctx_ids) + n_new > limit:
         raise CliError(f"--context {args.context} has {len(ctx_ids)} tokens; with --max-new-tokens {n_new} "

@@ -287,7 +287,12 @@ class Decoder:
                                       "use native precision or kivi(residual=0)")
         extra = len(self.probe_prefix)
         span = getattr(self.policy.eviction, "span", None)  # kvzip's; a plugin's probe policy may have none
+        skip = self.policy.eviction.probe_skip
         for b, toks in enumerate(prompts):
+            if skip is not None and len(toks) <= skip[1]:
+                raise ValueError(f"tokens[{b}]: policy {name!r} copies the prompt from token {skip[1]} on "
+                                 f"(its skip: the chat template's opening), and the prompt has {len(toks)} "
+                                 "tokens; lower skip or give a longer prompt")
             passes = self._probe_passes(len(toks))
             need = len(toks) + max(extra + stop - start for start, stop, _ in passes)
             if need > model.max_seq_len:
@@ -302,13 +307,17 @@ class Decoder:
     def _probe_passes(self, n: int) -> list[tuple[int, int, int]]:
         """The reconstruction's passes over a prompt of ``n`` tokens: ``(start, stop, scored)`` each copies
         prompt tokens ``[start, stop)`` and scores those from ``scored`` on (one pass over all of them
-        without ``kvzip(span=)``; with it, each span copied from ``OVERLAP`` tokens before it)."""
+        without ``kvzip(span=)``; with it, each span copied from ``OVERLAP`` tokens before it). The copy
+        begins after ``kvzip(skip=)``'s opening; the first pass scores every position."""
         from kvpolicies.eviction.kvzip import OVERLAP
 
         span = getattr(self.policy.eviction, "span", None)
-        if span is None or span >= n:
-            return [(0, n, 0)]
-        return [(max(0, s - OVERLAP), min(n, s + span), s) for s in range(0, n, span)]
+        skip = self.policy.eviction.probe_skip
+        first = 0 if skip is None else skip[1]  # the copy leaves the template's opening out (kvzip(skip=))
+        if span is None or span >= n - first:
+            return [(first, n, 0)]
+        return [(max(first, s - OVERLAP), min(n, s + span), 0 if s == first else s)
+                for s in range(first, n, span)]
 
     def _probe(self, b: int, toks: list[int], max_new_tokens: int) -> None:
         """Sequence ``b``'s reconstruction: its prompt ``toks`` fed again at the positions after it (after

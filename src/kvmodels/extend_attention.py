@@ -35,6 +35,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                      kept_k: torch.Tensor, kept_v: torch.Tensor, kept_pos: torch.Tensor, *, scale: float,
                      alibi_slopes: torch.Tensor | None = None, mode: str | None = None, window: int = 0,
                      decay: float = 1.0, seed: int = 0, temperature: float = 1.0,
+                     skip: tuple[int, int] | None = None,
                      block: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``n`` new tokens over ``m`` kept tokens and themselves (causal among the new ones).
 
@@ -54,6 +55,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     decay, seed, temperature : the mode's parameters (``decay``: ``score = decay * score + c``; ``gumbel``:
         ``p = softmax((x + G) / temperature)`` with ``G = gumbel_noise_hash(seed, query head, query position,
         key position)``).
+    skip : ``max`` only: key positions ``lo <= pos < hi`` are left out of the scores: each row's
+        probabilities are renormalised over the other keys, and those tokens score 0 (kvzip's ``skip``: the
+        chat template's opening before the context). The attention output is unchanged.
     block : query rows per step; memory is ``O(block * (m + n))`` per query head.
 
     Returns
@@ -101,6 +105,10 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         else:
             probs = probs[:, :, r0:]
         if mode == "max":  # the largest probability over the group's query heads and the scored rows
+            if skip is not None:  # renormalised over the keys outside [lo, hi)
+                outside = (key_pos < skip[0]) | (key_pos >= skip[1])  # [Hkv, T]
+                probs = probs * outside[:, None, None, :]
+                probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)
             torch.maximum(scores, probs.amax(dim=(1, 2)), out=scores)
             continue
         contrib = probs.mean(dim=1)  # [Hkv, C', T]: the group mean, each row summing to 1 per KV head

@@ -235,6 +235,12 @@ class EvictionPolicy(Policy):
     probe: ClassVar[bool] = False
     probe_mode: ClassVar[str] = "accumulate"
 
+    @property
+    def probe_skip(self) -> tuple[int, int] | None:
+        """``(lo, hi)``: a reconstruction pass copies the prompt from ``hi`` on and leaves positions
+        ``[lo, hi)`` out of its scores (``extend_attention``'s ``skip``); None: it copies and scores all."""
+        return None
+
     def prefill_window(self, prompt_len: int) -> int:
         """Query rows (the last ``window``) that score the prompt; 0 = all rows."""
         return 0

@@ -283,7 +283,7 @@ class ExtendSteps:
         out, scores = extend_attention(
             q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
             window=window, decay=decay, seed=self.prefill_seed(l, b),
-            temperature=float(kwargs.get("temperature", 1.0)))
+            temperature=float(kwargs.get("temperature", 1.0)), skip=ev.probe_skip if probe else None)
         if span is not None:  # a reconstruction pass: its rows' mass replaces the scores; nothing stored
             assert scores is not None and ms == 0  # _check_probe: one format, a scoring policy
             kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())

@@ -24,12 +24,16 @@ its slots to one that needs many (the split is made after the pass; docs/contrac
 head keeps its layer's share. ``Decoder(probe_prefix=)`` feeds KVzip's instruction (:data:`REPEAT`) before
 the copy; ``kvgen --context`` does. ``span=N`` reconstructs the context in parts of ``N`` tokens, as the
 paper does for long contexts (one pass by default, so the context must fit twice in the model's positions).
-Differences from the paper as we read it: each pass here attends to the whole kept context (there, to the
-sinks and its own chunk), and the ``recent`` last tokens are forced here. Measured (SmolLM2-135M, 24 ~1k
-passkey prompts, the question asked after compression, full cache 22; docs/results.md): ``kvzip+pooled``
-answers 19 at 0.2 and 22 at 0.5, ``kvzip+adakv`` (heads within a layer only) 9 and 23, ``kvzip`` alone 0
-and 13; kvpress's KVzip 21 and 20 on the same prompts. Cost: one more forward over the context at prefill
-time. Only kvmodels' Decoder runs the probe: the transformers bridge and the vLLM plugin refuse this policy.
+``skip=N`` leaves a chat template's opening (the prompt's first ``N`` tokens) out of the copy and the
+ranking; ``kvgen --context`` sets it. Differences from kvpress's KVzip, whose scores ``kvzip(skip=N,
+recent=0)`` with the instruction reproduces: in parts, each pass here normalises over the whole kept context
+(there, over the sinks, its own chunk and the copy), and the ``recent`` last tokens are forced here.
+Measured (SmolLM2-135M, 24 ~1k passkey prompts, the question asked after compression, full cache 22;
+docs/results.md): ``kvzip(skip=24)+pooled`` with the instruction answers 21 at 0.2 and 20 at 0.5 (a second
+set of 24: 22 and 22), as kvpress's KVzip (21 and 20; 21 and 22); without ``skip`` 19 and 22;
+``kvzip+adakv`` (heads within a layer only) 9 and 23; ``kvzip`` alone 0 and 13. Cost: one more forward
+over the context at prefill time. Only kvmodels' Decoder runs the probe: the transformers bridge and the
+vLLM plugin refuse this policy.
 """
 
 from __future__ import annotations
@@ -61,11 +65,16 @@ class KVzip(EvictionPolicy):
         span, each copying its span (after the probe prefix and the previous span's last ``OVERLAP``
         tokens) and scoring only its span's tokens), so a context needs ``len + prefix + OVERLAP + span``
         positions instead of ``2 * len + prefix``; ``None``: one pass over the whole context.
+    skip: the prompt's first ``skip`` tokens are the chat template's opening (system prompt, user header),
+        not context, as kvpress's KVzip treats them: the copy starts after them, those past the ``sinks``
+        score 0 (evicted first), and each reconstruction row's probabilities are renormalised over the other
+        tokens. 0 (default): the whole prompt is context.
     """
 
     sinks: int = 4
     recent: int = 8
     span: int | None = None
+    skip: int = 0
 
     prefill_mode = "accumulate"  # the prompt's own scores (as h2o's); the probe's replace them
     probe_mode = "max"           # the reconstruction pass: the largest probability a token gets
@@ -78,6 +87,13 @@ class KVzip(EvictionPolicy):
         check_int("kvzip", "recent", self.recent, 0)
         if self.span is not None:
             check_int("kvzip", "span", self.span, 1)
+        check_int("kvzip", "skip", self.skip, 0)
+
+    @property
+    def probe_skip(self) -> tuple[int, int] | None:
+        """``(min(sinks, skip), skip)``: the chat template's opening, not copied and (past the sinks) out of
+        the reconstruction's scores; None without ``skip``."""
+        return (min(self.sinks, self.skip), self.skip) if self.skip else None
 
     def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``sinks`` first and ``recent`` last tokens, cut to the budget (sinks first)."""
