@@ -327,6 +327,19 @@ def _pass_scores(model, ctx: list[int], rows: list[int],
     return out
 
 
+def assert_top_of_oracle(dec, oracle: list[torch.Tensor]) -> None:
+    """Every layer of sequence 0 keeps, per KV head, its forced slots plus the top of ``oracle``'s scores,
+    and stores those scores."""
+    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in dec.cache.plan.rows)
+    for l in range(MODEL.n_cache_layers):
+        got = dec.cache.layer_contents(l, 0)
+        want = expected_kept(oracle[l], budgets[l], n_sink[l], n_recent[l])
+        assert [got["pos"][:, h].tolist() for h in range(len(want))] == want, l
+        torch.testing.assert_close(got["score"], torch.stack([oracle[l][h, got["pos"][:, h].long()]
+                                                              for h in range(len(want))], 1),
+                                   rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("span,prefix_len", [(16, 0), (10, 3), (7, 0)])
 def test_span_reconstructs_in_parts(span, prefix_len):
     """``kvzip(span=N)``: one pass per span, each scoring its own span's tokens, the kept set the top of the
@@ -337,14 +350,7 @@ def test_span_reconstructs_in_parts(span, prefix_len):
     dec = Decoder(MODEL, compose(f"kvzip(span={span})", budget=0.3), probe_prefix=prefix)
     dec.extend([ctx])
     oracle = span_oracle(MODEL, ctx, span, prefix)
-    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in dec.cache.plan.rows)
-    for l in range(MODEL.n_cache_layers):
-        got = dec.cache.layer_contents(l, 0)
-        want = expected_kept(oracle[l], budgets[l], n_sink[l], n_recent[l])
-        assert [got["pos"][:, h].tolist() for h in range(len(want))] == want, l
-        torch.testing.assert_close(got["score"], torch.stack([oracle[l][h, got["pos"][:, h].long()]
-                                                              for h in range(len(want))], 1),
-                                   rtol=1e-4, atol=1e-5)
+    assert_top_of_oracle(dec, oracle)
     assert dec.lengths == [len(ctx)] and int(dec.cache.host.seen[0]) == len(ctx)
     assert len(dec.generate(3).tokens[0]) == 3
 
@@ -407,15 +413,10 @@ def test_skip_leaves_the_template_opening_out(spec, skip, sinks, span, prefix_le
     dec = Decoder(MODEL, compose(spec, budget=0.3), probe_prefix=prefix)
     dec.extend([ctx])
     oracle = skip_oracle(MODEL, ctx, skip, sinks, span, prefix)
-    budgets, n_sink, n_recent = (x[:, 0].tolist() for x in dec.cache.plan.rows)
+    assert_top_of_oracle(dec, oracle)
     for l in range(MODEL.n_cache_layers):
         assert bool((oracle[l][:, min(sinks, skip):skip] == 0).all())
         got = dec.cache.layer_contents(l, 0)
-        want = expected_kept(oracle[l], budgets[l], n_sink[l], n_recent[l])
-        assert [got["pos"][:, h].tolist() for h in range(len(want))] == want, l
-        torch.testing.assert_close(got["score"], torch.stack([oracle[l][h, got["pos"][:, h].long()]
-                                                              for h in range(len(want))], 1),
-                                   rtol=1e-4, atol=1e-5)
         if sinks < skip:  # the opening past the sinks is evicted first
             assert not bool(((got["pos"] >= sinks) & (got["pos"] < skip)).any()), l
     assert len(dec.generate(2).tokens[0]) == 2
