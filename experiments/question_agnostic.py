@@ -200,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     from evals.sweep import append_record, device_name, read_records
 
     out = Path(args.out)
-    if args.report:  # the records of one --context (a later record of a cell replaces an earlier one)
+    if args.report:  # one --context and --seed's records (a later record of a cell replaces an earlier one)
         print(table([r for r in read_records(out) if r.get("context", args.context) == args.context
-                     and r.get("task", "passkey") == args.task]))
+                     and r.get("task", "passkey") == args.task and r.get("seed", 0) == args.seed]))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)

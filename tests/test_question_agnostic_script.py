@@ -83,6 +83,12 @@ def test_split_question_and_table(tmp_path, capsys):
     assert qa.main(["--report", "--out", str(out), "--task", "story"]) == 0
     story = capsys.readouterr().out  # the story's record alone: the passkey records stay in their table
     assert "| snapkv | 4/6 |" in story and "full" not in story
+    append_record(out, {"config": "snapkv", "budget": 0.5, "protocol": "feed", "correct": 6, "n": 6,
+                        "seed": 1})
+    assert qa.main(["--report", "--out", str(out)]) == 0
+    assert "| snapkv | — | 2/6 |" in capsys.readouterr().out  # seed 0's table: seed 1's record stays out
+    assert qa.main(["--report", "--out", str(out), "--seed", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == ["| snapkv | 6/6 |"]  # seed 1's record alone
     with pytest.raises(SystemExit) as e:
         qa.main(["--help"])
     assert e.value.code == 0
