@@ -81,6 +81,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     scores = torch.zeros(Hkv, T, dtype=torch.float32, device=dev) if scoring else None
     heads = torch.arange(Hq, device=dev).view(Hkv, G, 1, 1)
     columns = torch.arange(T, device=dev)
+    outside = None  # ``max`` with ``skip``: the keys each row's probabilities are renormalised over
+    if skip is not None and mode == "max":
+        outside = ((key_pos < skip[0]) | (key_pos >= skip[1]))[:, None, None, :]  # [Hkv, 1, 1, T]
     out = torch.empty(n, Hq, D, dtype=q.dtype, device=dev)
     for start in range(0, n, block):
         end = min(start + block, n)
@@ -105,9 +108,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         else:
             probs = probs[:, :, r0:]
         if mode == "max":  # the largest probability over the group's query heads and the scored rows
-            if skip is not None:  # renormalised over the keys outside [lo, hi)
-                outside = (key_pos < skip[0]) | (key_pos >= skip[1])  # [Hkv, T]
-                probs = probs * outside[:, None, None, :]
+            if outside is not None:  # renormalised over the keys outside [lo, hi)
+                probs = probs * outside
                 probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)
             torch.maximum(scores, probs.amax(dim=(1, 2)), out=scores)
             continue
