@@ -43,9 +43,20 @@ PASSKEY += [(p, b) for b in (0.2, 0.5)
             for p in (SNAPKV, f"{SNAPKV}+kivi(bits=4, residual=0)", f"{SNAPKV}+mikv")]
 # One scale and zero point per 64 channels (a whole head of SmolLM2) instead of 32: 4.5 bits per value
 PASSKEY += [(f"{SNAPKV}+kivi(bits=4, group=64, residual=0)", b) for b in (0.2, 0.5)]
+# Hadamard-rotated rows (rotate=True, kvkernels.quant.hadamard_rotation: RotateKV's / QuaRot's fix for outlier
+# channels, row-wise so eviction still moves each token alone)
+ROT2 = "kivi(bits=2, residual=0, rotate=True)"
+PASSKEY += [(f"full+{KIVI2[:-1]}, rotate=True)", 1.0), (f"full+{ROT2}", 1.0),
+            (f"{SCORER}+zipcache(rotate=True)", 1.0)]
+PASSKEY += [(f"{SNAPKV}+{ROT2}", b) for b in (0.2, 0.5)]
+PASSKEY += [(f"{SNAPKV}+kivi(bits=4, group=64, residual=0, rotate=True)", b) for b in (0.2, 0.5)]
+# ZipCache's mixed 4 / 2 bits under the passkey setting's eviction, plain and rotated (2.8 bits a value)
+PASSKEY += [(f"{SNAPKV}+zipcache{z}", b) for z in ("", "(rotate=True)") for b in (0.2, 0.5)]
+PASSKEY += [(f"{SNAPKV}+zipcache(group=64, rotate=True)", 0.2)]
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
               (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2),
-              ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2)]  # h2o: scores fused over packed rows
+              ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2),  # h2o: scores fused over packed rows
+              ("full+kivi(bits=4, residual=0, rotate=True)", 1.0), (f"full+{ROT2}", 1.0)]
 
 
 def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:

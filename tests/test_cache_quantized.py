@@ -16,7 +16,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 import torch._dynamo
-from hypothesis import given
+from hypothesis import example, given
 
 from devices import DEVICE
 from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
@@ -26,6 +26,22 @@ from test_cache import FakeRun, check_invariants, dense_attention
 
 def round_trip(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return dequantize_rows(quantize_rows(x, fmt), x.shape[-1], fmt, x.dtype)
+
+
+def assert_rotated_round_trip(got: torch.Tensor, want: torch.Tensor, fmt: QuantFormat, where) -> None:
+    """``got [n, D]`` is a row stored rotated (``kvkernels.quant.hadamard_rotation``) and read back: in the
+    rotated basis it lies within half a step of each group of ``want``'s rotated row (the quantization bound;
+    the step from the group's range, the float16 parameters rounded outward), and rotating back is exact up
+    to float32 arithmetic."""
+    from kvkernels.quant import hadamard_rotation
+
+    R = hadamard_rotation(want.shape[-1])
+    w, g = want.float() @ R, got.float() @ R
+    groups = w.unflatten(-1, (-1, fmt.group))
+    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    half_step = ((hi - lo) / (2**fmt.bits - 1) / 2 * 1.01 + 2e-3 * lo.abs() + 1e-5).expand_as(groups)
+    err = (g - w).unflatten(-1, (-1, fmt.group)).abs()
+    assert bool((err <= half_step).all()), (where, float((err - half_step).max()))
 
 
 def check_contents(native, quant, fmt: QuantFormat) -> None:
@@ -76,6 +92,26 @@ def side_by_side(case, *, steps: int, extra: str = ""):
     return run, rows, native, quant
 
 
+def decode_side_by_side(run, native, quant, gqa: int, check) -> None:
+    """Prefill both caches and decode ``run``'s steps through both, calling ``check()`` after the prefill and
+    after every step, and checking each of ``quant``'s decode attentions against dense attention over the rows
+    it holds."""
+    for cache in (native, quant):
+        run.prefill(cache)
+    check()
+    pos = run.step_positions
+    for t in range(run.n_steps):
+        for cache in (native, quant):
+            cache.prepare_decode(t)
+            for l, (q, k, v) in enumerate(run.steps[t]):
+                cache.append(l, k, v, pos(t))
+                out = cache.attend(l, q, pos(t), scale=run.scale)
+                if cache is quant:
+                    check_attention_over_held(quant, l, q, out, gqa, run.scale)
+            cache.after_step(t)
+        check()
+
+
 @given(case=cases())
 def test_quantized_cache_keeps_the_same_tokens_as_their_quantized_rows(case):
     eviction, fmt, D, page_size, lens, n_kv, gqa, budget, seed = case
@@ -84,22 +120,13 @@ def test_quantized_cache_keeps_the_same_tokens_as_their_quantized_rows(case):
     assert quant.k_pages.dtype == torch.uint8 and quant.k_pages.shape[-1] == W
     heads_per_row = 1 if rows == "heads" else n_kv
     assert quant.page_bytes == page_size * heads_per_row * (2 * W + 8)  # packed K and V, position, score
-    for cache in (native, quant):
-        run.prefill(cache)
-    check_contents(native, quant, fmt)
-    pos = run.step_positions
-    for t in range(run.n_steps):
-        for cache in (native, quant):
-            cache.prepare_decode(t)
-            for l, (q, k, v) in enumerate(run.steps[t]):
-                cache.append(l, k, v, pos(t))
-                out = cache.attend(l, q, pos(t), scale=run.scale)
-                if cache is quant:  # attention over exactly the rows the cache holds (before eviction)
-                    check_attention_over_held(quant, l, q, out, gqa, run.scale)
-            cache.after_step(t)
+
+    def check():
         if rows == "sequences":  # (its report's counts are per sequence; head caches: test_head_cache)
             check_invariants(quant)
         check_contents(native, quant, fmt)
+
+    decode_side_by_side(run, native, quant, gqa, check)
     rep, full = quant.report(), native.report()
     assert rep.tokens_per_layer == full.tokens_per_layer and rep.head_tokens == full.head_tokens
     assert rep.full_cache_bytes == full.full_cache_bytes  # the unquantized equivalent, not quantized pages
@@ -125,9 +152,10 @@ def test_quantized_rows_save_what_they_claim_at_a_model_shape():
                                   ("h2o(recent=1)", "kivi(bits=2, group=8, residual=0)"),
                                   ("knorm", "kivi(bits=2, group=8, residual=0, channel_scale=True)"),
                                   ("snapkv(window=2)", "zipcache(high=8, low=2, group=8)"),
-                                  ("h2o(recent=1)", "kivi(bits=4, group=4, residual=2)")],
+                                  ("h2o(recent=1)", "kivi(bits=4, group=4, residual=2)"),
+                                  ("h2o(recent=1)", "kivi(bits=4, group=8, residual=0, rotate=True)")],
                          ids=["one-format", "one-format-scored", "channel-separable", "two-formats",
-                              "two-formats-scored"])
+                              "two-formats-scored", "rotated-scored"])
 def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     run = FakeRun(2, 2, 2, 16, [9, 3, 6], 8, seed=2)
@@ -202,7 +230,8 @@ def two_format_cases(draw):
     eviction = draw(st.sampled_from(["full", "snapkv(window=2)", "knorm(decode=False)"]))
     precision = draw(st.sampled_from(["kivi(bits={b}, group={g}, residual={r})", "mikv(low={b}, group={g})",
                                       "zipcache(high=8, low={b}, salient={s}, group={g})",
-                                      "zipcache(high=16, low={b}, salient={s}, group={g})"]))
+                                      "zipcache(high=16, low={b}, salient={s}, group={g})",
+                                      "zipcache(high=8, low={b}, salient={s}, group={g}, rotate=True)"]))
     if precision.startswith("zipcache") and eviction != "snapkv(window=2)":
         eviction = "snapkv(window=2)"  # zipcache ranks by the eviction's prompt scores
     spec = precision.format(b=draw(st.sampled_from([2, 4])), g=draw(st.sampled_from([2, 4, 8])),
@@ -230,10 +259,13 @@ def tokens_of(cache, l, b):
 
 
 @given(case=two_format_cases())
+@example(case=("snapkv(window=2)", "zipcache(high=8, low=2, salient=0.3, group=4, rotate=True)", 4, [5, 9], 2,
+               2, 0.5, 1))  # rotated rows in both regions, whatever the profile draws
 def test_two_formats_hold_what_the_precision_policy_assigns(case):
     """Each prompt token sits in the region of its assigned format (nothing assigned 0 is held, nothing
-    assigned is lost), stored as the round trip of its original K/V through that format, bit for bit; decode
-    tokens go to the main region; attention is one softmax over both regions' rows."""
+    assigned is lost), stored as the round trip of its original K/V through that format, bit for bit (rotated
+    rows, ``rotate=True``: within the rotated round trip's bound, both regions in one rotation); decode
+    tokens go to the main region; attention is one softmax over both regions' rows (a query rotated once)."""
     eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
     run = FakeRun(2, n_kv, gqa, 8, lens, 7, seed=seed)
     policy = compose(eviction, spec, budget=budget)
@@ -245,8 +277,14 @@ def test_two_formats_hold_what_the_precision_policy_assigns(case):
     for c in (native, cache):
         run.prefill(c)
 
-    def stored(x, fmt):
-        return x if fmt is None else round_trip(x, fmt)
+    rotated = cache.storage.rotation is not None
+    assert cache.side.storage.rotation is cache.storage.rotation  # one basis for the one softmax
+
+    def check_row(got, orig, fmt, where):
+        if rotated:
+            assert_rotated_round_trip(got[None], orig, fmt, where)
+        else:
+            assert torch.equal(got, orig[0] if fmt is None else round_trip(orig, fmt)[0]), where
 
     for l in range(2):
         for b, L in enumerate(lens):
@@ -267,8 +305,8 @@ def test_two_formats_hold_what_the_precision_policy_assigns(case):
                     assert n_main == math.ceil(int(kept[h].sum()) * policy.precision.salient - 1e-9)
                 for p, (k, v, region) in held[h].items():
                     fmt = main_fmt if region == "main" else side_fmt
-                    assert torch.equal(k, stored(k_orig[p:p + 1, h], fmt)[0]), (l, b, h, p, region)
-                    assert torch.equal(v, stored(v_orig[p:p + 1, h], fmt)[0]), (l, b, h, p, region)
+                    check_row(k, k_orig[p:p + 1, h], fmt, (l, b, h, p, region))
+                    check_row(v, v_orig[p:p + 1, h], fmt, (l, b, h, p, region))
     pos = run.step_positions
     for t in range(run.n_steps):
         cache.prepare_decode(t)
@@ -297,8 +335,8 @@ def test_two_formats_hold_what_the_precision_policy_assigns(case):
                     fmt = main_fmt if region == "main" else side_fmt
                     k0, v0 = (run.prompt[l][b][i][p:p + 1, h] if p < L
                               else run.steps[p - L][l][i][b:b + 1, h] for i in (1, 2))
-                    assert torch.equal(k, stored(k0, fmt)[0]), (l, b, p)
-                    assert torch.equal(v, stored(v0, fmt)[0]), (l, b, p)
+                    check_row(k, k0, fmt, (l, b, p))
+                    check_row(v, v0, fmt, (l, b, p))
     check_two_regions(cache)
     side = cache.side
     for b in range(len(lens)):
@@ -336,6 +374,7 @@ def test_a_tiered_cache_continues_over_both_regions(case, n_new, h2o):
     With ``h2o`` (KIVI's residual with eviction while decoding) the follow-up's rows add their attention to
     every held token's score in both regions, as decode steps would (new tokens from 0)."""
     eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
+    spec = spec.replace(", rotate=True", "")  # exact rows here (rotated ones: the session test and the above)
     h2o = h2o and spec.startswith("kivi")
     if h2o:
         eviction = "h2o(recent=1)"
@@ -408,18 +447,23 @@ def test_a_tiered_cache_continues_over_both_regions(case, n_new, h2o):
     check_two_regions(cache)
 
 
-@pytest.mark.parametrize("channels", ["", ", channel_scale=True"], ids=["token-wise", "channel-separable"])
-def test_a_session_continues_over_quantized_rows(channels):
+@pytest.mark.parametrize("family,precision,row_bytes", [
+    ("llama", "kivi(bits=8, group=2, residual=0)", 18),  # head dim 6: 6 code bytes + 3 fp16 scales and zeros
+    ("llama", "kivi(bits=8, group=2, residual=0, channel_scale=True)", 18),
+    ("gptj", "kivi(bits=8, group=4, residual=0, rotate=True)", 16),  # head dim 8 (a power of two): 8 + 8
+], ids=["token-wise", "channel-separable", "rotated"])
+def test_a_session_continues_over_quantized_rows(family, precision, row_bytes):
     """``Decoder``: prompts, a generation, a follow-up extension and another generation over one-format
     quantized rows (the extension's attention reads the dequantized kept rows and appends quantized ones;
-    with channel-separable keys, over each row's factors). The prompts' logits are the unquantized cache's
-    (the prompt attends to its own float K/V); the follow-up's stay within 8-bit rounding of them."""
+    with channel-separable keys, over each row's factors; rotated rows, read back in the model's basis). The
+    prompts' logits are the unquantized cache's (the prompt attends to its own float K/V); the follow-up's
+    stay within 8-bit rounding of them."""
     from kvmodels.decoder import Decoder
     from test_model_policy_matrix import PROMPTS, tiny_model
 
-    model = tiny_model("llama")
+    model = tiny_model(family)
     outs = {}
-    for name, spec in (("native", ()), ("quant", (f"kivi(bits=8, group=2, residual=0{channels})",))):
+    for name, spec in (("native", ()), ("quant", (precision,))):
         dec = Decoder(model, compose("snapkv(window=2)", *spec, budget=0.5), max_tokens=48)
         first = dec.extend(PROMPTS[:2])
         gen = dec.generate(3)
@@ -429,8 +473,9 @@ def test_a_session_continues_over_quantized_rows(channels):
     for a, b in zip(f_n, f_q, strict=True):
         assert torch.equal(a, b)
     assert c_q.report().quantized and not c_n.report().quantized
-    # head dim 6 at group 2: 6 code bytes + 3 fp16 scales and zero points = 18 B against 24 B in float32
-    assert c_q.report().total_bytes * (2 * 24 + 8) == c_n.report().total_bytes * (2 * 18 + 8)
+    assert c_q.storage.row_bytes == row_bytes and ("rotate" in precision) == ("Hadamard" in str(c_q.report()))
+    native_row = c_n.storage.row_bytes  # float32 rows; + the 8 B of position and score per slot and head
+    assert c_q.report().total_bytes * (2 * native_row + 8) == c_n.report().total_bytes * (2 * row_bytes + 8)
     assert t_n == t_q  # 8 bits: the same greedy tokens on this model, so the follow-ups see the same text
     for a, b in zip(s_n, s_q, strict=True):  # and their logits differ by the rounding only
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
@@ -546,20 +591,7 @@ def test_channel_separable_keys_store_each_key_over_its_row_factor(case):
                     assert torch.equal(got["k"], round_trip(want["k"] / c[h], fmt) * c[h]), (l, b, h)
                     assert torch.equal(got["v"], round_trip(want["v"], fmt)), (l, b, h)
 
-    for cache in (native, quant):
-        run.prefill(cache)
-    check()
-    pos = run.step_positions
-    for t in range(run.n_steps):
-        for cache in (native, quant):
-            cache.prepare_decode(t)
-            for l, (q, k, v) in enumerate(run.steps[t]):
-                cache.append(l, k, v, pos(t))
-                out = cache.attend(l, q, pos(t), scale=run.scale)
-                if cache is quant:
-                    check_attention_over_held(quant, l, q, out, gqa, run.scale)
-            cache.after_step(t)
-        check()
+    decode_side_by_side(run, native, quant, gqa, check)
 
 
 def test_channel_separable_keys_come_back_exactly_from_float_rows():
@@ -715,3 +747,27 @@ def test_kivi_residual_with_eviction_while_decoding(case):
                         k0, v0 = round_trip(k0, side_fmt), round_trip(v0, side_fmt)
                     assert torch.equal(k, k0[0]) and torch.equal(v, v0[0]), (l, b, h, x, region)
     check_two_regions(cache)
+
+
+@given(case=cases())
+def test_rotated_rows_hold_each_token_within_its_rotated_round_trip(case):
+    """``rotate=True``: every row is stored as the quantized row of ``x R`` (a fixed randomized Hadamard
+    matrix); the same tokens are kept as without (eviction reads the float prompt and positions); each row
+    read back lies within the rotated round trip's bound of the original; the decode attention (``q R``
+    against the rotated rows, its output rotated back) equals dense attention of ``q`` over the rows read
+    back; the report says the rows are rotated and counts the same bytes as unrotated rows."""
+    eviction, fmt, D, page_size, lens, n_kv, gqa, budget, seed = case
+    run, rows, native, quant = side_by_side(case, steps=3, extra=", rotate=True")
+
+    def check():
+        for l in range(run.n_layers):
+            for b in range(len(lens)):
+                for h, (want, got) in enumerate(zip(native.head_contents(l, b), quant.head_contents(l, b),
+                                                    strict=True)):
+                    assert torch.equal(got["pos"], want["pos"])
+                    for name in ("k", "v"):
+                        assert_rotated_round_trip(got[name], want[name], fmt, (l, b, h, name))
+
+    decode_side_by_side(run, native, quant, gqa, check)
+    assert "Hadamard-rotated" in str(quant.report())
+    assert quant.page_bytes == quant.page_size * (1 if rows == "heads" else n_kv) * (2 * fmt.row_bytes(D) + 8)

@@ -26,7 +26,8 @@ def test_registered_and_composed_by_name():
     assert compose("h2o", budget=0.2).precision == Native() and compose("h2o", budget=0.2).name == "h2o"
     for spec in [("snapkv", "kivi(bits=2, group=32, residual=64)"),
                  ("h2o", "zipcache(high=8, low=4, salient=0.25)"),
-                 ("h2o", "mikv(high=8, low=2)"), ("full", "kivi")]:
+                 ("h2o", "mikv(high=8, low=2)"), ("full", "kivi"),
+                 ("snapkv", "kivi(bits=2, residual=0, rotate=True)"), ("h2o", "zipcache(rotate=True)")]:
         p = compose(*spec, budget=0.5)
         assert compose(p.spec()) == p and compose(p.to_json()) == p and compose(p.label, budget=0.5) == p
     assert compose("kivi").name == "kivi"  # quantization alone, every token kept
@@ -40,6 +41,10 @@ def test_registered_and_composed_by_name():
     ("zipcache(salient=1.5)", "salient"),
     ("mikv(low=16)", "low=16 must be one of 2, 4, 8"),
     ("mikv(high=5)", "high=5 must be one of 2, 4, 8, 16"),
+    ("kivi(rotate=True)", "rotate=True stores rotated rows, but residual=128 .*use residual=0"),
+    ("mikv(rotate=True)", "rotate=True stores rotated rows, but high=16 .*use high=8 or 4"),
+    ("zipcache(high=16, rotate=True)", "but high=16"),
+    ("kivi(residual=0, rotate=True, channel_scale=True)", "rotate=True and channel_scale=True: choose one"),
 ])
 def test_bad_parameters_name_themselves(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -53,6 +58,8 @@ def test_refused_compositions_say_what_to_use():
         compose("h2o", "minicache", "kivi", budget=0.2)
     with pytest.raises(ValueError, match="both precision policies"):
         compose("kivi", "mikv")
+    with pytest.raises(TypeError, match="parameter rotate must be True or False, got 1"):
+        compose("kivi(residual=0, rotate=1)")
 
 
 def assign_loop(policy, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
@@ -144,6 +151,11 @@ def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
     fit = "does not fit this model: group=32 must be a positive divisor of the head dim 8"
     with pytest.raises(ValueError, match=fit):
         Decoder(model, compose("snapkv", "kivi(residual=0)", budget=0.5))
+    wide = Llama(LlamaConfig(vocab_size=31, dim=24, n_layers=1, n_heads=2, n_kv_heads=1, intermediate=32,
+                             max_seq_len=64)).eval()  # head dim 12: no Hadamard matrix of that size
+    with pytest.raises(ValueError, match="does not fit this model: a Hadamard rotation needs a power-of-two "
+                                         "head dim, got 12; use rotate=False"):
+        Decoder(wide, compose("snapkv", "kivi(residual=0, group=4, rotate=True)", budget=0.5))
 
     def cache(*spec, rows="sequences"):
         return PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=8, n_q_heads=2, max_batch=1, max_tokens=16,

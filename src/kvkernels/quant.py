@@ -34,10 +34,16 @@ keys; the cache stores ``k / c`` (token-wise quantized) and attends with ``q * c
 ``(q * c) . (k / c) = q . k`` while one token's group no longer spends its levels on a few large channels.
 The factor is ``sqrt(max |k|)`` per channel, as in ZipCache, rounded to a power of two: dividing and
 multiplying by it is exact in floating point, so rows stored unquantized come back bit for bit.
+
+**Rotated rows** (RotateKV, QuaRot): :func:`hadamard_rotation` gives a fixed orthogonal ``R`` (a randomized
+Hadamard matrix); a cache stores ``quantize_rows(x R)``, attends with ``q R`` and rotates the output back by
+``R^T`` (:func:`rotate`). A large channel is spread over every channel of the row, and each row still carries
+its own parameters. The kernels are unchanged: the rotation is two ``[D, D]`` products outside them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -357,6 +363,31 @@ def dequantize_rows(rows: Tensor, head_dim: int, fmt: QuantFormat,
         raise ValueError(f"rows are {rows.shape[-1]} bytes wide but {fmt} packs a row of head dim {head_dim} "
                          f"in {fmt.row_bytes(head_dim)}")
     return dequantize(unpack(rows, head_dim, fmt), fmt.bits, fmt.group, dtype)
+
+
+def hadamard_rotation(head_dim: int, device: torch.device | str | None = None) -> Tensor:
+    """The randomized Hadamard rotation ``R [D, D]`` float32 that rotated rows are stored in (QuaRot's and
+    RotateKV's fix for outlier channels): ``R = diag(s) H / sqrt(D)``, ``H`` Sylvester's Hadamard matrix and
+    ``s`` a fixed pattern of signs (seed 0, the same on every device). ``R`` is orthogonal (``R R^T = I``), so
+    a cache that stores ``k R`` and ``v R`` attends with ``q R`` and rotates the output back by ``R^T``:
+    ``(q R) . (k R) = q . k`` and ``sum p (v R) R^T = sum p v``. A channel far larger than the others is
+    spread over all ``D`` channels, so a token's quantization group no longer spends its levels on it.
+    ``head_dim`` must be a power of two (Sylvester's construction)."""
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1 \
+            or head_dim & (head_dim - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {head_dim!r}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:  # [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return (signs[:, None].float() * h / math.sqrt(head_dim)).to(device)
+
+
+def rotate(x: Tensor, rotation: Tensor, *, back: bool = False) -> Tensor:
+    """``x [..., D]`` times ``rotation`` (or its transpose with ``back``), computed in float32 and returned in
+    ``x``'s dtype."""
+    r = rotation.t() if back else rotation
+    return (x.float() @ r).to(x.dtype)
 
 
 def key_channel_scale(k: Tensor) -> Tensor:

@@ -480,7 +480,8 @@ class PrecisionPolicy(Policy):
     prompt scores, how the token is stored (:meth:`assign`); storage adapters that hold quantized rows read
     that decision. ``quantizes`` is False only for ``native``. A policy with a ``channel_scale`` field set
     asks for ZipCache's channel-separable keys (each sequence's keys stored over a per-channel factor,
-    ``kvkernels.quant.key_channel_scale``).
+    ``kvkernels.quant.key_channel_scale``); one with ``rotate`` set, for rows stored rotated by a fixed
+    randomized Hadamard matrix (``kvkernels.quant.hadamard_rotation``; every token quantized).
     """
 
     role: ClassVar[Role] = "precision"

@@ -215,10 +215,12 @@ class DecodeSteps:
             if scores is not None:  # both regions' scores in the one softmax (KIVI's residual + eviction)
                 scores = scores._replace(score=side.pool.slot_score)
             lens = torch.where(self.active[:n], side.seq_lens[s, :n], 0)
-            return quant_decode_attention(q, side.pool.k_pages, side.pool.v_pages, side.page_table[s, :n],
-                                          lens, scale=scale, k_format=side.storage.fmt,
-                                          v_format=side.storage.fmt, second=main, scores=scores,
-                                          validate=False)
+            # Rotated rows (rotate=True): both regions are quantized in the one rotation (the policy checks).
+            fmt = side.storage.fmt
+            out = quant_decode_attention(side.storage.queries(q), side.pool.k_pages, side.pool.v_pages,
+                                         side.page_table[s, :n], lens, scale=scale, k_format=fmt,
+                                         v_format=fmt, second=main, scores=scores, validate=False)
+            return side.storage.outputs(out)
         return self.storage.attention(
             q, self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s), scale=scale,
             alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)

@@ -128,7 +128,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         # How a pool row holds a token: the cache's dtype, or a packed quantized row (the precision role).
-        self.storage, side = row_storage(policy, head_dim, dtype)
+        self.storage, side = row_storage(policy, head_dim, dtype, device)
         if side is not None and rows != "sequences":
             raise ValueError(f"policy {policy.name!r}: precision {policy.precision.name!r} keeps tokens in "
                              "two formats, which the paged cache holds for one row per sequence only; drop "

@@ -10,7 +10,10 @@ ones), so a kept token stays bit-identical to what was written.
 - :class:`NativeRows`: ``[D]`` in the cache's dtype (``native``, the default).
 - :class:`PackedRows`: ``kvkernels.quant`` packed rows (``codes | scale | zero``, ``QuantFormat.row_bytes``
   bytes; ``kivi(bits, group, residual=0)``), written by ``kvkernels.quant.quantize_rows`` and attended by
-  ``kvkernels.quant_attention.quant_decode_attention``, which dequantizes in registers.
+  ``kvkernels.quant_attention.quant_decode_attention``, which dequantizes in registers. With a precision
+  policy's ``rotate=True`` the rows are stored Hadamard-rotated: :meth:`encode` / :meth:`decode` rotate on
+  the way in and out, and the attention takes the queries through :meth:`queries` and its output through
+  :meth:`outputs` (the two-format decode too), so no caller sees the rotated basis.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvkernels.paged_attention import paged_decode_attention
-from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
+from kvkernels.quant import QuantFormat, dequantize_rows, hadamard_rotation, quantize_rows, rotate
 from kvkernels.quant_attention import quant_decode_attention
 from kvpolicies.base import NATIVE_BITS
 
@@ -29,6 +32,7 @@ class NativeRows:
     quantized = False
     bits = NATIVE_BITS  # the precision policy's name for "the cache's dtype"
     fmt = None  # no quantization format (kvkernels.quant_attention.Region: float rows)
+    rotation: torch.Tensor | None = None  # rows are stored as they come
 
     def __init__(self, head_dim: int, dtype: torch.dtype):
         self.head_dim, self.dtype = head_dim, dtype
@@ -48,6 +52,14 @@ class NativeRows:
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
 
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries ``[..., D]`` in the basis the rows are stored in."""
+        return q
+
+    def outputs(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention outputs over the stored rows ``[..., D]`` back in the model's basis."""
+        return out
+
     def attention(self, q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi=None, scores=None,
                   restore=None) -> torch.Tensor:
         return paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi=alibi,
@@ -55,33 +67,48 @@ class NativeRows:
 
 
 class PackedRows(NativeRows):
-    """Rows stored as ``kvkernels.quant`` packed rows of ``fmt`` (K and V alike)."""
+    """Rows stored as ``kvkernels.quant`` packed rows of ``fmt`` (K and V alike); with ``rotation``
+    (``[D, D]`` orthogonal, ``kvkernels.quant.hadamard_rotation``) each row is rotated before it is
+    quantized, the queries are rotated the same way and the attention's output is rotated back."""
 
     quantized = True
 
-    def __init__(self, head_dim: int, dtype: torch.dtype, fmt: QuantFormat):
+    def __init__(self, head_dim: int, dtype: torch.dtype, fmt: QuantFormat,
+                 rotation: torch.Tensor | None = None):
         fmt.check(head_dim)
         super().__init__(head_dim, dtype)
-        self.fmt, self.bits = fmt, fmt.bits
+        self.fmt, self.bits, self.rotation = fmt, fmt.bits, rotation
         self.page_dtype, self.width = torch.uint8, fmt.row_bytes(head_dim)
 
     def describe(self) -> str:
-        return (f"{self.fmt.bits}-bit rows, group {self.fmt.group} ({self.row_bytes} B per K or V row, "
-                f"{self.head_dim * 2} B in float16)")
+        rotated = ", Hadamard-rotated" if self.rotation is not None else ""
+        return (f"{self.fmt.bits}-bit rows, group {self.fmt.group}{rotated} ({self.row_bytes} B per K or V "
+                f"row, {self.head_dim * 2} B in float16)")
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         # No finiteness check: it reads the device, and a compiled decode step writes through here.
+        if self.rotation is not None:  # float32 into the quantizer: no rounding to the cache's dtype first
+            x = x.float() @ self.rotation
         return quantize_rows(x, self.fmt, validate=False)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
-        return dequantize_rows(rows, self.head_dim, self.fmt, self.dtype)
+        if self.rotation is None:
+            return dequantize_rows(rows, self.head_dim, self.fmt, self.dtype)
+        return (dequantize_rows(rows, self.head_dim, self.fmt) @ self.rotation.t()).to(self.dtype)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        return q if self.rotation is None else rotate(q, self.rotation)
+
+    def outputs(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.rotation is None else rotate(out, self.rotation, back=True)
 
     def attention(self, q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi=None, scores=None,
                   restore=None) -> torch.Tensor:
         # The cache refuses ALiBi with quantized rows, and compose refuses merging (restore) with them.
         assert alibi is None and restore is None
-        return quant_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
-                                      k_format=self.fmt, v_format=self.fmt, scores=scores, validate=False)
+        out = quant_decode_attention(self.queries(q), k_pages, v_pages, page_table, seq_lens, scale=scale,
+                                     k_format=self.fmt, v_format=self.fmt, scores=scores, validate=False)
+        return self.outputs(out)
 
 
 def stored_formats(precision) -> list[int]:
@@ -92,7 +119,8 @@ def stored_formats(precision) -> list[int]:
     return sorted(precision.formats())
 
 
-def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, PackedRows | None]:
+def row_storage(policy, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> tuple[NativeRows, PackedRows | None]:
     """The row storages ``policy``'s precision role asks for: the main region's, and the side region's
     (``kvmodels.cache.tiers``) when tokens come in two formats (else ``None``). ``ValueError`` naming what
     the paged cache cannot store and the fix."""
@@ -100,6 +128,12 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, 
     if not precision.quantizes:
         return NativeRows(head_dim, dtype), None
     name = f"policy {policy.name!r}: precision {precision.name!r} ({precision})"
+    rotation = None
+    if getattr(precision, "rotate", False):  # every format is quantized (the policy checked it)
+        try:
+            rotation = hadamard_rotation(head_dim, device)
+        except ValueError as e:
+            raise ValueError(f"{name} does not fit this model: {e}; use rotate=False") from None
     ev = policy.eviction
     # Merging (restored from magnitudes) with quantization is refused by compose itself.
     formats = stored_formats(precision)
@@ -114,7 +148,7 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype) -> tuple[NativeRows, 
             fmt.check(head_dim)
         except ValueError as e:  # e.g. a group that does not divide this model's head dim
             raise ValueError(f"{name} does not fit this model: {e}") from None
-        return PackedRows(head_dim, dtype, fmt)
+        return PackedRows(head_dim, dtype, fmt, rotation)
 
     main = storage(formats[-1])
     if len(formats) == 1:

@@ -8,7 +8,12 @@ quantized **per token** like the values (the paper groups a channel across ``gro
 slot carries its own parameters and can be evicted or moved alone; this costs accuracy at 2 bits.
 ``channel_scale=True`` divides the keys by ZipCache's per-channel factor first (``sqrt(max |k|)`` per channel
 over each sequence's prompt, a power of two; the queries are multiplied by it), which spreads a token's
-levels over all its channels instead of a few large ones.
+levels over all its channels instead of a few large ones. ``rotate=True`` stores every row rotated by a fixed
+randomized Hadamard matrix instead (RotateKV's and QuaRot's remedy, ``kvkernels.quant.hadamard_rotation``;
+the queries are rotated the same way and the attention's output rotated back, so ``q . k`` is unchanged),
+which spreads a large channel over all channels while each row keeps its own parameters; it needs
+``residual=0`` (a row kept unquantized must stay bit-identical, which a rotation round trip is not) and a
+power-of-two head dim. On SmolLM2 it is what makes 2 bits usable (docs/results.md).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 
 from ..base import NATIVE_BITS, PrecisionPolicy, check_bool, check_int
 from ..registry import register_policy
-from ._checks import check_bits, check_group
+from ._checks import check_bits, check_group, check_rotate
 
 
 @register_policy("kivi", role="precision")
@@ -31,12 +36,15 @@ class Kivi(PrecisionPolicy):
     group: int = 32
     residual: int = 128
     channel_scale: bool = False  # ZipCache's channel-separable keys (kvkernels.quant.key_channel_scale)
+    rotate: bool = False  # rows stored Hadamard-rotated (kvkernels.quant.hadamard_rotation)
 
     def __post_init__(self) -> None:
         check_bits(self.name, "bits", self.bits)
         check_group(self.name, self.group)
         check_int(self.name, "residual", self.residual, 0)
         check_bool(self.name, "channel_scale", self.channel_scale)
+        check_rotate(self.name, self.rotate, self.channel_scale,
+                     f"residual={self.residual} (use residual=0)" if self.residual else None)
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         # The residual is the last `residual` tokens each KV head keeps (not the last positions, which an

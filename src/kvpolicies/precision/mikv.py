@@ -5,6 +5,7 @@ The tokens the eviction policy keeps are stored at ``high`` bits (16: unquantize
 the tokens it would evict are **kept** at ``low`` bits instead of dropped, so nothing the model may need again
 is lost, at a fraction of its bytes. ``compose("h2o", "mikv", budget=0.2)``: a fifth of the tokens in full
 precision, the rest at 2 bits. ``channel_scale=True``: ZipCache's channel-separable keys (see ``kivi``).
+``rotate=True`` (with ``high`` 4 or 8): rows stored Hadamard-rotated (see ``kivi``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from ..base import NATIVE_BITS, PrecisionPolicy, check_bool
 from ..registry import register_policy
-from ._checks import check_bits, check_group
+from ._checks import check_bits, check_group, check_rotate
 
 
 @register_policy("mikv", role="precision")
@@ -27,6 +28,7 @@ class MiKV(PrecisionPolicy):
     low: int = 2
     group: int = 32
     channel_scale: bool = False  # ZipCache's channel-separable keys (kvkernels.quant.key_channel_scale)
+    rotate: bool = False  # rows stored Hadamard-rotated (kvkernels.quant.hadamard_rotation)
 
     def __post_init__(self) -> None:
         check_bits(self.name, "high", self.high, native=True)
@@ -36,6 +38,8 @@ class MiKV(PrecisionPolicy):
                              "evicted and the kept tokens)")
         check_group(self.name, self.group)
         check_bool(self.name, "channel_scale", self.channel_scale)
+        check_rotate(self.name, self.rotate, self.channel_scale,
+                     f"high={self.high} (use high=8 or 4)" if self.high == NATIVE_BITS else None)
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         return torch.where(kept, self.high, self.low).to(torch.int64)

@@ -5,7 +5,8 @@ Saliency is the **normalized** attention score: a token's accumulated attention 
 queries that could attend to it (``L - i`` for prompt token ``i`` of ``L``), which removes the causal mask's
 bias toward early tokens. The ``salient`` fraction of each KV head's kept tokens with the highest normalized
 score are stored at ``high`` bits, the rest at ``low`` bits (token-wise rows, ``group`` channels per scale
-and zero point; the paper divides keys by a per-channel factor first: ``channel_scale=True``, see ``kivi``).
+and zero point; the paper divides keys by a per-channel factor first: ``channel_scale=True``, see ``kivi``;
+``rotate=True`` stores both formats' rows Hadamard-rotated instead, see ``kivi``).
 Ties go to the earlier token. It ranks by the eviction policy's prompt scores, so it composes with a scorer:
 ``compose("h2o", "zipcache", budget=0.5)``; ``compose("h2o", "zipcache", budget=1.0)`` quantizes without
 evicting.
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import PrecisionPolicy, check_bool, check_number, check_range
+from ..base import NATIVE_BITS, PrecisionPolicy, check_bool, check_number, check_range
 from ..registry import register_policy
-from ._checks import check_bits, check_group
+from ._checks import check_bits, check_group, check_rotate
 
 
 @register_policy("zipcache", role="precision")
@@ -32,6 +33,7 @@ class ZipCache(PrecisionPolicy):
     salient: float = 0.4
     group: int = 32
     channel_scale: bool = False  # ZipCache's channel-separable keys (kvkernels.quant.key_channel_scale)
+    rotate: bool = False  # rows stored Hadamard-rotated (kvkernels.quant.hadamard_rotation)
 
     needs_scores = True
 
@@ -45,6 +47,8 @@ class ZipCache(PrecisionPolicy):
         check_range(self.name, "salient", self.salient, 0.0, 1.0)
         check_group(self.name, self.group)
         check_bool(self.name, "channel_scale", self.channel_scale)
+        check_rotate(self.name, self.rotate, self.channel_scale,
+                     f"high={self.high} (use high=8 or 4)" if self.high == NATIVE_BITS else None)
 
     def normalized(self, scores: torch.Tensor) -> torch.Tensor:
         """``scores [Hkv, L]`` over the number of queries that see each token: ``L - i`` for token ``i``."""
