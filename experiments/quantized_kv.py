@@ -56,7 +56,7 @@ PASSKEY += [(f"{SNAPKV}+zipcache(group=64, rotate=True)", 0.2)]
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
               (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2),
               ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2),  # h2o: scores fused over packed rows
-              ("full+kivi(bits=4, residual=0, rotate=True)", 1.0), (f"full+{ROT2}", 1.0)]
+              ("full+kivi(bits=4, residual=0, rotate=True)", 1.0), (f"full+{KIVI2[:-1]}, rotate=True)", 1.0)]
 
 
 def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:
