@@ -604,7 +604,7 @@ def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> 
     import torch
 
     from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_triton
-    from kvkernels.quant import QuantFormat, quantize_rows
+    from kvkernels.quant import QuantFormat, hadamard_rotation, quantize_rows, rotate
     from kvkernels.quant_attention import quant_decode_attention_triton
 
     args = (t["q"], t["k_pages"], t["v_pages"], t["table"], t["lens"])
@@ -649,6 +649,16 @@ def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> 
             s, how = st.seconds(lambda qargs=qargs, kw=kw, score=score: quant_decode_attention_triton(
                 *qargs, **kw, scores=score))
             emit("int4+h2o-score", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits,
+                 group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]))
+        if bits == 4 and st.left() > 5:  # rotated rows (rotate=True): the two rotations around the kernel
+            R = hadamard_rotation(t["q"].shape[-1], t["q"].device)
+
+            def rotated(qargs=qargs, kw=kw, R=R):
+                out = quant_decode_attention_triton(rotate(qargs[0], R), *qargs[1:], **kw)
+                return rotate(out, R, back=True)
+
+            s, how = st.seconds(rotated)
+            emit("int4+rotate", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits,
                  group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]))
         del kq, vq
         if st.cuda:

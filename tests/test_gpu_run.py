@@ -62,7 +62,8 @@ def test_smoke_run_every_stage_ok(tmp_path):
     quant = {r["impl"]: r for r in records if r["kind"] == "quant_decode"}
     # each width the other way round from its default (4 bits prefetched by default, 8 bits not)
     flipped = ["int4 prefetch=off", "int8 prefetch=on"]
-    assert set(quant) == {"native", "native-1split", "int4", "int4+h2o-score", "int8", *flipped}
+    fused = ["int4+h2o-score", "int4+rotate"]  # the score update fused; rotated rows' two rotations around it
+    assert set(quant) == {"native", "native-1split", "int4", *fused, "int8", *flipped}
     assert all(quant[f]["bit_equal_to_default"] for f in flipped)  # the same results (the interpreter)
     assert all(quant[f]["max_abs_diff_vs_default"] == 0 for f in flipped)
     assert {r["kind"] for r in records if r["stage"] == "quant"} >= {"quant_write"}
