@@ -35,7 +35,7 @@ def assert_rotated_round_trip(got: torch.Tensor, want: torch.Tensor, fmt: QuantF
     to float32 arithmetic."""
     from kvkernels.quant import hadamard_rotation
 
-    R = hadamard_rotation(want.shape[-1])
+    R = hadamard_rotation(want.shape[-1], want.device)
     w, g = want.float() @ R, got.float() @ R
     groups = w.unflatten(-1, (-1, fmt.group))
     lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)

@@ -244,7 +244,7 @@ def test_rotated_rows_keep_q_dot_k_closer_when_a_channel_is_an_outlier(bits, dim
     k = torch.randn(256, D, generator=g)
     k[:, 3] *= outlier
     q = torch.randn(32, D, generator=g)
-    R = hadamard_rotation(D)
+    k, q, R = k.to(DEVICE), q.to(DEVICE), hadamard_rotation(D, DEVICE)
     exact = q @ k.T
     plain = dequantize_rows(quantize_rows(k, fmt), D, fmt)
     rotated = dequantize_rows(quantize_rows(rotate(k, R), fmt), D, fmt)
