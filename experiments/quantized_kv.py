@@ -53,10 +53,13 @@ PASSKEY += [(f"{SNAPKV}+kivi(bits=4, group=64, residual=0, rotate=True)", b) for
 # ZipCache's mixed 4 / 2 bits under the passkey setting's eviction, plain and rotated (2.8 bits a value)
 PASSKEY += [(f"{SNAPKV}+zipcache{z}", b) for z in ("", "(rotate=True)") for b in (0.2, 0.5)]
 PASSKEY += [(f"{SNAPKV}+zipcache(group=64, rotate=True)", 0.2)]
+# MiKV while decoding: what H2O evicts moves to the low bits (SideRegion.demote)
+PASSKEY += [("h2o", 0.2), ("h2o+mikv(low=4)", 0.2), ("h2o+mikv", 0.2)]
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
               (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2),
               ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2),  # h2o: scores fused over packed rows
-              ("full+kivi(bits=4, residual=0, rotate=True)", 1.0), (f"full+{KIVI2[:-1]}, rotate=True)", 1.0)]
+              ("full+kivi(bits=4, residual=0, rotate=True)", 1.0), (f"full+{KIVI2[:-1]}, rotate=True)", 1.0),
+              ("h2o+mikv(low=4)", 0.2)]
 
 
 def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:

@@ -636,12 +636,13 @@ def residual_eviction_cases(draw):
                                      "streaming", "knorm"]))
     bits, group = draw(st.sampled_from([(4, 2), (8, 4), (2, 2)]))
     residual = draw(st.sampled_from([1, 2, 4]))
+    spec = draw(st.sampled_from([f"kivi(bits={bits}, group={group}, residual={residual})",
+                                 f"mikv(low={bits}, group={group})"]))
     page_size = draw(st.sampled_from([1, 3, 4]))
     lens = draw(st.lists(st.sampled_from([1, 2, 5, 9, 12]), min_size=1, max_size=3))
     n_kv, gqa = draw(st.sampled_from([(1, 1), (2, 2), (1, 3)]))
     budget = draw(st.sampled_from([0.3, 0.5, 0.8]))
-    return (eviction, f"kivi(bits={bits}, group={group}, residual={residual})", page_size, lens, n_kv, gqa,
-            budget, draw(st.integers(0, 99)))
+    return eviction, spec, page_size, lens, n_kv, gqa, budget, draw(st.integers(0, 99))
 
 
 def held_with_scores(cache, l, b):
@@ -663,13 +664,19 @@ def held_with_scores(cache, l, b):
 
 
 @given(case=residual_eviction_cases())
-def test_kivi_residual_with_eviction_while_decoding(case):
-    """KIVI's unquantized residual with a policy that evicts while decoding (H2O + KIVI): each step attends
-    to both regions in one softmax (dense reference) and updates both regions' scores by the policy's rule;
-    KIVI's aging and the eviction move tokens with their scores; the eviction takes quantized tokens only,
-    the lowest-ranked first (sinks and the recent window kept), down to the plan's budget (the residual, at
-    most residual + group tokens, stays whole); every held row stays its original's round trip through its
-    region's format, bit for bit."""
+@example(case=("h2o(recent=1)", "mikv(low=4, group=2)", 3, [9, 5], 2, 2, 0.3, 0))  # MiKV, whatever is drawn
+def test_two_formats_with_eviction_while_decoding(case):
+    """Two formats under a policy that evicts while decoding. Each step attends to both regions in one
+    softmax (dense reference) and updates both regions' scores by the policy's rule; tokens move between
+    regions with their scores; every held row stays its original's round trip through its region's format,
+    bit for bit.
+
+    - KIVI's unquantized residual (H2O + KIVI): the eviction takes quantized tokens only, the lowest-ranked
+      first (sinks and the recent window kept), down to the plan's budget (the residual, at most
+      residual + group tokens, stays whole).
+    - MiKV (H2O + MiKV): nothing leaves the cache; the main region keeps the plan's budget, and the tokens the
+      policy evicts from it (each head's lowest-ranked past the sinks and the recent window; one selection for
+      a layer's heads where the policy shares it) move to the low bits."""
     from kvkernels._modes import update_scores_ref
 
     eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
@@ -717,6 +724,9 @@ def test_kivi_residual_with_eviction_while_decoding(case):
             for b in range(B):
                 now = held_with_scores(cache, l, b)
                 main_len = int(cache.host.lens[l, b])
+                if p.name == "mikv":
+                    check_demoted(cache, scores_before[l][b], now, l, b, main_len)
+                    continue
                 assert main_len <= p.residual + p.group
                 for h in range(n_kv):
                     old, new = scores_before[l][b][h], now[h]
@@ -747,6 +757,34 @@ def test_kivi_residual_with_eviction_while_decoding(case):
                         k0, v0 = round_trip(k0, side_fmt), round_trip(v0, side_fmt)
                     assert torch.equal(k, k0[0]) and torch.equal(v, v0[0]), (l, b, h, x, region)
     check_two_regions(cache)
+
+
+def check_demoted(cache, before: list[dict], now: list[dict], l: int, b: int, main_len: int) -> None:
+    """MiKV's decode step: per KV head, every token held before is held still, with its score; the main
+    region is down to the plan's budget; what left it went to the side region, never the other way, and
+    is what the policy would have evicted (past the sinks and the recent window, no kept token ranked
+    lower; the same tokens for every head where the policy shares one selection)."""
+    ev, rows = cache.eviction, cache.plan.rows
+    keep = int(rows.budgets[l, b])
+    moved_sets = []
+    for old, new in zip(before, now, strict=True):
+        assert set(new) == set(old)
+        assert all(new[x][3] == old[x][3] for x in new)  # scores come along
+        main_old = sorted(x for x in old if old[x][2] == "main")
+        assert main_len == min(keep, len(main_old))
+        assert not [x for x in new if (old[x][2], new[x][2]) == ("side", "main")]
+        moved = {x for x in new if (old[x][2], new[x][2]) == ("main", "side")}
+        assert len(moved) == len(main_old) - main_len
+        moved_sets.append(moved)
+        sink = min(int(rows.n_sink[l, b]), keep)
+        recent = min(int(rows.n_recent[l, b]), keep - sink)
+        forced = set(main_old[:sink]) | set(main_old[len(main_old) - recent:] if recent else ())
+        assert not moved & forced, (l, b, sorted(moved), sorted(forced))
+        stay = [old[x][3] for x in main_old if x not in forced | moved]
+        if moved and stay and not ev.heads_share_selection:
+            assert max(old[x][3] for x in moved) <= min(stay), (l, b)
+    if ev.heads_share_selection:
+        assert all(m == moved_sets[0] for m in moved_sets)
 
 
 @given(case=cases())

@@ -497,6 +497,8 @@ class PrecisionPolicy(Policy):
         return torch.where(kept, NATIVE_BITS, 0).to(torch.int64)
 
     needs_scores: ClassVar[bool] = False  # assign ranks by the eviction policy's prompt scores
+    #: What an eviction policy evicts while decoding is kept at the lower format instead of dropped (MiKV).
+    keeps_evicted: ClassVar[bool] = False
 
     def group_size(self) -> int:
         """Channels per scale / zero point of the quantized rows (0: nothing quantized)."""

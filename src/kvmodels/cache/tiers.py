@@ -13,8 +13,8 @@ softmax (``kvkernels.quant_attention.quant_decode_attention(second=...)``); KIVI
 side region a group at a time (:meth:`SideRegion.migrate`). A continuation (``begin_extend``: a follow-up
 turn) evicts nothing: it attends to both regions and appends its tokens to the main region whole, as decode
 steps do, and KIVI's residual ages after it; decode-time eviction with KIVI's residual evicts quantized
-tokens only (below). A chunked prefill, which must evict between chunks to keep the budget, is refused by
-``kvmodels.decoder.Decoder``.
+tokens only, and with MiKV moves the evicted tokens here instead (below). A chunked prefill, which must
+evict between chunks to keep the budget, is refused by ``kvmodels.decoder.Decoder``.
 
 The split (and KIVI's aging) compacts by a membership flag written into each region's slot scores, then
 writes the kept tokens' eviction scores back (a compaction keeps the flagged slots in order), and tokens
@@ -175,6 +175,18 @@ class SideRegion:
         k, v, pos = self.held(l, b, key_scale)
         return [{"k": k[:, h], "v": v[:, h], "pos": pos[:, h]} for h in range(k.shape[1])]
 
+    def _grow(self, l: int, b: int, m: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages for ``m`` more slots of row ``b`` in layer ``l`` (``out_of_pages`` naming ``what`` when the
+        pool is short); ``(page, offset)`` int64 ``[m]`` of those slots. The lengths are the caller's."""
+        S, have = self.page_size, int(self.lens[l, b])
+        need = int(ceil_div(have + m, S) - ceil_div(have, S))
+        if need > self.pool.free:
+            raise self.pool.out_of_pages(need, what)
+        if need:
+            self.page_table[l, b, ceil_div(have, S):ceil_div(have + m, S)] = self.pool.take(need)
+        slots = torch.arange(have, have + m, device=self.page_table.device)
+        return self.page_table[l, b][slots // S].to(torch.int64), slots % S
+
     def pages_to_age(self, b: int, main_lens: np.ndarray, n: int) -> int:
         """Pages this region takes when row ``b``, whose main region holds ``main_lens`` (``[Lc]``), takes
         ``n`` more tokens there and KIVI's residual then ages (:meth:`migrate`); 0 for the other precision
@@ -200,22 +212,13 @@ class SideRegion:
         excess = np.argwhere(lens > p.residual + p.group)
         if not len(excess):
             return
-        S = self.page_size
         for l in sorted({int(x) for x in excess[:, 0]}):
             rows = [int(b) for ll, b in excess if ll == l]
             budgets, staying = [], []
             for b in rows:
                 m, have = int(lens[l, b]) - p.residual, int(self.lens[l, b])
-                need = int(ceil_div(have + m, S) - ceil_div(have, S))
-                if need > self.pool.free:
-                    raise self.pool.out_of_pages(need, f"quantizing {m} aged tokens of sequence {b} layer "
-                                                 f"{l}")
-                if need:
-                    self.page_table[l, b, ceil_div(have, S):ceil_div(have + m, S)] = self.pool.take(need)
+                spage, soff = self._grow(l, b, m, f"quantizing {m} aged tokens of sequence {b} layer {l}")
                 page, off = self._rows(cache.page_table[l, b], m)  # the main region's oldest m
-                slots = torch.arange(have, have + m, device=page.device)
-                spage = self.page_table[l, b][slots // S].to(torch.int64)
-                soff = slots % S
                 pool = self.pool
                 for dst, src in ((pool.k_pages, cache.k_pages), (pool.v_pages, cache.v_pages)):
                     dst[spage, soff] = self.storage.encode(cache.storage.decode(src[page, off]))
@@ -241,7 +244,10 @@ class SideRegion:
         this region's lowest-ranked tokens in place (``topk_evict``), the policy's sinks kept (the oldest
         tokens, here) and its recent window where the main region does not hold it; the main region, the
         newest ``residual`` to ``residual + group`` tokens unquantized, stays whole. Eager, host-driven (no
-        sync)."""
+        sync). A precision policy that keeps what is evicted (MiKV) demotes instead (:meth:`demote`)."""
+        if self.precision.keeps_evicted:
+            self.demote(cache)
+            return
         n = cache.batch_size
         budgets, n_sink, n_recent = (x.numpy()[:, :n] for x in cache.plan.rows)  # [Lc, n]
         main, side = cache.host.lens[:, :n], self.lens[:, :n]
@@ -262,6 +268,53 @@ class SideRegion:
         # (a released row keeps "1" of its 0 slots: the op needs budgets >= 1 and moves nothing there)
         self.compactor.compact(self.lens, list(range(cache.n_layers)), seqs, np.maximum(keep, 1), sink,
                                recent, in_place=True)
+
+    def demote(self, cache) -> None:
+        """MiKV while decoding (``compose("h2o", "mikv")``): each row whose main region holds more than its
+        budget (the plan's) moves the tokens the eviction policy would evict there -- each KV head's
+        lowest-ranked, the plan's sinks and recent window excepted, ties to the older -- into this region at
+        its lower precision, with their positions and scores (decode steps go on ranking them); nothing
+        leaves the cache. Eager, host-driven lengths."""
+        n = cache.batch_size
+        budgets, n_sink, n_recent = (x.numpy()[:, :n] for x in cache.plan.rows)  # [Lc, n]
+        main = cache.host.lens[:, :n]
+        over = np.argwhere(main > budgets)
+        ev = cache.eviction
+        for l in sorted({int(x) for x in over[:, 0]}):
+            rows = [int(b) for ll, b in over if ll == l]
+            staying, keeps = [], []
+            for b in rows:
+                total, keep = int(main[l, b]), int(budgets[l, b])
+                m, have = total - keep, int(self.lens[l, b])
+                sink = min(int(n_sink[l, b]), keep)
+                recent = min(int(n_recent[l, b]), keep - sink)
+                page, off = self._rows(cache.page_table[l, b], total)
+                scores = cache.slot_score[page, off]  # [total, Hkv], slot (= position) order
+                rank = ev.eviction_scores(scores, head_dim=-1) if ev.heads_share_selection else scores
+                slot = torch.arange(total, device=page.device)
+                forced = (slot < sink) | (slot >= total - recent)
+                rank = rank.masked_fill(forced[:, None], float("inf"))
+                out = torch.sort(rank, dim=0, stable=True).indices[:m].sort(dim=0).values  # [m, Hkv]
+                spage, soff = self._grow(l, b, m, f"keeping {m} evicted tokens of sequence {b} layer {l} at "
+                                         f"{self.side_bits} bits")
+                head = torch.arange(scores.shape[1], device=page.device)
+                src_page, src_off = page[out], off[out]  # [m, Hkv]: each head's own tokens
+                pool = self.pool
+                for dst, src in ((pool.k_pages, cache.k_pages), (pool.v_pages, cache.v_pages)):
+                    dst[spage, soff] = self.storage.encode(cache.storage.decode(src[src_page, src_off, head]))
+                pool.slot_pos[spage, soff] = cache.slot_pos[src_page, src_off, head]
+                pool.slot_score[spage, soff] = scores.gather(0, out)
+                self.seq_lens[l, b] = have + m
+                self.lens[l, b] = have + m
+                demoted = torch.zeros_like(scores, dtype=torch.bool).scatter_(0, out, True)  # [total, Hkv]
+                staying.append(_selected(scores.t(), ~demoted.t()))  # [keep, Hkv]
+                cache.slot_score[page, off] = (~demoted).float()
+                keeps.append(keep)
+            self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
+                          rows, keeps)
+            for b, scores in zip(rows, staying, strict=True):
+                self._set_scores(cache.pool, cache.page_table[l, b], scores)
+        self.peak_pages = max(self.peak_pages, int(self.pages_held().sum()))
 
     def finish(self, row: int) -> None:
         """Return every page of ``row`` (all layers)."""

@@ -5,7 +5,9 @@ The tokens the eviction policy keeps are stored at ``high`` bits (16: unquantize
 the tokens it would evict are **kept** at ``low`` bits instead of dropped, so nothing the model may need again
 is lost, at a fraction of its bytes. ``compose("h2o", "mikv", budget=0.2)``: a fifth of the tokens in full
 precision, the rest at 2 bits. ``channel_scale=True``: ZipCache's channel-separable keys (see ``kivi``).
-``rotate=True`` (with ``high`` 4 or 8): rows stored Hadamard-rotated (see ``kivi``).
+``rotate=True`` (with ``high`` 4 or 8): rows stored Hadamard-rotated (see ``kivi``). With an eviction policy
+that evicts while decoding (``compose("h2o", "mikv", budget=0.2)``), each token it evicts moves to the low
+bits instead (``kvmodels.cache.tiers.SideRegion.demote``); nothing leaves the cache.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class MiKV(PrecisionPolicy):
     group: int = 32
     channel_scale: bool = False  # ZipCache's channel-separable keys (kvkernels.quant.key_channel_scale)
     rotate: bool = False  # rows stored Hadamard-rotated (kvkernels.quant.hadamard_rotation)
+
+    keeps_evicted = True  # while decoding too: an evicting policy's victims move to the low bits
 
     def __post_init__(self) -> None:
         check_bits(self.name, "high", self.high, native=True)
