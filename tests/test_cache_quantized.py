@@ -153,9 +153,10 @@ def test_quantized_rows_save_what_they_claim_at_a_model_shape():
                                   ("knorm", "kivi(bits=2, group=8, residual=0, channel_scale=True)"),
                                   ("snapkv(window=2)", "zipcache(high=8, low=2, group=8)"),
                                   ("h2o(recent=1)", "kivi(bits=4, group=4, residual=2)"),
-                                  ("h2o(recent=1)", "kivi(bits=4, group=8, residual=0, rotate=True)")],
+                                  ("h2o(recent=1)", "kivi(bits=4, group=8, residual=0, rotate=True)"),
+                                  ("h2o(recent=1)", "mikv(low=4, group=4)")],
                          ids=["one-format", "one-format-scored", "channel-separable", "two-formats",
-                              "two-formats-scored", "rotated-scored"])
+                              "two-formats-scored", "rotated-scored", "two-formats-demoted"])
 def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     run = FakeRun(2, 2, 2, 16, [9, 3, 6], 8, seed=2)
