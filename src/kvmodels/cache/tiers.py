@@ -175,17 +175,26 @@ class SideRegion:
         k, v, pos = self.held(l, b, key_scale)
         return [{"k": k[:, h], "v": v[:, h], "pos": pos[:, h]} for h in range(k.shape[1])]
 
-    def _grow(self, l: int, b: int, m: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages for ``m`` more slots of row ``b`` in layer ``l`` (``out_of_pages`` naming ``what`` when the
-        pool is short); ``(page, offset)`` int64 ``[m]`` of those slots. The lengths are the caller's."""
-        S, have = self.page_size, int(self.lens[l, b])
+    def _receive(self, cache, l: int, b: int, index: tuple[torch.Tensor, ...], what: str) -> None:
+        """Append to row ``b`` of layer ``l`` the main region's slots at ``index`` (``(page, offset)``
+        ``[m]``, or ``(page, offset, head)`` ``[m, Hkv]`` for each head's own slots), in order, re-encoded in
+        this region's format, with their positions and eviction scores; ``out_of_pages`` naming ``what``
+        when the pool is short."""
+        S, have, m = self.page_size, int(self.lens[l, b]), index[0].shape[0]
         need = int(ceil_div(have + m, S) - ceil_div(have, S))
         if need > self.pool.free:
             raise self.pool.out_of_pages(need, what)
         if need:
             self.page_table[l, b, ceil_div(have, S):ceil_div(have + m, S)] = self.pool.take(need)
         slots = torch.arange(have, have + m, device=self.page_table.device)
-        return self.page_table[l, b][slots // S].to(torch.int64), slots % S
+        spage, soff = self.page_table[l, b][slots // S].to(torch.int64), slots % S
+        pool = self.pool
+        for dst, src in ((pool.k_pages, cache.k_pages), (pool.v_pages, cache.v_pages)):
+            dst[spage, soff] = self.storage.encode(cache.storage.decode(src[index]))
+        pool.slot_pos[spage, soff] = cache.slot_pos[index]
+        pool.slot_score[spage, soff] = cache.slot_score[index]
+        self.seq_lens[l, b] = have + m
+        self.lens[l, b] = have + m
 
     def pages_to_age(self, b: int, main_lens: np.ndarray, n: int) -> int:
         """Pages this region takes when row ``b``, whose main region holds ``main_lens`` (``[Lc]``), takes
@@ -216,16 +225,9 @@ class SideRegion:
             rows = [int(b) for ll, b in excess if ll == l]
             budgets, staying = [], []
             for b in rows:
-                m, have = int(lens[l, b]) - p.residual, int(self.lens[l, b])
-                spage, soff = self._grow(l, b, m, f"quantizing {m} aged tokens of sequence {b} layer {l}")
-                page, off = self._rows(cache.page_table[l, b], m)  # the main region's oldest m
-                pool = self.pool
-                for dst, src in ((pool.k_pages, cache.k_pages), (pool.v_pages, cache.v_pages)):
-                    dst[spage, soff] = self.storage.encode(cache.storage.decode(src[page, off]))
-                pool.slot_pos[spage, soff] = cache.slot_pos[page, off]
-                pool.slot_score[spage, soff] = cache.slot_score[page, off]  # their eviction scores come along
-                self.seq_lens[l, b] = have + m
-                self.lens[l, b] = have + m
+                m = int(lens[l, b]) - p.residual
+                oldest = self._rows(cache.page_table[l, b], m)  # the main region's oldest m
+                self._receive(cache, l, b, oldest, f"quantizing {m} aged tokens of sequence {b} layer {l}")
                 total = int(lens[l, b])
                 mpage, moff = self._rows(cache.page_table[l, b], total)
                 staying.append(cache.slot_score[mpage[m:], moff[m:]])  # [residual, Hkv]
@@ -285,7 +287,7 @@ class SideRegion:
             staying, keeps = [], []
             for b in rows:
                 total, keep = int(main[l, b]), int(budgets[l, b])
-                m, have = total - keep, int(self.lens[l, b])
+                m = total - keep
                 sink = min(int(n_sink[l, b]), keep)
                 recent = min(int(n_recent[l, b]), keep - sink)
                 page, off = self._rows(cache.page_table[l, b], total)
@@ -295,17 +297,10 @@ class SideRegion:
                 forced = (slot < sink) | (slot >= total - recent)
                 rank = rank.masked_fill(forced[:, None], float("inf"))
                 out = torch.sort(rank, dim=0, stable=True).indices[:m].sort(dim=0).values  # [m, Hkv]
-                spage, soff = self._grow(l, b, m, f"keeping {m} evicted tokens of sequence {b} layer {l} at "
-                                         f"{self.side_bits} bits")
                 head = torch.arange(scores.shape[1], device=page.device)
-                src_page, src_off = page[out], off[out]  # [m, Hkv]: each head's own tokens
-                pool = self.pool
-                for dst, src in ((pool.k_pages, cache.k_pages), (pool.v_pages, cache.v_pages)):
-                    dst[spage, soff] = self.storage.encode(cache.storage.decode(src[src_page, src_off, head]))
-                pool.slot_pos[spage, soff] = cache.slot_pos[src_page, src_off, head]
-                pool.slot_score[spage, soff] = scores.gather(0, out)
-                self.seq_lens[l, b] = have + m
-                self.lens[l, b] = have + m
+                self._receive(cache, l, b, (page[out], off[out], head),  # [m, Hkv]: each head's own tokens
+                              f"keeping {m} evicted tokens of sequence {b} layer {l} at {self.side_bits} "
+                              "bits")
                 demoted = torch.zeros_like(scores, dtype=torch.bool).scatter_(0, out, True)  # [total, Hkv]
                 staying.append(_selected(scores.t(), ~demoted.t()))  # [keep, Hkv]
                 cache.slot_score[page, off] = (~demoted).float()
