@@ -55,11 +55,15 @@ PASSKEY += [(f"{SNAPKV}+zipcache{z}", b) for z in ("", "(rotate=True)") for b in
 PASSKEY += [(f"{SNAPKV}+zipcache(group=64, rotate=True)", 0.2)]
 # MiKV while decoding: what H2O evicts moves to the low bits (SideRegion.demote)
 PASSKEY += [("h2o", 0.2), ("h2o+mikv(low=4)", 0.2), ("h2o+mikv", 0.2)]
+# ZipCache while decoding: re-compressed every 100 tokens, H2O evicting its low bits (SideRegion.recompress)
+PASSKEY += [("h2o+zipcache", 0.2), ("h2o+zipcache(rotate=True)", 0.2)]
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
               (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2),
               ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2),  # h2o: scores fused over packed rows
               ("full+kivi(bits=4, residual=0, rotate=True)", 1.0), (f"full+{KIVI2[:-1]}, rotate=True)", 1.0),
-              ("h2o+mikv(low=4)", 0.2)]
+              ("h2o+mikv(low=4)", 0.2), ("h2o+zipcache", 0.2), ("h2o+zipcache(rotate=True)", 0.2),
+              ("h2o+zipcache(every=10)", 0.2), (f"{SCORER}+zipcache", 1.0),
+              (f"{SCORER}+zipcache(rotate=True)", 1.0)]
 
 
 def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:
@@ -101,11 +105,13 @@ def run_ppl(runner, name: str, budget: float, T: int, prefill: int) -> dict:
 
     policy = compose(name, budget=1.0)
     keep = T if budget >= 1.0 else max(prefill, round(budget * T))
-    if name.startswith("full"):
-        keep = prefill  # full never evicts: prefill `prefill` tokens, decode the rest, all kept
+    if not policy.eviction.decode_evict:
+        # full (and a prompt-only scorer at budget 1) never evicts: prefill `prefill` tokens, decode the
+        # rest, all kept (zipcache re-compressing them every `every`)
+        keep = prefill
     tokens = runner.text_tokens(T)
     (row,) = run_perplexity(runner.model, tokens, policy, [keep])
-    return {**row, "prefill_tokens": keep if not name.startswith("full") else prefill}
+    return {**row, "prefill_tokens": keep}
 
 
 def table(records: list[dict]) -> str:

@@ -154,9 +154,11 @@ def test_quantized_rows_save_what_they_claim_at_a_model_shape():
                                   ("snapkv(window=2)", "zipcache(high=8, low=2, group=8)"),
                                   ("h2o(recent=1)", "kivi(bits=4, group=4, residual=2)"),
                                   ("h2o(recent=1)", "kivi(bits=4, group=8, residual=0, rotate=True)"),
-                                  ("h2o(recent=1)", "mikv(low=4, group=4)")],
+                                  ("h2o(recent=1)", "mikv(low=4, group=4)"),
+                                  ("h2o(recent=0.5)", "zipcache(high=8, low=2, group=8, every=2)")],
                          ids=["one-format", "one-format-scored", "channel-separable", "two-formats",
-                              "two-formats-scored", "rotated-scored", "two-formats-demoted"])
+                              "two-formats-scored", "rotated-scored", "two-formats-demoted",
+                              "two-formats-recompressed"])
 def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompiling(spec):
     torch._dynamo.reset()
     run = FakeRun(2, 2, 2, 16, [9, 3, 6], 8, seed=2)
@@ -304,6 +306,13 @@ def test_two_formats_hold_what_the_precision_policy_assigns(case):
                     assert set(held[h]) == set(kept[h].nonzero()[:, 0].tolist())
                     n_main = sum(r == "main" for *_, r in held[h].values())
                     assert n_main == math.ceil(int(kept[h].sum()) * policy.precision.salient - 1e-9)
+                    # ranked by normalized score: the votes over the voting queries that see the token
+                    c = native.head_contents(l, b)[h]
+                    W = policy.eviction.prefill_window(L) or L
+                    sal = {int(x): float(y) / min(W, L - int(x)) for x, y in zip(c["pos"], c["score"])}
+                    main_s = [sal[x] for x, (*_, r) in held[h].items() if r == "main"]
+                    side_s = [sal[x] for x, (*_, r) in held[h].items() if r == "side"]
+                    assert not main_s or not side_s or min(main_s) >= max(side_s), (l, b, h)
                 for p, (k, v, region) in held[h].items():
                     fmt = main_fmt if region == "main" else side_fmt
                     check_row(k, k_orig[p:p + 1, h], fmt, (l, b, h, p, region))
@@ -482,7 +491,8 @@ def test_a_session_continues_over_quantized_rows(family, precision, row_bytes):
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("precision", ["kivi(bits=8, group=2, residual=2)", "mikv(low=8, group=2)"])
+@pytest.mark.parametrize("precision", ["kivi(bits=8, group=2, residual=2)", "mikv(low=8, group=2)",
+                                       "zipcache(high=16, low=8, group=2, every=2)"])
 def test_a_session_continues_over_two_formats(precision):
     """``Decoder`` over a cache holding tokens in two formats: prompts, a generation, a follow-up extension
     and another generation, against the unquantized cache under the same eviction (snapkv at 0.5, whose
@@ -517,6 +527,24 @@ def test_a_session_continues_over_two_formats(precision):
     with pytest.raises(NotImplementedError, match="two formats.*chunk="):
         Decoder(model, compose("snapkv(window=2)", precision, budget=0.5), max_tokens=48).extend(
             [list(range(1, 13))], chunk=4)
+
+
+def test_h2o_over_zipcache_holds_its_budget_while_generating():
+    """``compose("h2o", "zipcache", budget=...)`` through ``Decoder``: after every generation each layer of
+    each sequence holds the budget over both formats, the high bits at most the salient share of it plus the
+    tokens waiting for the next re-compression, and both formats hold tokens."""
+    from kvmodels.decoder import Decoder
+    from test_model_policy_matrix import tiny_model
+
+    dec = Decoder(tiny_model("llama"), compose("h2o", "zipcache(high=16, low=8, group=2, every=3)", budget=10),
+                  max_tokens=64)
+    dec.extend([list(range(1, 25)), list(range(3, 20))])
+    cache = dec.cache
+    for _ in range(4):
+        dec.generate(5)
+        main, side = cache.host.lens[:, :2], cache.side.lens[:, :2]
+        assert (main + side == 10).all(), (main, side)
+        assert (main <= math.ceil(0.4 * 10) + 3).all() and side.all()
 
 
 @st.composite
@@ -637,8 +665,15 @@ def residual_eviction_cases(draw):
                                      "streaming", "knorm"]))
     bits, group = draw(st.sampled_from([(4, 2), (8, 4), (2, 2)]))
     residual = draw(st.sampled_from([1, 2, 4]))
+    high, salient = 16 if bits == 8 else 8, draw(st.sampled_from([0.3, 0.5]))
+    every = draw(st.sampled_from([1, 2, 3, 5]))
     spec = draw(st.sampled_from([f"kivi(bits={bits}, group={group}, residual={residual})",
-                                 f"mikv(low={bits}, group={group})"]))
+                                 f"mikv(low={bits}, group={group})",
+                                 f"zipcache(high={high}, low={bits}, group={group}, salient={salient}, "
+                                 f"every={every})"]))
+    if spec.startswith("zipcache") and (eviction == "streaming" or draw(st.booleans())):
+        # zipcache ranks by prompt scores (streaming has none); snapkv scores nothing while decoding
+        eviction = draw(st.sampled_from(["h2o(recent=1)", "snapkv(window=2)"]))
     page_size = draw(st.sampled_from([1, 3, 4]))
     lens = draw(st.lists(st.sampled_from([1, 2, 5, 9, 12]), min_size=1, max_size=3))
     n_kv, gqa = draw(st.sampled_from([(1, 1), (2, 2), (1, 3)]))
@@ -666,6 +701,11 @@ def held_with_scores(cache, l, b):
 
 @given(case=residual_eviction_cases())
 @example(case=("h2o(recent=1)", "mikv(low=4, group=2)", 3, [9, 5], 2, 2, 0.3, 0))  # MiKV, whatever is drawn
+@example(case=("h2o(recent=1)", "zipcache(high=8, low=2, group=2, salient=0.5, every=5)", 3, [9, 5], 2, 2,
+               0.3, 0))  # ZipCache under eviction (re-compressing early: the high bits reach the budget)
+@example(case=("snapkv(window=2)", "zipcache(high=16, low=4, group=2, salient=0.3, every=3)", 1, [12, 5], 1,
+               3, 0.5, 1))  # ZipCache re-compressing without eviction
+@example(case=("a2sf", "zipcache(high=8, low=4, group=2, salient=0.3, every=1)", 1, [1], 1, 1, 0.3, 0))
 def test_two_formats_with_eviction_while_decoding(case):
     """Two formats under a policy that evicts while decoding. Each step attends to both regions in one
     softmax (dense reference) and updates both regions' scores by the policy's rule; tokens move between
@@ -677,7 +717,12 @@ def test_two_formats_with_eviction_while_decoding(case):
       residual + group tokens, stays whole).
     - MiKV (H2O + MiKV): nothing leaves the cache; the main region keeps the plan's budget, and the tokens the
       policy evicts from it (each head's lowest-ranked past the sinks and the recent window; one selection for
-      a layer's heads where the policy shares it) move to the low bits."""
+      a layer's heads where the policy shares it) move to the low bits.
+    - ZipCache (H2O + ZipCache; SnapKV, which scores nothing while decoding, gets accumulated attention):
+      every ``every`` waiting tokens (or sooner, under eviction, when the high bits alone exceed the budget)
+      the high bits keep the settled tokens and the salient share of the waiting ones, by normalized score
+      (at most the salient share of the budget under eviction, then chosen among all); the others move to
+      the low bits; the eviction then takes the lowest-ranked low-bit tokens, as with KIVI's residual."""
     from kvkernels._modes import update_scores_ref
 
     eviction, spec, page_size, lens, n_kv, gqa, budget, seed = case
@@ -690,6 +735,9 @@ def test_two_formats_with_eviction_while_decoding(case):
     ev = policy.eviction
     run.prefill(cache)
     B = len(lens)
+    settled = cache.host.lens[:, :B].copy()  # zipcache: the split settles the main region's tokens
+    if p.name == "zipcache":  # it ranks decoded tokens by their scores: snapkv's steps accumulate them too
+        assert cache.score_mode == (ev.score_mode if ev.score_mode != "none" else "accumulate")
     for t in range(n_steps):
         cache.prepare_decode(t)
         pos_t = run.step_positions(t)
@@ -708,12 +756,12 @@ def test_two_formats_with_eviction_while_decoding(case):
                     want = dense_attention(qh, ks, vs, run.scale)
                     torch.testing.assert_close(out[b, h * gqa:(h + 1) * gqa], want.to(out.dtype), rtol=1e-4,
                                                atol=1e-4)
-                    if ev.score_mode == "none":  # (knorm's scores are its own tokens'; streaming: none)
+                    if cache.score_mode == "none":  # (knorm's scores are its own tokens'; streaming: none)
                         assert all(after[b][h][x][3] == held[x][3] for x in positions)
                         continue
                     probs = torch.softmax(run.scale * qh.float() @ ks[:, 0].float().t(), dim=-1)  # [G, n]
                     old = torch.tensor([[held[x][3] for x in positions]])
-                    new = update_scores_ref(old, probs.mean(dim=0, keepdim=True), ev.score_mode,
+                    new = update_scores_ref(old, probs.mean(dim=0, keepdim=True), cache.score_mode,
                                             decay=cache.decay,
                                             n_valid=torch.tensor([[len(positions)]]))[0]
                     got = torch.tensor([after[b][h][x][3] for x in positions])
@@ -727,6 +775,10 @@ def test_two_formats_with_eviction_while_decoding(case):
                 main_len = int(cache.host.lens[l, b])
                 if p.name == "mikv":
                     check_demoted(cache, scores_before[l][b], now, l, b, main_len)
+                    continue
+                if p.name == "zipcache":
+                    settled[l, b] = check_recompressed(cache, scores_before[l][b], now, l, b,
+                                                       int(settled[l, b]))
                     continue
                 assert main_len <= p.residual + p.group
                 for h in range(n_kv):
@@ -748,16 +800,78 @@ def test_two_formats_with_eviction_while_decoding(case):
                             forced = set(side_kept[:n_sink]) | set(sorted(new)[len(new) - n_recent:])
                             free = [new[x][3] for x in side_kept if x not in forced]
                             assert not free or max(old[x][3] for x in gone) <= min(free)
-    for l in range(2):  # every held row is its original's round trip through its region's format
+    main_fmt = getattr(cache.storage, "fmt", None)  # zipcache(high=8): the main region quantized too
+    for l in range(2):  # every held row is its original's round trip through its region's format(s)
         for b, L in enumerate(lens):
             for h, held in enumerate(held_with_scores(cache, l, b)):
                 for x, (k, v, region, _) in held.items():
                     k0, v0 = (run.prompt[l][b][i][x:x + 1, h] if x < L
                               else run.steps[x - L][l][i][b:b + 1, h] for i in (1, 2))
-                    if region == "side":
-                        k0, v0 = round_trip(k0, side_fmt), round_trip(v0, side_fmt)
-                    assert torch.equal(k, k0[0]) and torch.equal(v, v0[0]), (l, b, h, x, region)
+                    ways = [(k0, v0)]
+                    if main_fmt is not None:  # stored at the high bits (decoded tokens: always first)
+                        ways = [(round_trip(k0, main_fmt), round_trip(v0, main_fmt))] + ways[:int(x < L)]
+                    if region == "main":
+                        ways = ways[:1]
+                    else:  # the side format's round trip of the row it was written from
+                        ways = [(round_trip(a, side_fmt), round_trip(c, side_fmt)) for a, c in ways]
+                    assert any(torch.equal(k, a[0]) and torch.equal(v, c[0]) for a, c in ways), \
+                        (l, b, h, x, region)
     check_two_regions(cache)
+
+
+def check_recompressed(cache, before: list[dict], now: list[dict], l: int, b: int, settled: int) -> int:
+    """ZipCache's decode step (one row of one layer), the main region's first ``settled`` tokens placed by
+    the last compression: the high bits (main region) keep what the rule says, ranked by normalized score;
+    nothing comes back from the low bits; then, under eviction, the two regions hold the budget, the low bits
+    giving up their lowest-ranked tokens past the sinks and the recent window. Returns the settled count
+    after the step."""
+    p, ev, rows = cache.policy.precision, cache.eviction, cache.plan.rows
+    budget, capped = int(rows.budgets[l, b]), ev.decode_evict
+    for old, new in zip(before, now, strict=True):
+        seen = max(old) + 1  # the newest token (just appended) is held
+        main_old = sorted(x for x in old if old[x][2] == "main")
+        main_new = sorted(x for x in new if new[x][2] == "main")
+        waiting = len(main_old) - settled
+        n_high = len(main_old)
+        candidates = set(main_old[settled:])
+        settled_after = settled
+        if waiting >= p.every or (capped and len(main_old) > budget and waiting > 0):
+            n_high = settled_after = settled + math.ceil(p.salient * waiting - 1e-9)
+            if capped and n_high > math.ceil(p.salient * budget):
+                n_high = settled_after = math.ceil(p.salient * budget)
+                candidates = set(main_old)
+        assert len(main_new) == n_high, (l, b, len(main_old), settled, n_high)
+        assert set(main_new) <= set(main_old)
+        assert set(main_old) - candidates <= set(main_new)  # the settled ones stay (unless re-chosen)
+        # scores come along (a shared selection writes the heads' common ranking into the low bits' scores)
+        assert all(new[x][3] == old[x][3] or (ev.heads_share_selection and new[x][2] == "side") for x in new)
+        saliency = {x: old[x][3] / (seen - x) for x in candidates}
+        moved = candidates - set(main_new)
+        if moved and candidates & set(main_new):
+            assert max(saliency[x] for x in moved) <= min(saliency[x] for x in candidates & set(main_new))
+        assert not [x for x in new if (old[x][2], new[x][2]) == ("side", "main")]
+        side_before = {x for x in old if old[x][2] == "side"} | moved  # what the eviction chose from
+        gone = set(old) - set(new)
+        assert gone <= side_before
+        if not capped:
+            assert not gone
+            continue
+        if gone:
+            assert len(new) == max(budget, n_high)
+        else:
+            assert len(new) <= max(budget, n_high) or len(new) == len(old)
+        if gone and not ev.heads_share_selection:  # ranked by score past the forced slots
+            side_kept = sorted(x for x in new if new[x][2] == "side")
+            n_sink = int(rows.n_sink[l, b])
+            n_recent = max(int(rows.n_recent[l, b]) - (n_high - settled_after), 0)
+            forced = set(side_kept[:n_sink]) | set(side_kept[max(len(side_kept) - n_recent, 0):] if n_recent
+                                                    else ())
+            pool = sorted(side_before)  # the eviction kept the sinks and the recent window among them
+            n_sink, n_recent = min(n_sink, len(side_kept)), min(n_recent, len(side_kept) - n_sink)
+            assert set(pool[:n_sink]) | set(pool[len(pool) - n_recent:] if n_recent else ()) <= set(side_kept)
+            free = [new[x][3] for x in side_kept if x not in forced]
+            assert not free or max(old[x][3] for x in gone) <= min(free)
+    return settled_after
 
 
 def check_demoted(cache, before: list[dict], now: list[dict], l: int, b: int, main_len: int) -> None:

@@ -27,7 +27,8 @@ def test_registered_and_composed_by_name():
     for spec in [("snapkv", "kivi(bits=2, group=32, residual=64)"),
                  ("h2o", "zipcache(high=8, low=4, salient=0.25)"),
                  ("h2o", "mikv(high=8, low=2)"), ("full", "kivi"),
-                 ("snapkv", "kivi(bits=2, residual=0, rotate=True)"), ("h2o", "zipcache(rotate=True)")]:
+                 ("snapkv", "kivi(bits=2, residual=0, rotate=True)"), ("h2o", "zipcache(rotate=True)"),
+                 ("h2o", "zipcache(every=10)"), ("h2o", "zipcache(every=0)")]:
         p = compose(*spec, budget=0.5)
         assert compose(p.spec()) == p and compose(p.to_json()) == p and compose(p.label, budget=0.5) == p
     assert compose("kivi").name == "kivi"  # quantization alone, every token kept
@@ -39,6 +40,7 @@ def test_registered_and_composed_by_name():
     ("kivi(residual=-1)", "residual"),
     ("zipcache(high=2, low=4)", "low=4 must be below high=2"),
     ("zipcache(salient=1.5)", "salient"),
+    ("zipcache(every=-1)", "every=-1 is out of range"),
     ("mikv(low=16)", "low=16 must be one of 2, 4, 8"),
     ("mikv(high=5)", "high=5 must be one of 2, 4, 8, 16"),
     ("kivi(rotate=True)", "rotate=True stores rotated rows, but residual=128 .*use residual=0"),
@@ -62,8 +64,9 @@ def test_refused_compositions_say_what_to_use():
         compose("kivi(residual=0, rotate=1)")
 
 
-def assign_loop(policy, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-    """Per head, per token, as the papers describe it."""
+def assign_loop(policy, kept: torch.Tensor, scores: torch.Tensor | None, window: int = 0) -> torch.Tensor:
+    """Per head, per token, as the papers describe it; ``window``: the prompt scores are the votes of the
+    last ``window`` queries (0: of every query)."""
     H, L = kept.shape
     out = torch.zeros(H, L, dtype=torch.int64)
     for h in range(H):
@@ -78,8 +81,8 @@ def assign_loop(policy, kept: torch.Tensor, scores: torch.Tensor | None) -> torc
         elif isinstance(policy, MiKV):
             for i in range(L):
                 out[h, i] = policy.high if kept[h, i] else policy.low
-        else:  # ZipCache: saliency = score / (queries that see the token); ties to the earlier token
-            sal = {i: float(scores[h, i]) / (L - i) for i in kept_idx}
+        else:  # ZipCache: saliency = score / (scoring queries that see the token); ties to the earlier token
+            sal = {i: float(scores[h, i]) / (min(L - i, window) if window else L - i) for i in kept_idx}
             ranked = sorted(kept_idx, key=lambda i: (-sal[i], i))
             n_high = math.ceil(len(kept_idx) * policy.salient - 1e-9)
             for r, i in enumerate(ranked):
@@ -92,14 +95,16 @@ POLICIES = [Native(), Kivi(), Kivi(bits=2, residual=3), Kivi(residual=0), MiKV()
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.name}{p.params()}")
-@given(H=st.integers(1, 3), L=st.integers(0, 20), seed=st.integers(0, 2**16), ties=st.booleans())
-def test_assign_equals_the_loop(policy, H, L, seed, ties):
+@given(H=st.integers(1, 3), L=st.integers(0, 20), seed=st.integers(0, 2**16), ties=st.booleans(),
+       window=st.sampled_from([0, 1, 3, 8]))
+def test_assign_equals_the_loop(policy, H, L, seed, ties, window):
     g = torch.Generator().manual_seed(seed)
     kept = torch.rand(H, L, generator=g) < 0.6
     scores = torch.randint(0, 3, (H, L), generator=g).float() if ties else torch.rand(H, L, generator=g)
-    got = policy.assign(kept, scores)
+    voters = (L - torch.arange(L)).clamp(max=window) if window else None
+    got = policy.assign(kept, scores, voters=voters)
     assert got.dtype == torch.int64 and got.shape == (H, L)
-    assert torch.equal(got, assign_loop(policy, kept, scores))
+    assert torch.equal(got, assign_loop(policy, kept, scores, window))
     if not isinstance(policy, MiKV):
         assert bool((got[~kept] == 0).all())  # only MiKV keeps what eviction drops
 
@@ -132,17 +137,16 @@ def test_the_transformers_bridge_refuses_quantized_storage_by_name():
 
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
     """The paged cache stores one format (kivi, residual 0) with any eviction policy, those that update
-    scores while decoding too (the quantized decode kernel fuses the update), two formats (kivi's residual,
-    zipcache, mikv) split once after a prompt-only compression, and kivi's residual with eviction while
-    decoding (but Gumbel-scored keyformer); the rest is refused up front, each naming the fix."""
+    scores while decoding too (the quantized decode kernel fuses the update), and two formats (kivi's
+    residual, zipcache, mikv) after a prompt-only compression or with eviction while decoding (but
+    Gumbel-scored keyformer); the rest is refused up front, each naming the fix."""
     from kvmodels.cache import PagedKVCache
     from kvmodels.decoder import Decoder
     from kvmodels.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(vocab_size=31, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=32,
                               max_seq_len=64)).eval()
-    with pytest.raises(ValueError, match="precision 'zipcache' .*two formats.*eviction 'h2o' also evicts"):
-        Decoder(model, compose("h2o", "zipcache(group=8)", budget=0.5))
+    Decoder(model, compose("h2o", "zipcache(group=8)", budget=0.5))  # re-compressed, low bits evicted
     Decoder(model, compose("h2o", budget=0.5))  # native precision: fine
     Decoder(model, compose("h2o", "kivi(residual=0, group=8)", budget=0.5))  # one format: scores fused
     for spec in ("kivi(residual=0, group=8)", "kivi(group=8)", "zipcache(group=8)", "mikv(group=8)"):
@@ -163,14 +167,17 @@ def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
 
     for ev in ("h2o", "streaming", "tova"):  # mikv: what they evict while decoding moves to its low bits
         cache(ev, "mikv(group=8)")
-    with pytest.raises(ValueError, match="precision 'zipcache'.*two formats.*eviction 'h2o' also evicts"):
-        cache("h2o", "zipcache(group=8)")
+    for ev in ("h2o", "tova", "scissorhands", "a2sf"):  # zipcache: they evict its low bits
+        cache(ev, "zipcache(group=8)")
+    with pytest.raises(ValueError, match="never re-compresses \\(every=0\\), so under eviction 'h2o'"):
+        cache("h2o", "zipcache(group=8, every=0)")
+    cache("snapkv", "zipcache(group=8, every=0)")  # prompt-only: new tokens stay at the high bits
     for ev in ("streaming", "h2o", "tova", "scissorhands", "a2sf", "knorm"):  # kivi's residual: evicts too
         cache(ev, "kivi(group=8)")
     with pytest.raises(ValueError, match="two formats; eviction 'keyformer' scores with Gumbel noise"):
         cache("keyformer", "kivi(group=8)")
-    with pytest.raises(ValueError, match="eviction 'tova' also evicts while decoding, which only kivi"):
-        cache("tova", "zipcache(group=8)")
+    with pytest.raises(ValueError, match="two formats; eviction 'keyformer' scores with Gumbel noise"):
+        cache("keyformer", "zipcache(group=8)")
     cache("h2o", "kivi(residual=0, group=8)")  # one format: the quantized decode kernel fuses the scores
     cache("keyformer", "kivi(bits=2, residual=0, group=8)")
     with pytest.raises(ValueError, match="two formats, which the paged cache holds for one row per sequence"):

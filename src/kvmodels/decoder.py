@@ -230,9 +230,9 @@ class Decoder:
             self._check_probe(new)
         if first_call and continues and _two_formats(policy):
             raise NotImplementedError(f"policy {policy.name!r} stores tokens in two formats, split once "
-                                      "after the prompt and never evicted afterwards, so a chunked prefill "
-                                      "could not keep the budget; prefill the prompt whole (no chunk=), or "
-                                      "use kivi(residual=0) or native precision")
+                                      "after the whole prompt's compression, so a chunked prefill could not "
+                                      "keep the budget between chunks; prefill the prompt whole (no chunk=), "
+                                      "or use kivi(residual=0) or native precision")
         window = policy.eviction.prefill_window(1 << 30) if policy.eviction.prefill_mode else 0
         if chunk is not None and window > 1 and chunk < window:
             name = policy.eviction.name
@@ -283,8 +283,8 @@ class Decoder:
                                       "tokens after the prompt); use a policy without merging")
         if _two_formats(self.policy):
             raise NotImplementedError(f"{what}), and precision {self.policy.precision.name!r} stores tokens "
-                                      "in two formats, split after the prompt and never evicted afterwards; "
-                                      "use native precision or kivi(residual=0)")
+                                      "in two formats, split once after the prompt's compression, which "
+                                      "this pass would redo; use native precision or kivi(residual=0)")
         extra = len(self.probe_prefix)
         span = getattr(self.policy.eviction, "span", None)  # kvzip's; a plugin's probe policy may have none
         skip = self.policy.eviction.probe_skip

@@ -487,12 +487,15 @@ class PrecisionPolicy(Policy):
     role: ClassVar[Role] = "precision"
     quantizes: ClassVar[bool] = True
 
-    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None,
+               voters: torch.Tensor | None = None) -> torch.Tensor:
         """Bits per token ``[Hkv, L]`` int64 of one layer of one sequence, tokens in position order: 0 for a
         token not stored, :data:`NATIVE_BITS` for one stored unquantized, else 2, 4 or 8.
 
         ``kept [Hkv, L]`` bool is the eviction policy's decision (True = kept); ``scores [Hkv, L]`` float32
-        its prompt scores (accumulated attention where it has them; None for selections without scores).
+        its prompt scores (accumulated attention where it has them; None for selections without scores);
+        ``voters [L]`` how many of the queries behind those scores see each token (a policy whose last
+        ``W`` queries vote, ``snapkv``: ``min(W, L - i)``; None: every query, ``L - i``).
         """
         return torch.where(kept, NATIVE_BITS, 0).to(torch.int64)
 

@@ -191,9 +191,12 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self.side: SideRegion | None = None
         if side is not None:
             self.side = SideRegion(side, num_pages, n_layers, max_batch, M, n_kv_heads, page_size, dev,
-                                   self.layout, policy.precision, self.storage.bits)
+                                   self.layout, policy.precision, self.storage.bits,
+                                   capped=self.eviction.decode_evict)
 
         self.score_mode = self.eviction.score_mode
+        if self.score_mode == "none" and self.side is not None and self.side.every:
+            self.score_mode = "accumulate"  # ZipCache ranks decoded tokens by their accumulated attention
         self.gumbel = self.score_mode == "gumbel"
         self.gumbel_noise: torch.Tensor | None = None
         if self.gumbel:

@@ -153,12 +153,10 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype,
     main = storage(formats[-1])
     if len(formats) == 1:
         return main, None
-    if ev.decode_evict and precision.name != "kivi" and not precision.keeps_evicted:
-        raise ValueError(f"{name} keeps tokens in two formats, which the paged cache splits once, after "
-                         f"the prompt; eviction {ev.name!r} also evicts while decoding, which only kivi's "
-                         "residual (the quantized tokens are evicted) and mikv (the evicted tokens move to "
-                         "its low bits) follow yet (issue 36); use a prompt-only policy (snapkv, chunkkv, "
-                         "knorm(decode=False)), kivi or mikv")
+    if ev.decode_evict and getattr(precision, "every", None) == 0:
+        raise ValueError(f"{name} never re-compresses (every=0), so under eviction {ev.name!r}, which evicts "
+                         "while decoding from the low bits only, the high bits would outgrow the budget; use "
+                         "every >= 1 (ZipCache's is ~100) or a prompt-only policy (snapkv)")
     if ev.decode_evict and ev.score_mode == "gumbel":
         raise ValueError(f"{name} keeps tokens in two formats; eviction {ev.name!r} scores with Gumbel noise "
                          "drawn per slot of one pool, which the two-format decode does not draw for the "

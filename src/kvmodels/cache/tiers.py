@@ -10,11 +10,12 @@ region, :meth:`SideRegion.split` asks the precision policy which format each tok
 (``PrecisionPolicy.assign`` over the prompt, from the eviction's kept set and the prompt scores) and
 compacts each region to its tokens. Decode steps append to the main region and attend to both regions in one
 softmax (``kvkernels.quant_attention.quant_decode_attention(second=...)``); KIVI's residual ages into the
-side region a group at a time (:meth:`SideRegion.migrate`). A continuation (``begin_extend``: a follow-up
-turn) evicts nothing: it attends to both regions and appends its tokens to the main region whole, as decode
-steps do, and KIVI's residual ages after it; decode-time eviction with KIVI's residual evicts quantized
-tokens only, and with MiKV moves the evicted tokens here instead (below). A chunked prefill, which must
-evict between chunks to keep the budget, is refused by ``kvmodels.decoder.Decoder``.
+side region a group at a time and ZipCache re-compresses the tokens decoded since its last compression
+(:meth:`SideRegion.migrate`). A continuation (``begin_extend``: a follow-up turn) evicts nothing: it attends
+to both regions and appends its tokens to the main region whole, as decode steps do, and KIVI's residual
+ages (ZipCache re-compresses) after it; decode-time eviction with KIVI's residual or ZipCache evicts
+side-region tokens only, and with MiKV moves the evicted tokens here instead (below). A chunked prefill,
+which must evict between chunks to keep the budget, is refused by ``kvmodels.decoder.Decoder``.
 
 The split (and KIVI's aging) compacts by a membership flag written into each region's slot scores, then
 writes the kept tokens' eviction scores back (a compaction keeps the flagged slots in order), and tokens
@@ -44,7 +45,8 @@ class SideRegion:
     """The second region's pool, page table ``[Lc, B, M]``, lengths (device and host) and compactor."""
 
     def __init__(self, storage, num_pages: int, n_layers: int, max_batch: int, max_pages: int,
-                 n_kv_heads: int, page_size: int, device: torch.device, layout, precision, main_bits: int):
+                 n_kv_heads: int, page_size: int, device: torch.device, layout, precision, main_bits: int,
+                 capped: bool = False):
         self.storage, self.precision, self.main_bits = storage, precision, main_bits
         self.side_bits = storage.bits
         self.page_size = page_size
@@ -53,6 +55,11 @@ class SideRegion:
         self.seq_lens = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=device)
         self.compactor = Compactor(self.pool, self.page_table, self.seq_lens, layout)
         self.lens = np.zeros((n_layers, max_batch), dtype=np.int64)  # host mirror of seq_lens
+        # ZipCache while decoding: the main region's first `settled` slots were placed by a compression; the
+        # tokens after them wait for the next one (recompress). 0 for the other precision policies. `capped`:
+        # the eviction policy evicts while decoding, so both regions share the plan's budget.
+        self.every, self.capped = getattr(precision, "every", 0), capped
+        self.settled = np.zeros((n_layers, max_batch), dtype=np.int64)
         self.peak_pages = 0
 
     def static_buffers(self) -> list[torch.Tensor]:
@@ -65,6 +72,7 @@ class SideRegion:
         self.page_table.fill_(-1)
         self.seq_lens.zero_()
         self.lens[:] = 0
+        self.settled[:] = 0
         self.peak_pages = 0
         self.compactor.reset()
 
@@ -106,7 +114,7 @@ class SideRegion:
                 start = int(pos[0, 0]) if L else 0
                 kept = torch.zeros_like(scores, dtype=torch.bool)  # [Hkv, L]
                 kept.scatter_(1, (kept_pos - start).t(), True)
-                bits = self.precision.assign(kept, scores)  # [Hkv, L] int64
+                bits = self.precision.assign(kept, scores, voters=self._voters(cache.eviction, L))
                 side = bits == self.side_bits
                 main_scores = cache.slot_score[mpage, moff].t()  # [Hkv, m]
                 self.pool.slot_score[page, off] = side.t().float()
@@ -122,6 +130,14 @@ class SideRegion:
             for b, (side_scores, main_scores) in zip(rows, kept_scores, strict=True):  # the flags out again
                 self._set_scores(self.pool, self.page_table[l, b], side_scores)
                 self._set_scores(cache.pool, cache.page_table[l, b], main_scores)
+            if self.every:
+                self.settled[l, rows] = budgets_main
+
+    def _voters(self, eviction, L: int) -> torch.Tensor:
+        """``[L]``: how many of the queries behind the eviction policy's prompt scores see each token of an
+        ``L``-token prompt: its last ``W`` (``prefill_window``; 0 = all) that come at or after the token."""
+        W = eviction.prefill_window(L) or L
+        return (L - torch.arange(L, device=self.page_table.device)).clamp(max=W)
 
     def _set_scores(self, pool: PagePool, table: torch.Tensor, scores: torch.Tensor) -> None:
         """The first ``n`` slots of a row (``table``) get ``scores [n, Hkv]``: a compaction by flags keeps the
@@ -197,73 +213,113 @@ class SideRegion:
         self.lens[l, b] = have + m
 
     def pages_to_age(self, b: int, main_lens: np.ndarray, n: int) -> int:
-        """Pages this region takes when row ``b``, whose main region holds ``main_lens`` (``[Lc]``), takes
-        ``n`` more tokens there and KIVI's residual then ages (:meth:`migrate`); 0 for the other precision
-        policies (host arithmetic)."""
+        """Pages this region takes (at most) when row ``b``, whose main region holds ``main_lens``
+        (``[Lc]``), takes ``n`` more tokens there and then KIVI's residual ages or ZipCache re-compresses
+        (:meth:`migrate`); 0 for the other precision policies (host arithmetic)."""
         p = self.precision
-        if p.name != "kivi" or not p.residual:
-            return 0
         total = main_lens.astype(np.int64) + n
-        moved = np.where(total > p.residual + p.group, total - p.residual, 0)
+        if self.every:  # at most every token past the settled ones (all of them, under eviction)
+            waiting = total - self.settled[:len(total), b]
+            moved = total if self.capped else np.where(waiting >= self.every, waiting, 0)
+        elif p.name == "kivi" and p.residual:
+            moved = np.where(total > p.residual + p.group, total - p.residual, 0)
+        else:
+            return 0
         have = self.lens[:len(total), b]
         return int((ceil_div(have + moved, self.page_size) - ceil_div(have, self.page_size)).sum())
 
     def migrate(self, cache) -> None:
+        """What the precision policy does with the main region's new tokens after a decode step or an
+        extension: KIVI's residual ages (:meth:`age`), ZipCache re-compresses (:meth:`recompress`); the
+        others' new tokens stay in the main region."""
+        p = self.precision
+        if self.every:
+            self.recompress(cache)
+        elif p.name == "kivi" and p.residual:
+            self.age(cache)
+
+    def age(self, cache) -> None:
         """KIVI's residual as it ages: a row whose main region holds more than ``residual + group`` tokens
         moves all but its newest ``residual`` to this region, quantized (the main region holds them in
-        position order: the split keeps order and decode steps append). Eager, host-driven (no sync); a
-        no-op for the other precision policies, whose new tokens stay in the main region."""
+        position order: the split keeps order and decode steps append). Eager, host-driven (no sync)."""
         p = self.precision
-        if p.name != "kivi" or not p.residual:
-            return
         n = cache.batch_size
         lens = cache.host.lens[:, :n]
         excess = np.argwhere(lens > p.residual + p.group)
         if not len(excess):
             return
+        heads = self.pool.k_pages.shape[2]
         for l in sorted({int(x) for x in excess[:, 0]}):
-            rows = [int(b) for ll, b in excess if ll == l]
-            budgets, staying = [], []
-            for b in rows:
-                m = int(lens[l, b]) - p.residual
-                oldest = self._rows(cache.page_table[l, b], m)  # the main region's oldest m
-                self._receive(cache, l, b, oldest, f"quantizing {m} aged tokens of sequence {b} layer {l}")
-                total = int(lens[l, b])
-                mpage, moff = self._rows(cache.page_table[l, b], total)
-                staying.append(cache.slot_score[mpage[m:], moff[m:]])  # [residual, Hkv]
-                keep = torch.arange(total, device=mpage.device) >= m  # the newest `residual` stay
-                cache.slot_score[mpage, moff] = keep.float()[:, None]
-                budgets.append(p.residual)
-            self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
-                          rows, budgets)
-            for b, scores in zip(rows, staying, strict=True):
-                self._set_scores(cache.pool, cache.page_table[l, b], scores)
-        self.peak_pages = max(self.peak_pages, int(self.pages_held().sum()))
+            moves = []
+            for b in (int(b) for ll, b in excess if ll == l):
+                m = int(lens[l, b]) - p.residual  # the main region's oldest m
+                out = torch.arange(m, device=self.page_table.device)[:, None].expand(m, heads)
+                moves.append((b, out, p.residual))
+            self._move_down(cache, l, moves, "quantizing aged tokens")
+
+    def recompress(self, cache) -> None:
+        """ZipCache while decoding: a row whose main region holds ``every`` tokens or more past its settled
+        ones (or, under an evicting policy, more than its budget) re-compresses. Each KV head keeps at the
+        high bits its settled tokens and the ``salient`` share (rounded up) of the waiting ones, by normalized
+        score (``ZipCache.saliency``: the policy's score over the queries that have seen the token; ties to
+        the earlier); under an evicting policy at most the ``salient`` share of the budget (rounded up), then
+        chosen among all of the main region's tokens the same way. The others move to this region, with
+        their positions and scores. Eager, host-driven lengths."""
+        p, n = self.precision, cache.batch_size
+        main, settled = cache.host.lens[:, :n], self.settled[:, :n]
+        waiting = main - settled
+        due = waiting >= self.every
+        budgets = cache.plan.rows.budgets.numpy()[:, :n] if self.capped else None
+        if budgets is not None:
+            due |= (main > budgets) & (waiting > 0)
+        for l in sorted({int(x) for x in np.argwhere(due)[:, 0]}):
+            moves = []
+            for b in (int(b) for b in np.flatnonzero(due[l])):
+                total, s = int(main[l, b]), int(settled[l, b])
+                n_high = s + int(np.ceil(p.salient * (total - s) - 1e-9))  # 1e-9: 0.4 * 5 must stay 2
+                settled_stay = budgets is None or n_high <= (cap := int(np.ceil(p.salient * budgets[l, b])))
+                if not settled_stay:
+                    n_high = cap
+                page, off = self._rows(cache.page_table[l, b], total)
+                rank = p.saliency(cache.slot_score[page, off], cache.slot_pos[page, off].long(),
+                                  int(cache.host.seen[b]))  # [total, Hkv]
+                if settled_stay:
+                    rank[:s] = float("inf")
+                order = torch.sort(rank, dim=0, descending=True, stable=True).indices  # ties: earlier first
+                if n_high < total:
+                    moves.append((b, order[n_high:].sort(dim=0).values, n_high))
+                self.settled[l, b] = n_high
+            if moves:
+                self._move_down(cache, l, moves, "re-compressing")
 
     def evict(self, cache) -> None:
-        """Decode-time eviction of a two-format cache (KIVI's residual with an eviction policy that evicts
-        while decoding): each row whose two regions together hold more than its budget (the plan's) gives up
-        this region's lowest-ranked tokens in place (``topk_evict``), the policy's sinks kept (the oldest
-        tokens, here) and its recent window where the main region does not hold it; the main region, the
-        newest ``residual`` to ``residual + group`` tokens unquantized, stays whole. Eager, host-driven (no
-        sync). A precision policy that keeps what is evicted (MiKV) demotes instead (:meth:`demote`)."""
+        """Decode-time eviction of a two-format cache (KIVI's residual or ZipCache with an eviction policy
+        that evicts while decoding): each row whose two regions together hold more than its budget (the
+        plan's) gives up this region's lowest-ranked tokens in place (``topk_evict``, which ranks a row in
+        position order), the policy's sinks kept and its recent window (the tokens of it that the main
+        region's waiting tokens -- KIVI's residual, ZipCache's tokens since its last compression -- do not
+        hold, at most, as this region's newest); the main region stays whole (KIVI's newest ``residual`` to
+        ``residual + group`` tokens, ZipCache's high bits, which :meth:`recompress` holds to their share of
+        the budget). Eager, host-driven (no sync). A precision policy that keeps what is evicted (MiKV)
+        demotes instead (:meth:`demote`)."""
         if self.precision.keeps_evicted:
             self.demote(cache)
             return
         n = cache.batch_size
         budgets, n_sink, n_recent = (x.numpy()[:, :n] for x in cache.plan.rows)  # [Lc, n]
         main, side = cache.host.lens[:, :n], self.lens[:, :n]
+        waiting = main - self.settled[:, :n]  # the main region's newest tokens (KIVI: all of them)
         room = np.clip(budgets - main, 0, None)  # what this region may keep
         seqs = [int(b) for b in np.flatnonzero((side > room).any(axis=0))]
         if not seqs:
             return
-        for l, b in zip(*np.nonzero((room == 0) & (side > 0)), strict=True):  # the residual fills the budget
+        for l, b in zip(*np.nonzero((room == 0) & (side > 0)), strict=True):  # the main region fills it
             self.pool.release(self.page_table[l, b], self.lens[l, b])
             self.seq_lens[l, b] = 0
             self.lens[l, b] = 0
         keep = np.minimum(self.lens[:, :n], room)[:, seqs]
         sink = np.minimum(n_sink[:, seqs], keep)
-        recent = np.minimum(np.clip(n_recent[:, seqs] - main[:, seqs], 0, None), keep - sink)
+        recent = np.minimum(np.clip(n_recent[:, seqs] - waiting[:, seqs], 0, None), keep - sink)
         ev = cache.eviction
         if ev.heads_share_selection:  # one ranking for the layer's heads, as for the main region
             self.pool.slot_score.copy_(ev.eviction_scores(self.pool.slot_score, head_dim=-1))
@@ -283,11 +339,9 @@ class SideRegion:
         over = np.argwhere(main > budgets)
         ev = cache.eviction
         for l in sorted({int(x) for x in over[:, 0]}):
-            rows = [int(b) for ll, b in over if ll == l]
-            staying, keeps = [], []
-            for b in rows:
+            moves = []
+            for b in (int(b) for ll, b in over if ll == l):
                 total, keep = int(main[l, b]), int(budgets[l, b])
-                m = total - keep
                 sink = min(int(n_sink[l, b]), keep)
                 recent = min(int(n_recent[l, b]), keep - sink)
                 page, off = self._rows(cache.page_table[l, b], total)
@@ -296,19 +350,30 @@ class SideRegion:
                 slot = torch.arange(total, device=page.device)
                 forced = (slot < sink) | (slot >= total - recent)
                 rank = rank.masked_fill(forced[:, None], float("inf"))
-                out = torch.sort(rank, dim=0, stable=True).indices[:m].sort(dim=0).values  # [m, Hkv]
-                head = torch.arange(scores.shape[1], device=page.device)
-                self._receive(cache, l, b, (page[out], off[out], head),  # [m, Hkv]: each head's own tokens
-                              f"keeping {m} evicted tokens of sequence {b} layer {l} at {self.side_bits} "
-                              "bits")
-                demoted = torch.zeros_like(scores, dtype=torch.bool).scatter_(0, out, True)  # [total, Hkv]
-                staying.append(_selected(scores.t(), ~demoted.t()))  # [keep, Hkv]
-                cache.slot_score[page, off] = (~demoted).float()
-                keeps.append(keep)
-            self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
-                          rows, keeps)
-            for b, scores in zip(rows, staying, strict=True):
-                self._set_scores(cache.pool, cache.page_table[l, b], scores)
+                out = torch.sort(rank, dim=0, stable=True).indices[:total - keep].sort(dim=0).values
+                moves.append((b, out, keep))
+            self._move_down(cache, l, moves, "keeping evicted tokens")
+
+    def _move_down(self, cache, l: int, moves: list[tuple[int, torch.Tensor, int]], why: str) -> None:
+        """For each ``(b, out, keep)`` of ``moves``: row ``b``'s main-region slots ``out`` (``[m, Hkv]``,
+        each KV head's own, ascending) move to this region in its format, with their positions and scores,
+        and the main region keeps its other ``keep`` slots in order (one compaction for the layer)."""
+        staying, keeps = [], []
+        for b, out, keep in moves:
+            total = int(cache.host.lens[l, b])
+            page, off = self._rows(cache.page_table[l, b], total)
+            scores = cache.slot_score[page, off]  # [total, Hkv]
+            head = torch.arange(scores.shape[1], device=page.device)
+            self._receive(cache, l, b, (page[out], off[out], head),
+                          f"{why}: {out.shape[0]} tokens of sequence {b} layer {l} to {self.side_bits} bits")
+            moved = torch.zeros_like(scores, dtype=torch.bool).scatter_(0, out, True)  # [total, Hkv]
+            staying.append(_selected(scores.t(), ~moved.t()))  # [keep, Hkv]
+            cache.slot_score[page, off] = (~moved).float()
+            keeps.append(keep)
+        self._compact(cache.compactor, cache.pool, cache.host.lens, cache.page_table, cache.seq_lens, l,
+                      [b for b, _, _ in moves], keeps)
+        for (b, _, _), scores in zip(moves, staying, strict=True):
+            self._set_scores(cache.pool, cache.page_table[l, b], scores)
         self.peak_pages = max(self.peak_pages, int(self.pages_held().sum()))
 
     def finish(self, row: int) -> None:
@@ -316,3 +381,4 @@ class SideRegion:
         self.pool.release(self.page_table[:, row], self.lens[:, row])
         self.seq_lens[:, row] = 0
         self.lens[:, row] = 0
+        self.settled[:, row] = 0

@@ -48,7 +48,8 @@ class Kivi(PrecisionPolicy):
         check_rotate(self.name, self.rotate, self.channel_scale,
                      f"residual={self.residual} (use residual=0)" if self.residual else None)
 
-    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None,
+               voters: torch.Tensor | None = None) -> torch.Tensor:
         # The residual is the last `residual` tokens each KV head keeps (not the last positions, which an
         # eviction may have dropped), so every head holds the same number unquantized.
         from_end = kept.flip(-1).long().cumsum(-1).flip(-1)  # kept tokens at or after each position

@@ -45,7 +45,8 @@ class MiKV(PrecisionPolicy):
         check_rotate(self.name, self.rotate, self.channel_scale,
                      f"high={self.high} (use high=8 or 4)" if self.high == NATIVE_BITS else None)
 
-    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    def assign(self, kept: torch.Tensor, scores: torch.Tensor | None,
+               voters: torch.Tensor | None = None) -> torch.Tensor:
         return torch.where(kept, self.high, self.low).to(torch.int64)
 
     def group_size(self) -> int:
