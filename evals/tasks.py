@@ -506,7 +506,9 @@ def run_perplexity(model: Any, tokens: Sequence[int], policy: Any, budgets: Sequ
     -------
     list of dict, per budget: ``budget_tokens``, ``nll`` (mean negative log-likelihood in nats over the
     ``T - 1`` predictions), ``ppl`` = exp(nll), ``kv_tokens`` / ``kv_tokens_full`` (tokens held over all
-    layers at the last step vs an uncompressed cache), ``decode_tok_s``.
+    layers at the last step vs an uncompressed cache), ``decode_tok_s``; with one budget also ``kv_bytes`` /
+    ``kv_bytes_full`` (the cache's bytes at the last step, quantized rows at their size, vs an uncompressed
+    cache of the same dtype holding every token; ``None`` with several budgets, whose pages are pooled).
     """
     from kvmodels.cache import paged_cache
 
@@ -530,6 +532,7 @@ def run_perplexity(model: Any, tokens: Sequence[int], policy: Any, budgets: Sequ
                         page_size=16, num_pages=pages, dtype=dtype, device=device, policy=policy)
     nll = [0.0] * B
     kept = [L_c * n for n in budgets]  # tokens held at each sequence's last step (over all layers)
+    nbytes: tuple[int | None, int | None] = (None, None)
     n_tok, decode_s = 0, 0.0
     with torch.no_grad():
         cache.start(list(budgets), max(steps, 0))
@@ -560,7 +563,10 @@ def run_perplexity(model: Any, tokens: Sequence[int], policy: Any, budgets: Sequ
                 nll[b] -= picked[b]
                 n_tok += 1
                 if int(pos[b]) == T - 1:  # its last prediction is scored: report memory, free it
-                    kept[b] = sum(row[b] for row in cache.report().tokens_per_layer)
+                    rep = cache.report()
+                    kept[b] = sum(row[b] for row in rep.tokens_per_layer)
+                    if B == 1:
+                        nbytes = (rep.total_bytes, rep.full_cache_bytes)
                     active[b] = False
                     cache.finish_sequence(b)
             if on_step is not None:
@@ -572,5 +578,6 @@ def run_perplexity(model: Any, tokens: Sequence[int], policy: Any, budgets: Sequ
         out.append({"budget_tokens": n, "nll": round(mean, 5), "ppl": round(math.exp(mean), 4),
                     "kv_tokens": int(kept[b]), "kv_tokens_full": L_c * (T - 1),
                     "kv_fraction": round(int(kept[b]) / (L_c * (T - 1)), 4),
+                    "kv_bytes": nbytes[0], "kv_bytes_full": nbytes[1],
                     "decode_tok_s": round(n_tok / decode_s, 3) if decode_s > 0 else None})
     return out

@@ -368,6 +368,11 @@ def test_perplexity_under_eviction(tiny):
     assert rows[2]["nll"] == pytest.approx(full["nll"], abs=2e-4)  # the whole text fits: nothing evicted
     assert rows[0]["nll"] != pytest.approx(full["nll"], abs=1e-3)  # a 4-token window changes predictions
     assert [r["kv_tokens"] for r in rows[:2]] == [3 * 4, 3 * 12]  # 3 layers x budget at the last step
+    assert all(r["kv_bytes"] is None for r in rows)  # several budgets share one pool: no bytes each
+    one = tasks.run_perplexity(tiny, text, compose("window", budget=1.0), [4])[0]
+    assert one["kv_tokens"] == rows[0]["kv_tokens"] and one["nll"] == pytest.approx(rows[0]["nll"], abs=1e-5)
+    slot = one["kv_bytes"] / (3 * 16)  # 3 layers x one 16-slot page, as the full cache's slots are
+    assert one["kv_bytes_full"] == slot * 3 * 16 * math.ceil(27 / 16)  # every token seen, in every layer
     with pytest.raises(ValueError, match="budget=1.0"):
         tasks.run_perplexity(tiny, text, compose("window", budget=0.5), [4])
     with pytest.raises(ValueError, match="budgets"):
