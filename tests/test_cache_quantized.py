@@ -536,8 +536,8 @@ def test_h2o_over_zipcache_holds_its_budget_while_generating():
     from kvmodels.decoder import Decoder
     from test_model_policy_matrix import tiny_model
 
-    dec = Decoder(tiny_model("llama"), compose("h2o", "zipcache(high=16, low=8, group=2, every=3)", budget=10),
-                  max_tokens=64)
+    policy = compose("h2o", "zipcache(high=16, low=8, group=2, every=3)", budget=10)
+    dec = Decoder(tiny_model("llama"), policy, max_tokens=64)
     dec.extend([list(range(1, 25)), list(range(3, 20))])
     cache = dec.cache
     for _ in range(4):

@@ -14,8 +14,8 @@ the queries are rotated the same way and the attention's output rotated back, so
 which spreads a large channel over all channels while each row keeps its own parameters; it needs
 ``residual=0`` (a row kept unquantized must stay bit-identical, which a rotation round trip is not) and a
 power-of-two head dim. On SmolLM2 (24 ~1k passkey prompts, full cache 22; docs/results.md) it takes 2 bits
-at group 16 from 4 to 15 answers and ZipCache's 4 / 2 bits from 16 to 20 (18 to 19 on a second set of
-prompts, under eviction); at 4 bits it changes nothing.
+at group 16 from 4 to 15 answers and ZipCache's 4 / 2 bits alone from 16 to 20; at 4 bits it changes
+nothing.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Identification").
 Saliency is the **normalized** attention score: a token's accumulated attention divided by the number of
 queries that could attend to it (``L - i`` for prompt token ``i`` of ``L``), which removes the causal mask's
 bias toward early tokens. Under a policy whose last ``W`` queries vote (``snapkv``) those are the queries
-behind the scores, so the count is ``min(W, L - i)`` (the cache passes it, ``assign(voters=)``). The ``salient`` fraction of each KV head's kept tokens with the highest normalized
-score are stored at ``high`` bits, the rest at ``low`` bits (token-wise rows, ``group`` channels per scale
+behind the scores, so the count is ``min(W, L - i)`` (the cache passes it, ``assign(voters=)``). The
+``salient`` fraction of each KV head's kept tokens with the highest normalized score are stored at ``high``
+bits, the rest at ``low`` bits (token-wise rows, ``group`` channels per scale
 and zero point; the paper divides keys by a per-channel factor first: ``channel_scale=True``, see ``kivi``;
 ``rotate=True`` stores both formats' rows Hadamard-rotated instead, see ``kivi``).
 Ties go to the earlier token. It ranks by the eviction policy's prompt scores, so it composes with a scorer:
