@@ -277,9 +277,9 @@ class SideRegion:
             for b in (int(b) for b in np.flatnonzero(due[l])):
                 total, s = int(main[l, b]), int(settled[l, b])
                 n_high = s + int(np.ceil(p.salient * (total - s) - 1e-9))  # 1e-9: 0.4 * 5 must stay 2
-                settled_stay = budgets is None or n_high <= (cap := int(np.ceil(p.salient * budgets[l, b])))
-                if not settled_stay:
-                    n_high = cap
+                settled_stay = True  # else the salient share of the budget, chosen among all of them
+                if budgets is not None and n_high > (cap := int(np.ceil(p.salient * budgets[l, b]))):
+                    n_high, settled_stay = cap, False
                 page, off = self._rows(cache.page_table[l, b], total)
                 rank = p.saliency(cache.slot_score[page, off], cache.slot_pos[page, off].long(),
                                   int(cache.host.seen[b]))  # [total, Hkv]

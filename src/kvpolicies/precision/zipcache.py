@@ -67,10 +67,9 @@ class ZipCache(PrecisionPolicy):
     def normalized(self, scores: torch.Tensor, voters: torch.Tensor | None = None) -> torch.Tensor:
         """``scores [Hkv, L]`` over the number of queries that see each token: ``voters [L]``, or ``L - i``
         for token ``i``."""
-        L = scores.shape[-1]
-        if voters is not None:
-            return scores.float() / voters.clamp(min=1).to(device=scores.device, dtype=torch.float32)
-        return self.saliency(scores, torch.arange(L, device=scores.device), L)
+        if voters is None:
+            voters = scores.shape[-1] - torch.arange(scores.shape[-1], device=scores.device)
+        return scores.float() / voters.clamp(min=1).to(device=scores.device, dtype=torch.float32)
 
     @staticmethod
     def saliency(scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
