@@ -66,6 +66,21 @@ PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi
               (f"{SCORER}+zipcache(rotate=True)", 1.0)]
 
 
+def fp16_share(rep, model) -> dict:
+    """A cache report's bytes per (token, layer) slot (K and V of every KV head plus the int32 position and
+    float32 score per head), and the held bytes as a share of the same cache's unquantized: at the model's
+    dtype (``held_vs_full_same_dtype``; an unquantized cache's share at any dtype) and at float16
+    (``held_vs_fp16``). Page rounding included in both."""
+    layout = model.cache_layout()
+    elt = next(iter(model.parameters())).element_size()
+    fp16_slot = layout.n_kv_heads * (2 * 2 * layout.head_dim + 8)
+    native_slot = layout.n_kv_heads * (2 * layout.head_dim * elt + 8)  # the full cache's slots
+    fp16_full = rep.full_cache_bytes / native_slot * fp16_slot
+    return {"slot_bytes": rep.page_bytes / rep.page_size, "fp16_slot_bytes": fp16_slot, "rows": rep.rows,
+            "held_vs_full_same_dtype": rep.total_bytes / rep.full_cache_bytes,
+            "held_vs_fp16": rep.total_bytes / fp16_full}
+
+
 def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:
     """Answers kept, and the bytes of the first batch's cache after its prompts: per (token, layer) slot
     (K and V of every KV head plus the int32 position and float32 score per head), the held share of an
@@ -75,9 +90,6 @@ def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:
     from kvpolicies import compose
 
     policy = compose(name, budget=budget)
-    layout = runner.model.cache_layout()
-    fp16_slot = layout.n_kv_heads * (2 * 2 * layout.head_dim + 8)
-    elt = next(iter(runner.model.parameters())).element_size()
     samples = runner.samples("passkey", context, n)
     correct, outputs, mem = 0, [], {}
     for i in range(0, n, 8):
@@ -89,13 +101,7 @@ def run_passkey(runner, name: str, budget: float, context: int, n: int) -> dict:
             outputs.append(text)
             correct += exact_match(text, s.answer)
         if not mem:
-            rep = res.report
-            slot = rep.page_bytes / rep.page_size
-            native_slot = layout.n_kv_heads * (2 * layout.head_dim * elt + 8)  # the full cache's slots
-            fp16_full = rep.full_cache_bytes / native_slot * fp16_slot
-            mem = {"slot_bytes": slot, "fp16_slot_bytes": fp16_slot, "rows": rep.rows,
-                   "held_vs_full_same_dtype": rep.total_bytes / rep.full_cache_bytes,
-                   "held_vs_fp16": rep.total_bytes / fp16_full}
+            mem = fp16_share(res.report, runner.model)
     return {"correct": correct, "n": n, **mem, "outputs": outputs}
 
 

@@ -73,9 +73,17 @@ CONFIGS: dict[str, str] = {
     "kvzip(skip=24)+pooled": "kvzip(skip=24)+pooled",  # the template's 24-token opening not context
     "kvzip(skip=24)+pooled+repeat": "kvzip(skip=24)+pooled",  # ... with KVzip's instruction
     "kvzip-as-kvpress": "kvzip(skip=24, recent=0)+pooled",  # kvpress's KVzip scores
+    # Fewer bits per kept token (issue 36's precision role): every kept row at 4 bits (KIVI's asymmetric
+    # format, no full-precision residual), so a budget 3x larger costs the bytes of an fp16 cache's.
+    "kvzip(skip=24)+pooled+kivi4+repeat": "kvzip(skip=24)+pooled+kivi(bits=4, residual=0)",
+    "full+kivi4": "full+kivi(bits=4, residual=0)",
+    # ... over Hadamard-rotated rows (4 bits lose fewer answers there: docs/results.md)
+    "kvzip(skip=24)+pooled+kivi4r+repeat": "kvzip(skip=24)+pooled+kivi(bits=4, residual=0, rotate=True)",
+    "full+kivi4r": "full+kivi(bits=4, residual=0, rotate=True)",
 }
 # Configs whose reconstruction pass starts with KVzip's instruction and the assistant's turn (probe_prefix).
-REPEAT_CONFIGS = ("kvzip+pooled+repeat", "kvzip(skip=24)+pooled+repeat", "kvzip-as-kvpress")
+REPEAT_CONFIGS = ("kvzip+pooled+repeat", "kvzip(skip=24)+pooled+repeat", "kvzip-as-kvpress",
+                  "kvzip(skip=24)+pooled+kivi4+repeat", "kvzip(skip=24)+pooled+kivi4r+repeat")
 # What --configs runs by default: the configs of the first tables (the others: --configs all).
 DEFAULT_CONFIGS = ("full", "streaming", "snapkv", "profile+snapkv", "snapkv+duo", "profile+snapkv+duo")
 EVICT_EVERY = 64  # past the question and the answer: the feed protocol evicts nothing after the context
@@ -143,13 +151,13 @@ def answer_extend(model: Any, policy: Any, context: list[int], rest: list[int], 
     return dec.generate(new, final=True).tokens[0]
 
 
-def head_tokens(model: Any, policy: Any, context: list[int], probe_prefix: Sequence[int] = ()) -> Any:
-    """The cache report's ``head_tokens`` after the context's compression (per-head policies), else None."""
+def after_context(model: Any, policy: Any, context: list[int], probe_prefix: Sequence[int] = ()) -> Any:
+    """The cache report after the context's compression (``head_tokens`` for per-head policies, bytes)."""
     from kvmodels.decoder import Decoder
 
     dec = Decoder(model, policy, probe_prefix=probe_prefix)
     dec.extend([context])
-    return dec.cache.report().head_tokens
+    return dec.cache.report()
 
 
 def build_policies(names: Sequence[str], budgets: Sequence[float], model: Any, snapkv: str = SNAPKV,
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", action="store_true", help="print the recorded table and run nothing")
     args = p.parse_args(argv)
     from evals.sweep import append_record, device_name, read_records
+    from experiments.quantized_kv import fp16_share
 
     out = Path(args.out)
     if args.report:  # one --context and --seed's records (a later record of a cell replaces an earlier one)
@@ -252,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                   "right": right, "answers": [s.answer for s in samples], "outputs": outputs,
                   "seconds": round(seconds, 1), "calibration_s": round(calibration_s, 1),
                   "model": runner.model_name, "device": device_name(), "torch": torch.__version__}
+        rep = after_context(replayed, policy, pieces[0][0], prefix)  # the first context, compressed
+        record.update(fp16_share(rep, model))
         if policy.heads.per_head:  # each KV head's tokens after the first context's compression
-            ht = head_tokens(replayed, policy, pieces[0][0], prefix)
-            record["head_tokens_first_prompt"] = [list(layer[0]) for layer in ht]
+            record["head_tokens_first_prompt"] = [list(layer[0]) for layer in rep.head_tokens]
         append_record(out, record)
         print(f"{name:22s} {budget:4.2f} {protocol:6s} {sum(right)}/{args.n} ({seconds:.0f} s)", flush=True)
     return 0

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from devices import DEVICE
 from kvkernels._modes import update_scores_ref
 from kvkernels._noise import gumbel_noise_hash
+from kvkernels.extend_attention import extend_attention, scored_rows
 from kvmodels.decoder import Decoder
-from kvmodels.extend_attention import extend_attention, scored_rows
 from kvmodels.generate import generate
 from kvmodels.llama import Llama
 from kvpolicies import compose

@@ -292,15 +292,6 @@ def test_paged_cache_picks_the_class_for_the_policy():
     assert isinstance(cache, HeadPagedKVCache) and cache.num_pages == 6  # pages of one head
 
 
-def test_bridge_refuses_head_budgets():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1)
-    model = transformers.LlamaForCausalLM(cfg)
-    with pytest.raises(ValueError, match="HeadPagedKVCache"):
-        compose("snapkv", "adakv").hf_cache(model)
-
-
 @pytest.mark.slow
 def test_compiled_decode_step_no_graph_break_no_recompile(models):
     import torch._dynamo

@@ -1,6 +1,6 @@
 """kvzip: the question-agnostic policy that ranks a context by a reconstruction pass (the context fed again
 after itself). Kept set == forced slots + top-k of a dense oracle's attention; kept K/V == the full cache's;
-the probe stores nothing (lengths, positions, generation unchanged); the bridge, the vLLM plugin, two
+the probe stores nothing (lengths, positions, generation unchanged); the vLLM plugin, two
 formats, merging and per-head budgets refuse it by name; compose and its spec take it."""
 
 from __future__ import annotations
@@ -224,14 +224,6 @@ def test_vllm_refuses_kvzip():
 
     with pytest.raises(PolicySpecError, match="'kvzip'.*reconstruction pass"):
         check_supported(compose("kvzip", budget=0.2))
-
-
-def test_bridge_refuses_kvzip():
-    pytest.importorskip("transformers")
-    from kvpolicies.hf import PolicyCache
-
-    with pytest.raises(ValueError, match="'kvzip'.*reconstruction pass.*transformers bridge"):
-        PolicyCache(compose("kvzip", budget=0.2), torch.nn.Linear(1, 1))
 
 
 def test_generate_runs_the_probe():

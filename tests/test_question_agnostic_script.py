@@ -49,7 +49,7 @@ def test_head_budget_configs_run_through_the_feed_protocol():
     assert policy.heads.per_head and len(policy.heads.weights) == 2 and len(policy.budget_policy.weights) == 2
     out = qa.answer_feed(MODEL, policy, CONTEXT, REST, 3)
     assert len(out) == 3
-    ht = qa.head_tokens(MODEL, policy, CONTEXT)
+    ht = qa.after_context(MODEL, policy, CONTEXT).head_tokens
     assert len(ht) == 2 and all(len(layer[0]) == 2 for layer in ht)
     with pytest.raises(ValueError, match="evict_every"):
         qa.answer_feed(MODEL, compose("streaming", budget=0.5), CONTEXT, REST, 3)
@@ -92,3 +92,20 @@ def test_split_question_and_table(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         qa.main(["--help"])
     assert e.value.code == 0
+
+
+def test_quantized_configs_record_their_bytes():
+    """A cache holding every context token at 4 bits: its held share of an fp16 cache is its slot's bytes over
+    an fp16 slot's, and the unquantized full cache's same-dtype share is 1 (the tiny model's head dim is 8, so
+    the configs' group of 32 becomes 8 here)."""
+    from experiments.quantized_kv import fp16_share
+
+    assert qa.CONFIGS["full+kivi4"] == "full+kivi(bits=4, residual=0)"
+    assert "kvzip(skip=24)+pooled+kivi4+repeat" in qa.REPEAT_CONFIGS
+    kivi4 = compose("full+kivi(bits=4, residual=0, group=8)", budget=1.0, evict_every=qa.EVICT_EVERY)
+    quant = fp16_share(qa.after_context(MODEL, kivi4, CONTEXT), MODEL)
+    full = fp16_share(qa.after_context(MODEL, compose("full"), CONTEXT), MODEL)
+    assert full["held_vs_full_same_dtype"] == pytest.approx(1.0)
+    assert quant["slot_bytes"] < quant["fp16_slot_bytes"] < full["slot_bytes"]  # fp32 model: 4 < 16 < 32 bits
+    assert quant["held_vs_fp16"] == pytest.approx(quant["slot_bytes"] / quant["fp16_slot_bytes"])
+    assert len(qa.answer_feed(MODEL, kivi4, CONTEXT, REST, 3)) == 3

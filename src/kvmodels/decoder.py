@@ -306,18 +306,10 @@ class Decoder:
 
     def _probe_passes(self, n: int) -> list[tuple[int, int, int]]:
         """The reconstruction's passes over a prompt of ``n`` tokens: ``(start, stop, scored)`` each copies
-        prompt tokens ``[start, stop)`` and scores those from ``scored`` on (one pass over all of them
-        without ``kvzip(span=)``; with it, each span copied from ``OVERLAP`` tokens before it). The copy
-        begins after ``kvzip(skip=)``'s opening; the first pass scores every position."""
-        from kvpolicies.eviction.kvzip import OVERLAP
-
-        span = getattr(self.policy.eviction, "span", None)
-        skip = self.policy.eviction.probe_skip
-        first = 0 if skip is None else skip[1]  # the copy leaves the template's opening out (kvzip(skip=))
-        if span is None or span >= n - first:
-            return [(first, n, 0)]
-        return [(max(first, s - OVERLAP), min(n, s + span), 0 if s == first else s)
-                for s in range(first, n, span)]
+        prompt tokens ``[start, stop)`` and scores those from ``scored`` on (the policy's ``probe_passes``:
+        one pass without ``kvzip(span=)``; with it, each span copied from ``OVERLAP`` tokens before it; the
+        copy begins after ``kvzip(skip=)``'s opening; the first pass scores every position)."""
+        return self.policy.eviction.probe_passes(n)
 
     def _probe(self, b: int, toks: list[int], max_new_tokens: int) -> None:
         """Sequence ``b``'s reconstruction: its prompt ``toks`` fed again at the positions after it (after

@@ -231,7 +231,7 @@ class EvictionPolicy(Policy):
     # Whether ``token_scores`` reads ``NewTokens.q`` (the caches then hand it the tokens' queries).
     reads_queries: ClassVar[bool] = False
     # The context is ranked by a reconstruction pass that the Decoder runs (kvzip), with this score mode over
-    # the pass's rows (``kvmodels.extend_attention``'s modes; ``max``: the largest probability a token gets).
+    # the pass's rows (``kvkernels.extend_attention``'s modes; ``max``: the largest probability a token gets).
     probe: ClassVar[bool] = False
     probe_mode: ClassVar[str] = "accumulate"
 
@@ -240,6 +240,14 @@ class EvictionPolicy(Policy):
         """``(lo, hi)``: a reconstruction pass copies the prompt from ``hi`` on and leaves positions
         ``[lo, hi)`` out of its scores (``extend_attention``'s ``skip``); None: it copies and scores all."""
         return None
+
+    def probe_passes(self, n: int) -> list[tuple[int, int, int]]:
+        """A reconstruction's passes over a context of ``n`` tokens: ``(start, stop, scored)`` each copies
+        context tokens ``[start, stop)`` and takes the scores of the kept tokens from position ``scored``
+        on (up to ``stop``, except in the last pass). One pass here, from :attr:`probe_skip`'s end; every
+        cache that runs the probe (``kvmodels.Decoder``, the transformers bridge) asks this."""
+        skip = self.probe_skip
+        return [(0 if skip is None else skip[1], n, 0)]
 
     def prefill_window(self, prompt_len: int) -> int:
         """Query rows (the last ``window``) that score the prompt; 0 = all rows."""

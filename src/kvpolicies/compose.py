@@ -210,8 +210,8 @@ class ComposedPolicy:
     def hf_cache(self, model: Any, **kw: Any) -> Any:
         """A ``transformers`` cache driven by this policy, for ``model.generate(..., past_key_values=...)``.
 
-        Delegates to ``kvpolicies.hf.hf_cache(self, model, **kw)`` (keywords ``max_new_tokens``, ``seed``);
-        imported here, on use, because ``transformers`` is an optional extra (docs/hf.md).
+        Delegates to ``kvpolicies.hf.hf_cache(self, model, **kw)`` (keywords ``max_new_tokens``, ``seed``,
+        ``probe_prefix``); imported here, on use, because ``transformers`` is an optional extra (docs/hf.md).
         """
         from kvpolicies.hf import hf_cache
 

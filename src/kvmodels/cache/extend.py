@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvkernels import check_shape, check_tensor
-from kvmodels.extend_attention import extend_attention
+from kvkernels.extend_attention import extend_attention
 
 from .pool import ceil_div
 from .rows import INT_DTYPES, check_sequence
@@ -185,7 +185,7 @@ class ExtendSteps:
                       alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """The extension's attention in cache layer ``l``: its ``n`` tokens over sequence ``b``'s kept tokens
         and themselves (causal among them); their K/V are appended after the kept ones, and the policy's
-        scores come from the same probabilities (``kvmodels.extend_attention``, a torch implementation).
+        scores come from the same probabilities (``kvkernels.extend_attention``, a torch implementation).
         With two formats (``kvmodels.cache.tiers``) the kept tokens are both regions' and nothing is scored:
         nothing is evicted after the split.
 

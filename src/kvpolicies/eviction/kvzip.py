@@ -32,8 +32,8 @@ Measured (SmolLM2-135M, 24 ~1k passkey prompts, the question asked after compres
 docs/results.md): ``kvzip(skip=24)+pooled`` with the instruction answers 21 at 0.2 and 20 at 0.5 (a second
 set of 24: 22 and 22), as kvpress's KVzip (21 and 20; 21 and 22); without ``skip`` 19 and 22;
 ``kvzip+adakv`` (heads within a layer only) 9 and 23; ``kvzip`` alone 0 and 13. Cost: one more forward
-over the context at prefill time. Only kvmodels' Decoder runs the probe: the transformers bridge and the
-vLLM plugin refuse this policy.
+over the context at prefill time. kvmodels' Decoder and the transformers bridge (``hf_cache(policy, model,
+probe_prefix=...)``, docs/hf.md) run the probe; the vLLM plugin refuses this policy.
 """
 
 from __future__ import annotations
@@ -94,6 +94,15 @@ class KVzip(EvictionPolicy):
         """``(min(sinks, skip), skip)``: the chat template's opening, not copied and (past the sinks) out of
         the reconstruction's scores; None without ``skip``."""
         return (min(self.sinks, self.skip), self.skip) if self.skip else None
+
+    def probe_passes(self, n: int) -> list[tuple[int, int, int]]:
+        """One pass over the context (after ``skip``'s opening); with ``span``, one per span, each copied
+        from ``OVERLAP`` tokens before it and scoring its span's tokens (the first pass every position)."""
+        first = self.skip
+        if self.span is None or self.span >= n - first:
+            return [(first, n, 0)]
+        return [(max(first, s - OVERLAP), min(n, s + self.span), 0 if s == first else s)
+                for s in range(first, n, self.span)]
 
     def forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``sinks`` first and ``recent`` last tokens, cut to the budget (sinks first)."""

@@ -8,6 +8,9 @@ kvpolicies[hf]``); the core packages never import it.
     >>> with compressed(model, compose("squeeze", "keyformer", budget=0.2)) as caches:
     ...     out = model.generate(**inputs, max_new_tokens=64)      # a fresh cache per call
     >>> caches[-1].report()
+    >>> cache = hf_cache(compose("kvzip(skip=24)", "pooled", budget=0.2), model, probe_prefix=instruction_ids)
+    >>> model(input_ids=context_ids, past_key_values=cache)     # the context; its reconstruction pass and
+    >>> out = model.generate(input_ids=context_and_question_ids, past_key_values=cache)  # compression first
 
 Its parts (docs/hf.md has the full story): :mod:`~kvpolicies.hf.cache`, the ``transformers.Cache`` that stores
 what the policy's plan says and calls the kvkernels ops; :mod:`~kvpolicies.hf.layer`, its per-layer storage;
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +49,8 @@ __all__ = [
 
 
 def hf_cache(
-    policy: Any, model: torch.nn.Module, *, max_new_tokens: int | None = None, seed: int = 0
+    policy: Any, model: torch.nn.Module, *, max_new_tokens: int | None = None, seed: int = 0,
+    probe_prefix: Sequence[int] = (),
 ) -> PolicyCache:
     """A fresh ``transformers`` cache that ``policy`` drives, for one ``generate`` call on ``model``.
 
@@ -63,6 +67,10 @@ def hf_cache(
     seed : int
         Seeds, with ``policy.seed``, the Gumbel noise of stochastic scores (Keyformer), exactly as
         ``kvmodels.generate(..., seed=seed)`` does, so both keep the same tokens.
+    probe_prefix : list of int
+        With a policy that ranks the context by a reconstruction pass (``kvzip``): token ids fed before the
+        context's copy, e.g. KVzip's instruction (``kvpolicies.eviction.kvzip.REPEAT``) and the chat
+        template's opening of the assistant's turn, tokenized, as ``kvmodels.Decoder(probe_prefix=)``.
 
     Returns
     -------
@@ -74,12 +82,14 @@ def hf_cache(
     UnsupportedModelError
         For model families or attention implementations the bridge cannot drive, naming what to change.
     """
-    return PolicyCache(policy, model, max_new_tokens=max_new_tokens, seed=seed)
+    return PolicyCache(policy, model, max_new_tokens=max_new_tokens, seed=seed, probe_prefix=probe_prefix)
 
 
 @contextlib.contextmanager
-def compressed(model: torch.nn.Module, policy: Any, *, seed: int = 0) -> Iterator[list[PolicyCache]]:
-    """Within the block, ``model.generate`` uses a fresh :class:`PolicyCache` per call.
+def compressed(model: torch.nn.Module, policy: Any, *, seed: int = 0,
+               probe_prefix: Sequence[int] = ()) -> Iterator[list[PolicyCache]]:
+    """Within the block, ``model.generate`` uses a fresh :class:`PolicyCache` per call (``seed`` and
+    ``probe_prefix`` as for :func:`hf_cache`).
 
     Yields the list of caches created so far (the last one is the latest call's), for ``report()``.
     The hooks and the patched ``generate`` are removed on exit.
@@ -92,7 +102,7 @@ def compressed(model: torch.nn.Module, policy: Any, *, seed: int = 0) -> Iterato
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
         if all(kwargs.get(name) is None for name in CACHE_NAMES):
-            cache = hf_cache(policy, model, seed=seed)
+            cache = hf_cache(policy, model, seed=seed, probe_prefix=probe_prefix)
             kwargs[cache_kwarg(model)] = cache
             kwargs.setdefault("use_cache", True)
             caches.append(cache)

@@ -4,20 +4,26 @@ It stores what the policy's plan says (``kvpolicies.plan``; docs/contract.md §3
 kvmodels' paged cache calls; it decides nothing itself:
 
 * its layers (:class:`~kvpolicies.hf.layer.PolicyLayer`) hold **compacted** K/V ``[B, Hkv, N, D]`` with each
-  slot's original position, score and validity (ragged kept lengths, left padding); heads of a layer keep the
-  same number of tokens but may keep different ones (per-KV-head selection, never expanded to query heads);
+  slot's original position, score and validity (ragged kept lengths, left padding); heads of a layer keep
+  different tokens (per-KV-head selection, never expanded to query heads), and with a head-budget policy
+  (``adakv``, ``pooled``, ``duo``) different numbers of them, from the plan's ``rows``;
 * the model's hooks (:class:`~kvpolicies.hf.hooks.Hooks`) tell it each forward's padding, positions, queries
   and residual stream; it gives each layer's attention a mask sized to that layer's compacted K/V;
 * scores follow docs/contract.md §2.2: the prompt's from ``kvkernels.prefill_scores`` (queries and keys, never
   eager attention weights, so ``sdpa`` works), a decode step's from ``kvkernels.paged_decode_attention``'s
   fused update; at the end of the prefill the policy's ``plan`` gives every budget and forced count, then
   MiniCache pairs are merged (``joint``, the merge policy's ``region``) and every layer is compacted to
-  ``storage`` with ``kvkernels.topk_compact``, again after each decode step the ``schedule`` names.
+  ``storage`` with ``kvkernels.topk_compact``, again after each decode step the ``schedule`` names;
+* a policy that ranks the context by a reconstruction pass (``kvzip``) has it run before the first forward
+  after the prefill: the cache feeds the context's ids again (after ``probe_prefix``) through the model as
+  nested forwards, scores the kept context with ``kvkernels.extend_attention`` (the op kvmodels' probe uses)
+  and stores nothing of them, then compresses (:meth:`PolicyCache._reconstruct`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +39,7 @@ from kvkernels import (
     paged_decode_attention,
     prefill_seed,
 )
+from kvkernels.extend_attention import extend_attention
 from kvpolicies.base import LayerStats, NewTokens, residual_cos_sim
 from kvpolicies.hf.hooks import Hooks
 from kvpolicies.hf.layer import PolicyLayer, Step
@@ -54,6 +61,11 @@ class HFCacheReport:
         ``B_a + B_b``; ``b`` lists 0 of each, so every column still sums to what the cache holds.
     full_cache_bytes: what an uncompressed cache would hold now: K/V of every token each sequence has seen
         (prompt and generated, padding excluded) in every layer, at the cache's dtype.
+    head_tokens: ``[Lc, B, Hkv]`` int64, a head-budget policy's (``adakv``, ``pooled``, ``duo``) kept tokens
+        per KV head, else None. As ``kvmodels.cache.CacheReport``, ``tokens_per_layer`` is then float64, each
+        sequence's mean over its heads (``layer_budgets`` is the layer's budget, the mean of its heads';
+        ``head_budgets`` ``[Lc, B, Hkv]`` the plan's split). Unlike kvmodels, whose heads hold pages of their
+        own, a layer here is one tensor padded to its longest head: ``bytes_per_layer`` counts that padding.
 
     ``print(report)`` shows it as a table (:meth:`__str__`).
     """
@@ -65,12 +77,15 @@ class HFCacheReport:
     layer_budgets: torch.Tensor | None
     merged_pairs: tuple[tuple[int, int], ...] = ()
     full_cache_bytes: int = 0
+    head_tokens: torch.Tensor | None = None
+    head_budgets: torch.Tensor | None = None
 
     def __str__(self) -> str:
         mib = 2.0**-20
         lines = [f"{'layer':>5} {'MiB':>9}  {'tokens per sequence':<24} {'budgets':<24}"]
         for l, nbytes in enumerate(self.bytes_per_layer.tolist()):
-            toks = " ".join(str(t) for t in self.tokens_per_layer[l].tolist())
+            kept = self.tokens_per_layer[l].tolist()  # a mean over the heads with head budgets
+            toks = " ".join(f"{t:.1f}" if isinstance(t, float) else str(t) for t in kept)
             row = [] if self.layer_budgets is None else self.layer_budgets[l].tolist()
             budgets = " ".join(str(t) for t in row) or "-"
             lines.append(f"{l:>5} {nbytes * mib:>9.3f}  {toks:<24} {budgets:<24}")
@@ -86,6 +101,17 @@ class HFCacheReport:
 
 
 
+@dataclasses.dataclass
+class Probe:
+    """One forward of a reconstruction pass (:meth:`PolicyCache._reconstruct`): its tokens (left-padded) and,
+    per sequence, the positions ``[lo, hi)`` of the kept context tokens whose scores it replaces (``hi`` None:
+    to the end; the whole entry None: the sequence has no pass here)."""
+
+    valid: torch.Tensor  # [B, n] bool
+    positions: torch.Tensor  # [B, n] int64
+    spans: list[tuple[int, int | None] | None]
+
+
 class PolicyCache(Cache):
     """A ``transformers`` cache driven by a composed policy. Build it with :func:`hf_cache`.
 
@@ -96,7 +122,8 @@ class PolicyCache(Cache):
     step: Step  # the forward in flight (set before any layer reads it)
 
     def __init__(
-        self, policy: Any, model: torch.nn.Module, *, max_new_tokens: int | None = None, seed: int = 0
+        self, policy: Any, model: torch.nn.Module, *, max_new_tokens: int | None = None, seed: int = 0,
+        probe_prefix: Sequence[int] = (),
     ) -> None:
         from kvpolicies import ComposedPolicy
 
@@ -105,19 +132,12 @@ class PolicyCache(Cache):
                 f"policy must be a kvpolicies.ComposedPolicy (build one with kvpolicies.compose(...)), "
                 f"got {type(policy).__name__}"
             )
-        if policy.heads.per_head:
-            raise ValueError(
-                f"policy {policy.name!r}: the transformers bridge stores every KV head of a layer with one "
-                f"token count, so it cannot hold head-budget policy {policy.heads.name!r}; run it on a "
-                "kvmodels model (kvmodels.generate), whose HeadPagedKVCache gives each head its own pages"
-            )
-        if policy.eviction.probe:
-            raise ValueError(
-                f"policy {policy.name!r}: eviction policy {policy.eviction.name!r} ranks the context by a "
-                "reconstruction pass (the context fed again after itself, scoring it and storing nothing), "
-                "which the transformers bridge cannot run inside model.generate; run it on a kvmodels model "
-                "(kvmodels.Decoder or kvmodels.generate)"
-            )
+        if isinstance(probe_prefix, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in probe_prefix):
+            raise ValueError(f"probe_prefix must be a list of token ids, got {probe_prefix!r}; tokenize it")
+        if len(probe_prefix) and not policy.eviction.probe:
+            raise ValueError(f"probe_prefix is fed before the context's copy in a reconstruction pass, and "
+                             f"policy {policy.name!r} runs none; use kvzip, or leave probe_prefix out")
         if policy.precision.quantizes:
             raise ValueError(
                 f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens as "
@@ -134,12 +154,21 @@ class PolicyCache(Cache):
         # Where each layer stores its tokens (MiniCache pairs share a region), as kvmodels' PagedKVCache
         # takes it from the policy.
         self.layout = policy.merge_layout(n)
+        if policy.eviction.probe and self.layout.pairs:  # as kvmodels.Decoder refuses it
+            raise ValueError(
+                f"policy {policy.name!r} ranks the context by a reconstruction pass "
+                f"({policy.eviction.name}: the context fed again after itself), which merge policy "
+                f"{policy.merge.name!r} cannot take (a merged region takes no tokens after the prompt); "
+                "use a policy without merging"
+            )
+        self.probe_prefix = [int(t) for t in probe_prefix]
         self.seed = seed
         # Seeds as kvmodels' PagedKVCache derives them (kvkernels.noise_seed / prefill_seed): the bridge and
         # kvmodels draw identical Gumbel noise for the same policy and seed.
         self._noise_seed = noise_seed(policy.seed, seed)
         self.max_new_tokens = max_new_tokens
         self.needs_queries = (self.eviction.prefill_mode is not None or self.eviction.score_mode != "none"
+                              or self.eviction.probe
                               or (self.eviction.scores_tokens and self.eviction.reads_queries))
         self._fresh = True  # no forward seen yet
         self.prefilled = False  # the prompt went through
@@ -154,6 +183,8 @@ class PolicyCache(Cache):
         self.peak_bytes = 0
         self._noise: torch.Tensor | None = None  # [Lc, B, Hq, width] this decode step's Gumbel noise
         self._gumbel: torch.Generator | None = None
+        self._context: torch.Tensor | None = None  # [B, L] the prompt's ids, for a reconstruction pass
+        self._probe: Probe | None = None  # the reconstruction pass in flight
         # This forward's captures (written by the hooks): its length, queries' projections, rotary inputs,
         # ALiBi slopes, layer inputs. Emptied when the forward ends.
         self.captures: dict[Any, Any] = {}
@@ -196,6 +227,10 @@ class PolicyCache(Cache):
         if self.needs_queries and query is None:  # once per layer, for the open rule and the score update
             query = rebuild_query(self._family, layer.layer_idx, self.captures, key_states,
                                   check=not self.prefilled)
+        if self._probe is not None:  # a reconstruction pass: it scores the context and is not stored
+            assert query is not None
+            self._probe_scores(layer, query, key_states, value_states)
+            return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
         new_scores = None
         if self.eviction.scores_tokens:  # an open rule: each new token's score from what the step provides
             # [B, H, q, D] -> the rule's [..., H, D] with [...] = [B, q] -> [B, q, Hkv] -> [B, Hkv, q]
@@ -209,8 +244,21 @@ class PolicyCache(Cache):
         return keys, values
 
     def begin_forward(
-        self, batch: int, q_len: int, device: torch.device, attention_mask: Any, position_ids: Any
+        self, batch: int, q_len: int, device: torch.device, attention_mask: Any, position_ids: Any,
+        input_ids: torch.Tensor | None = None,
     ) -> None:
+        if self._probe is not None:  # a reconstruction pass's forward (the cache's own, nested)
+            self.step = Step(self._probe.valid, self._probe.positions)
+            self.captures = {"q_len": q_len}
+            return
+        if self.prefilled and q_len > 1 and self.policy.heads_refuse_extension:
+            raise NotImplementedError(
+                f"policy {self.policy.name!r} gives KV heads their own budgets from the prompt's token "
+                f"scores ({self.policy.heads.name}), which evicted tokens no longer have, so it cannot take "
+                "a forward of several tokens after the prompt (a question after the context, a chunked "
+                "prefill), as kvmodels.Decoder cannot; put the question in the prompt, or use duo's per-head "
+                "budgets"
+            )
         if self._fresh:
             self._fresh = False
         elif not self._compressed:
@@ -226,16 +274,18 @@ class PolicyCache(Cache):
             valid = attention_mask[:, -q_len:].to(device=device, dtype=torch.bool)
             if valid.shape[1] < q_len:
                 raise ValueError(f"attention_mask covers {valid.shape[1]} tokens but the input has {q_len}")
+        # Without position ids (MPT's generate passes none) a row's real tokens take the positions after its
+        # last one, padding in the chunk (a left-padded question after the context) taking none.
+        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
         if position_ids is not None:
             positions = position_ids.to(device=device, dtype=torch.int64).expand(batch, q_len)
-        elif self._next_pos is None:
-            positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-        else:
-            positions = self._next_pos[:, None] + torch.arange(q_len, device=device)[None, :]
+        elif self._next_pos is not None:
+            positions = self._next_pos[:, None] + positions
         if self._next_pos is None and not valid.any(-1).all():
             b = int((~valid.any(-1)).nonzero()[0, 0])
             raise ValueError(f"sequence {b} of the batch is all padding; drop it before generate")
-        self._next_pos = torch.where(valid, positions, positions.new_full((), -1)).amax(-1) + 1
+        last = torch.where(valid, positions, positions.new_full((), -1)).amax(-1) + 1
+        self._next_pos = last if self._next_pos is None else torch.where(valid.any(-1), last, self._next_pos)
         self.step = Step(valid, positions)
         self.captures = {"q_len": q_len}
         if self.prefilled and self.eviction.score_mode == "gumbel":
@@ -243,6 +293,8 @@ class PolicyCache(Cache):
         if not self.prefilled:
             self.prompt_lens = valid.sum(-1)
             self._cos_sum = torch.zeros(len(self.layers), batch, dtype=torch.float64)
+            if self.eviction.probe:
+                self._check_probe(input_ids)
 
     def _draw_noise(self, device: torch.device) -> None:
         """This step's Gumbel(0, 1) noise ``[Lc, B, Hq, width]``, indexed by logical slot.
@@ -255,7 +307,8 @@ class PolicyCache(Cache):
         if self._gumbel is None:
             self._gumbel = torch.Generator(device=device)
             self._gumbel.manual_seed(self._noise_seed)
-        lens = torch.stack([layer.kept_tokens() for layer in self.layers])  # [Lc, B] before this step
+        # [Lc, B] before this step: each layer's longest row (its longest KV head with head budgets)
+        lens = torch.stack([layer.head_tokens().amax(-1) for layer in self.layers])
         # Slots each layer appends this step (the layout's width), as kvmodels grows its lengths.
         grow = torch.tensor(self.layout.width, dtype=lens.dtype, device=lens.device)[:, None]  # [Lc, 1]
         width = int((lens + grow).max())
@@ -265,6 +318,8 @@ class PolicyCache(Cache):
     def end_forward(self) -> None:
         q_len = self.captures.pop("q_len", 0)
         self.captures = {}
+        if self._probe is not None:  # the reconstruction pass stored nothing and saw nothing
+            return
         self._seen += q_len
         if not self.prefilled:
             self.prefilled = True
@@ -281,18 +336,137 @@ class PolicyCache(Cache):
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
 
     def _finish_prefill(self) -> None:
-        """The policy's plan from the prompt statistics, then merge pairs and compress every layer
-        (docs/contract.md §5)."""
+        """The policy's plan from the prompt statistics (after a reconstruction pass, which replaces the
+        prompt's scores), then merge pairs and compress every layer (docs/contract.md §5)."""
         self._compressed = True
+        if self.eviction.probe:  # its scores replace the prompt's before anything is planned
+            self._reconstruct()
         lens = self.prompt_lens.cpu()
         cos = (self._cos_sum / lens.to(torch.float64).clamp_min(1)).to(torch.float32)
-        # The same decision kvmodels' cache acts on (ComposedPolicy.plan).
+
+        def head_scores(l: int, b: int) -> torch.Tensor:  # [Hkv, L]: sequence b's prompt scores in layer l
+            layer = self.layers[l]
+            return layer.scores[b][:, layer.valid[b]]
+
+        # The same decision kvmodels' cache acts on (ComposedPolicy.plan); with head budgets, as its HeadRows
+        # plans them, from each head's uncompressed prompt scores (after a reconstruction pass, its scores).
         self.plan = self.policy.plan(lens, len(self.layers), LayerStats(cos_sim=cos),
-                                     max_new_tokens=self.max_new_tokens or 0)
+                                     max_new_tokens=self.max_new_tokens or 0,
+                                     head_scores=head_scores if self.policy.heads.per_head else None)
         for i, (a, b) in enumerate(self.layout.pairs):
             self._merge_pair(a, b, *self.plan.joint.row(i))
-        if self.plan.schedule.prefill_compress:
+        if self.plan.schedule.prefill_compress or self.eviction.probe:
             self._evict(regions=False)  # a region was compressed by its joint selection
+
+    # --- the reconstruction pass (kvzip) ------------------------------------------------------------
+    def _check_probe(self, input_ids: torch.Tensor | None) -> None:
+        """At the prefill of a policy with a reconstruction pass: keep the context's ids for it, and refuse
+        what cannot run, as ``kvmodels.Decoder`` does: no ids, a context no longer than ``skip``, passes that
+        reach past the model's positions."""
+        name, ev = self.policy.name, self.eviction
+        if input_ids is None:
+            raise ValueError(
+                f"policy {name!r} ranks the context by a reconstruction pass ({ev.name}), which feeds the "
+                "context's token ids again; pass the prompt as input_ids=, not inputs_embeds="
+            )
+        self._context = input_ids
+        skip, extra, limit = ev.probe_skip, len(self.probe_prefix), self._family.max_positions
+        span = getattr(ev, "span", None)  # kvzip's; a plugin's probe policy may have none
+        for b, (n, start) in enumerate(zip(self.step.valid.sum(-1).tolist(), self._next_pos.tolist())):
+            if skip is not None and n <= skip[1]:
+                raise ValueError(f"input_ids[{b}]: policy {name!r} copies the prompt from token {skip[1]} on "
+                                 f"(its skip: the chat template's opening), and the prompt has {n} tokens; "
+                                 "lower skip or give a longer prompt")
+            need = start + max(extra + stop - lo for lo, stop, _ in ev.probe_passes(n))
+            if limit is not None and need > limit:
+                with_prefix = f" after the {extra} tokens of probe_prefix" if extra else ""
+                how = ("shorten the prompt or reconstruct it in parts (kvzip(span=N))" if span is None
+                       else "shorten the prompt or lower span")
+                raise ValueError(f"input_ids[{b}]: policy {name!r} feeds the prompt of {n} tokens again "
+                                 f"after itself{with_prefix} (the reconstruction pass"
+                                 f"{'' if span is None else f', {span} tokens at a time'}), at positions up "
+                                 f"to {need}, past the model's {limit} positions; {how}")
+
+    def _reconstruct(self) -> None:
+        """The context's reconstruction pass(es), as ``kvmodels.Decoder._probe`` runs them: per sequence the
+        policy's ``probe_passes``, each feeding ``probe_prefix`` + a part of the context's ids at the
+        positions after the context, through the model (a nested forward of its base, left-padded:
+        sequences differ in length and in number of passes). Each layer's attention covers the kept
+        context and, causally, the pass; :meth:`_probe_scores` replaces the context's scores; nothing is
+        stored."""
+        assert self._context is not None and self._next_pos is not None
+        valid = self.layers[0].valid  # [B, L] the prompt's real tokens (every layer holds them all)
+        texts = [self._context[b][valid[b]].tolist() for b in range(valid.shape[0])]
+        passes = [self.eviction.probe_passes(len(t)) for t in texts]
+        B, dev, fam = len(texts), valid.device, self._family
+        for i in range(max(map(len, passes))):
+            rows: list[list[int]] = []
+            spans: list[tuple[int, int | None] | None] = []
+            for text, ps in zip(texts, passes):
+                if i >= len(ps):
+                    rows.append([])
+                    spans.append(None)
+                    continue
+                start, stop, scored = ps[i]
+                rows.append(self.probe_prefix + text[start:stop])
+                spans.append((scored, None if i == len(ps) - 1 else stop))
+            n = max(map(len, rows))
+            ids = torch.zeros(B, n, dtype=torch.int64, device=dev)
+            on = torch.zeros(B, n, dtype=torch.bool, device=dev)
+            for b, row in enumerate(rows):
+                if row:
+                    ids[b, n - len(row):] = torch.tensor(row, device=dev)
+                    on[b, n - len(row):] = True
+            positions = torch.where(on, self._next_pos[:, None] + (on.long().cumsum(-1) - 1), 0)
+            kwargs: dict[str, Any] = {
+                "input_ids": ids, "use_cache": True, self.hooks.base_cache_kwarg: self,
+                "attention_mask": torch.cat([torch.ones(B, self._seen, dtype=torch.int64, device=dev),
+                                             on.long()], dim=1),
+            }
+            if fam.kind != "mpt":  # ALiBi (MPT) reads the positions the cache hands its attention
+                kwargs["position_ids"] = positions
+            self._probe = Probe(on, positions, spans)
+            try:
+                with torch.no_grad():
+                    fam.base(**kwargs)
+            finally:
+                self._probe = None
+
+    def _probe_scores(self, layer: PolicyLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A reconstruction pass in ``layer``: each sequence's pass rows (``q [B, Hq, n, D]``, ``k, v [B, Hkv,
+        n, D]``) attend over its context and themselves, and the largest probability any row and any query
+        head of the KV group gives a context token (the policy's ``probe_mode``, renormalised without
+        ``skip``'s opening) replaces its score, within the pass's span. ``kvkernels.extend_attention``
+        computes it, as in kvmodels' probe; its attention output is not used (the model attended)."""
+        assert self._probe is not None and layer.valid is not None and layer.scores is not None
+        ev = self.eviction
+        scale, slopes = scale_and_slopes(self._family, layer.layer_idx, self.captures)
+        for b, span in enumerate(self._probe.spans):
+            if span is None:
+                continue
+            ctx, new = layer.valid[b], self.step.valid[b]
+            kept_pos = layer.positions[b][:, ctx]  # [Hkv, m], position order
+            _, scores = extend_attention(
+                q[b][:, new].transpose(0, 1), k[b][:, new].transpose(0, 1), v[b][:, new].transpose(0, 1),
+                self.step.positions[b, new], layer.keys[b][:, ctx].transpose(0, 1),
+                layer.values[b][:, ctx].transpose(0, 1), kept_pos.t(), scale=scale, alibi_slopes=slopes,
+                mode=ev.probe_mode, skip=ev.probe_skip)
+            assert scores is not None
+            lo, hi = span
+            inside = kept_pos >= lo
+            if hi is not None:
+                inside &= kept_pos < hi
+            old = layer.scores[b][:, ctx]
+            layer.scores[b][:, ctx] = torch.where(inside, scores[:, :kept_pos.shape[1]], old)
+
+    def key_positions(self, layer: PolicyLayer) -> torch.Tensor:
+        """``[B, Hkv, N + q]`` positions of the K/V ``layer``'s update returned this forward (a reconstruction
+        pass's tokens are returned, not stored)."""
+        pos = layer.store.positions
+        if self._probe is None:
+            return pos
+        B, H = pos.shape[:2]
+        return torch.cat([pos, self.step.positions[:, None, :].expand(B, H, -1)], dim=-1)
 
     def _merge_pair(self, a: int, b: int, keep: torch.Tensor, n_sink: torch.Tensor,
                     n_recent: torch.Tensor) -> None:
@@ -340,14 +514,16 @@ class PolicyCache(Cache):
         lb.valid = la.valid.new_empty(la.valid.shape[0], 0)
 
     def _evict(self, regions: bool = True) -> None:
-        """Compact every storage layer to the plan's budgets and forced counts (``plan.storage``); the
-        regions too unless ``regions=False``."""
+        """Compact every storage layer to the plan's budgets and forced counts (``plan.rows``: ``storage``, or
+        each KV head's own budget with head budgets); the regions too unless ``regions=False``."""
         assert self.plan is not None
-        width = self.layout.width
+        width, H = self.layout.width, self._family.n_kv_heads
+        per_head = self.plan.head_budgets is not None  # rows [Lc, B * Hkv]: each KV head its own budget
         for l, layer in enumerate(self.layers):
             if width[l] == 0 or (width[l] == 2 and not regions):
                 continue  # the second layer of a pair holds no tokens; a region may be left alone
-            layer.compact(*self.plan.storage.row(l))
+            row = self.plan.rows.row(l)
+            layer.compact(*(x.view(-1, H) for x in row) if per_head else row)
 
     def record_cos(self, layer_idx: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
         cos = residual_cos_sim(h_in, attn_out)  # [B, q]
@@ -361,17 +537,18 @@ class PolicyCache(Cache):
 
         ``[B, 1, q, N + q]``: a bool "may attend" mask (``sdpa``), an additive float mask (``eager``), or a
         bool "masked out" mask (MPT). ``None`` when every slot is visible to a single query (no padding).
-        A layer of a merged pair sees its region's shared slots and its own private slots only, which differ
-        per KV head: its mask is ``[B, Hq, q, N + q]`` (query head ``h`` reads KV head ``h // G``).
+        When the slots differ per KV head (a merged pair's layer sees its region's shared slots and its own
+        private slots only; with head budgets each head holds its own count) the mask is ``[B, Hq, q, N + q]``
+        (query head ``h`` reads KV head ``h // G``).
         """
         valid_new = self.step.valid
         store = layer.store
         old = store.valid if store.valid is not None else valid_new[:, :0]
-        n_old = old.shape[1]
+        n_old = old.shape[-1]
         if q_len == 1 and bool(old.all()) and kind != "mpt" and not layer.merged:
             return None
         B = valid_new.shape[0]
-        if layer.merged:
+        if layer.merged or store.per_head:
             group = self._family.n_q_heads // self._family.n_kv_heads
             seen = store.visible(layer.member).repeat_interleave(group, dim=1)  # [B, Hq, N]
         else:
@@ -411,14 +588,21 @@ class PolicyCache(Cache):
         if source != layer.layer_idx:  # layer-wise index reuse: rank by an earlier layer's prompt scores
             layer.scores = self.layers[source].scores.clone()
             return
-        for b in range(q.shape[0]):
+        B, H = k.shape[:2]
+        G = q.shape[1] // H
+        for b in range(B):
             idx = self.step.valid[b].nonzero().squeeze(-1)  # real (unpadded) prompt tokens
             qb = q[b][:, idx].transpose(0, 1).contiguous()  # [L, Hq, D]
             kb = k[b][:, idx].transpose(0, 1).contiguous()  # [L, Hkv, D]
-            # The in-house cache's seed for (layer, sequence), so both draw the same prefill noise.
-            s = ev.prompt_scores(qb, kb, scale=scale, alibi_slopes=slopes,
-                                 seed=prefill_seed(self._noise_seed, layer.layer_idx, b))  # [Hkv, L]
-            layer.scores[b][:, idx] = s.to(torch.float32)
+            # The in-house cache's seed for (layer, row), so both draw the same prefill noise: a row is a
+            # sequence, or with head budgets (kvmodels' HeadRows) one KV head of it with its query group.
+            rows = [(slice(None), slice(None), b)] if not self.policy.heads.per_head else [
+                (slice(h, h + 1), slice(h * G, (h + 1) * G), b * H + h) for h in range(H)]
+            for heads, group, row in rows:
+                s = ev.prompt_scores(qb[:, group].contiguous(), kb[:, heads].contiguous(), scale=scale,
+                                     alibi_slopes=None if slopes is None else slopes[group],
+                                     seed=prefill_seed(self._noise_seed, layer.layer_idx, row))  # [h, L]
+                layer.scores[b, heads][:, idx] = s.to(torch.float32)
 
     def _decode_scores(
         self, layer: PolicyLayer, q: torch.Tensor, scale: float, slopes: torch.Tensor | None
@@ -459,12 +643,11 @@ class PolicyCache(Cache):
             if ev.score_mode == "gumbel":
                 # Noise is indexed by logical slot (a region's invisible slots included), as kvmodels indexes
                 # it; padding slots take their neighbour's and are masked out.
-                seen = store.valid[:, :n_seen]
-                logical = (seen.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, n_seen]
-                logical = F.pad(logical, (0, N - n_seen))
+                seen = store.head_valid()[:, :, :n_seen]  # per KV head: its own slots with head budgets
+                logical = (seen.long().cumsum(-1) - 1).clamp(0, self._noise.shape[-1] - 1)  # [B, Hkv, n_seen]
+                logical = F.pad(logical, (0, N - n_seen)).repeat_interleave(hq // logical.shape[1], dim=1)
                 scores = scores._replace(gumbel_noise=torch.gather(
-                    self._noise[layer.layer_idx], 2, logical[:, None, :].expand(B, hq, N)
-                ).contiguous())  # [B, Hq, N]
+                    self._noise[layer.layer_idx], 2, logical).contiguous())  # [B, Hq, N]
             alibi = None
             if slopes is not None:
                 alibi = Alibi(alibi_slopes, slot_pos,
@@ -488,7 +671,10 @@ class PolicyCache(Cache):
         """Kept tokens per layer and sequence, bytes per layer, total and peak bytes, layer budgets."""
         if self.prefilled and not self._compressed:
             self._finish_prefill()
-        tokens = torch.stack([layer.kept_tokens().cpu() for layer in self.layers])
+        heads = torch.stack([layer.head_tokens().cpu() for layer in self.layers])  # [Lc, B, Hkv]
+        per_head = self.policy.heads.per_head
+        # Equal counts per head without head budgets (a region's slots too); the heads' mean with them.
+        tokens = heads.double().mean(-1) if per_head else heads.sum(-1) // max(1, heads.shape[-1])
         nbytes = torch.tensor([layer.nbytes() for layer in self.layers], dtype=torch.int64)
         total = int(nbytes.sum())
         self.peak_bytes = max(self.peak_bytes, total)
@@ -501,7 +687,9 @@ class PolicyCache(Cache):
             if shaped:
                 k = shaped[0].keys  # [B, Hkv, N, D]
                 full = 2 * len(self.layers) * seen * k.shape[1] * k.shape[3] * k.element_size()
-        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, budgets, pairs, full)
+        head_budgets = None if self.plan is None else self.plan.head_budgets
+        return HFCacheReport(tokens, nbytes, total, self.peak_bytes, budgets, pairs, full,
+                             heads if per_head else None, head_budgets)
 
     def kept_positions(self, layer_idx: int, b: int) -> torch.Tensor:
         """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``.
@@ -511,7 +699,24 @@ class PolicyCache(Cache):
         this layer sees.
         """
         store = self.layers[layer_idx].store
+        self._check_layer_contents(store)
         return store.positions[b][:, store.valid[b]]
+
+    def _check_layer_contents(self, store: PolicyLayer) -> None:
+        if store.per_head:
+            raise TypeError("the KV heads of this layer hold different numbers of tokens (head budgets); use "
+                            "head_contents(l, b), one dict per KV head")
+
+    def head_contents(self, layer_idx: int, b: int) -> list[dict[str, torch.Tensor]]:
+        """Kept tokens of layer ``layer_idx``, sequence ``b``, one dict per KV head, in position order
+        (``kvmodels``' ``HeadPagedKVCache.head_contents``): ``k``/``v`` ``[n_h, D]``, ``pos`` ``[n_h]`` int64,
+        ``score`` ``[n_h]`` float32. The heads may hold different counts (head budgets)."""
+        layer = self.layers[layer_idx]
+        store = layer.store
+        keys, values = store.restored(layer.member) if layer.merged else (store.keys, store.values)
+        valid = store.visible(layer.member)[b]  # [Hkv, N]
+        parts = {"k": keys, "v": values, "pos": store.positions, "score": store.scores}
+        return [{name: x[b, h][valid[h]] for name, x in parts.items()} for h in range(valid.shape[0])]
 
     def layer_contents(self, layer_idx: int, b: int) -> dict[str, torch.Tensor]:
         """Kept slots of layer ``layer_idx``, sequence ``b`` in slot order (``PagedKVCache.layer_contents``).
@@ -522,6 +727,7 @@ class PolicyCache(Cache):
         """
         layer = self.layers[layer_idx]
         store = layer.store
+        self._check_layer_contents(store)
         keys, values = store.restored(layer.member) if layer.merged else (store.keys, store.values)
         row = store.valid[b]
         out = {

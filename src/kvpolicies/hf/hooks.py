@@ -3,9 +3,12 @@ alone does not see.
 
 :meth:`Hooks.on` installs them once per model (idempotently); they are inert for any call that does not carry
 a cache built for this model (``cache.hooks is self``). What they capture, per forward, goes into the cache's
-``captures``; the only state here is the cache whose forward is running (forwards do not nest):
+``captures``; the only state here is the cache whose forward is running (a user's forwards do not nest; a
+reconstruction pass, kvzip's, runs as the cache's own forward of the base model from within the next forward's
+first hook, and leaves that state as it found it):
 
-* the base model: the 2-D padding mask and positions (``cache.begin_forward``), and the end of the forward;
+* the base model: the 2-D padding mask, positions and token ids (``cache.begin_forward``), and the end of the
+  forward;
 * each decoder layer's input and its attention's output: the residual stream around the attention
   (SqueezeAttention's cos-sim, during the prefill);
 * each attention: the rotary inputs, and its mask replaced by the cache's per-layer one (after compression
@@ -63,6 +66,9 @@ class Hooks:
             else:
                 self.handles += [attn.q_proj.register_forward_hook(functools.partial(self._proj, "q", l)),
                                  attn.k_proj.register_forward_hook(functools.partial(self._proj, "k", l))]
+        # The keyword the base model's forward takes a cache by (a reconstruction pass calls it).
+        takes_cache = "cache" in inspect.signature(fam.base.forward).parameters  # transformers >= 5.24
+        self.base_cache_kwarg = "cache" if takes_cache else "past_key_values"
         self.saved_generate = model.__dict__.get("generate")  # an instance override to restore, if any
         model.generate = self._length_aware(model.generate)
 
@@ -107,11 +113,11 @@ class Hooks:
                 "a PolicyCache needs use_cache=True; pass generate(..., use_cache=True) (MPT configs "
                 "default to use_cache=False)"
             )
-        x = kwargs.get("input_ids", args[0] if args else None)
+        ids = x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs["inputs_embeds"]
         cache.begin_forward(x.shape[0], x.shape[1], x.device, kwargs.get("attention_mask"),
-                            kwargs.get("position_ids"))
+                            kwargs.get("position_ids"), ids)
         self.active = cache
 
     def _base_post(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
@@ -220,7 +226,8 @@ def _mpt_forward(
     scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # [B, H, q, N + q]
     # Bias relative to the last query of the chunk (a per-row constant away from the true distance, which
     # softmax ignores) so that an uncompressed cache reproduces the stock module's numbers.
-    rel = layer.store.positions[:, :, None, :] - cache.step.positions[:, -1, None, None, None]  # [B,H,1,N+q]
+    rel = cache.key_positions(layer)[:, :, None, :] - cache.step.positions[:, -1, None, None, None]
+    # rel: [B, H, 1, N + q]
     scores = scores + slopes.view(1, -1, 1, 1) * rel.to(slopes.dtype)
     scores = scores.masked_fill(mask, torch.finfo(q.dtype).min)
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)

@@ -33,7 +33,9 @@ class PolicyLayer(DynamicLayer):
     """One model layer's compacted cache.
 
     keys, values: ``[B, Hkv, N, D]``; ``positions``: ``[B, Hkv, N]`` int64 original absolute positions;
-    ``scores``: ``[B, Hkv, N]`` float32; ``valid``: ``[B, N]`` bool (the same for every head of a layer).
+    ``scores``: ``[B, Hkv, N]`` float32; ``valid``: ``[B, N]`` bool (the same for every head of a layer), or
+    ``[B, Hkv, N]`` once a head-budget policy compacted the layer (each KV head its own count; a row is padded
+    to the layer's longest head; :meth:`head_valid` reads either as ``[B, Hkv, N]``).
 
     After a MiniCache merge, layer ``a`` of a pair holds the pair's *region* (docs/contract.md §5.1) in
     those tensors: a shared slot holds the unit direction, a private slot the original K/V. It also holds
@@ -100,7 +102,8 @@ class PolicyLayer(DynamicLayer):
         else:
             self.positions = torch.cat([self.positions, new_pos], dim=-1)
             self.scores = torch.cat([self.scores, new_scores], dim=-1)
-            self.valid = torch.cat([self.valid, step.valid], dim=-1)
+            new_valid = step.valid if self.valid.dim() == 2 else step.valid[:, None, :].expand(B, hkv, q_len)
+            self.valid = torch.cat([self.valid, new_valid], dim=-1)
 
     def _append_private(
         self, key_states: torch.Tensor, value_states: torch.Tensor, step: Step, member: int,
@@ -125,19 +128,28 @@ class PolicyLayer(DynamicLayer):
         assert self.k_mag is not None and self.v_mag is not None
         return merge_restore(self.keys, self.k_mag[member]), merge_restore(self.values, self.v_mag[member])
 
+    def head_valid(self) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: each KV head's valid slots (``valid`` as it is, or expanded to the heads)."""
+        assert self.valid is not None and self.positions is not None
+        return self.valid if self.valid.dim() == 3 else self.valid[:, None, :].expand(self.positions.shape)
+
+    @property
+    def per_head(self) -> bool:
+        """Whether the KV heads of this layer may hold different counts (``valid`` is ``[B, Hkv, N]``)."""
+        return self.valid is not None and self.valid.dim() == 3
+
     def visible(self, member: int) -> torch.Tensor:
         """``[B, Hkv, N]`` bool: the slots layer ``member`` attends to (valid and, in a region, its bit)."""
-        assert self.valid is not None and self.positions is not None
-        seen = self.valid[:, None, :].expand(self.positions.shape)
+        seen = self.head_valid()
         if self.slot_mask is None:
             return seen
         return seen & ((self.slot_mask & (1 << member)) != 0)
 
-    def kept_tokens(self) -> torch.Tensor:
-        """``[B]`` int64 valid tokens (a region: slots) held per sequence."""
+    def head_tokens(self) -> torch.Tensor:
+        """``[B, Hkv]`` int64 valid tokens (a region: slots) each KV head holds per sequence."""
         if self.valid is None:
-            return torch.zeros(0, dtype=torch.int64)
-        return self.valid.sum(-1)
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return self.head_valid().sum(-1)
 
     def nbytes(self) -> int:
         if not self.is_initialized or self.keys is None:
@@ -154,24 +166,29 @@ class PolicyLayer(DynamicLayer):
     ) -> None:
         """Keep, per (sequence, KV head), the forced slots plus the top scores up to ``budgets[b]`` tokens.
 
-        budgets, n_sink, n_recent: ``[B]`` int. The selection is ``kvkernels.topk_compact``, the op that
-        kvmodels' paged cache compacts with (docs/contract.md §2.4: forced sinks and recent window, ties to
-        the earlier token, NaN lowest, kept slots in original order and bit-identical); this layer only lays
-        its storage out as that op's pool (:meth:`_as_pool`). Sequences at or under budget keep everything;
-        the tensors shrink to the longest kept row. ``priority`` ``[B, Hkv, N]`` ranks the slots instead of
-        ``scores`` (which are kept as they are), as MiniCache's joint selection of a pair does. A region's
-        magnitudes and visibility move with its slots.
+        budgets, n_sink, n_recent: ``[B]`` int, or ``[B, Hkv]`` (a head-budget policy's per-head budgets, the
+        plan's ``rows``; the layer then holds ``valid [B, Hkv, N]``, padded to its longest head). The
+        selection is ``kvkernels.topk_compact``, the op that kvmodels' paged cache compacts with
+        (docs/contract.md §2.4: forced sinks and recent window, ties to the earlier token, NaN lowest, kept
+        slots in original order and bit-identical); this layer only lays its storage out as that op's pool
+        (:meth:`_as_pool`). Sequences at or under budget keep everything; the tensors shrink to the longest
+        kept row. ``priority`` ``[B, Hkv, N]`` ranks the slots instead of ``scores`` (which are kept as they
+        are), as MiniCache's joint selection of a pair does. A region's magnitudes and visibility move with
+        its slots.
         """
-        if self.valid is None or self.valid.shape[1] == 0:
+        if self.valid is None or self.valid.shape[-1] == 0:
             return
         (priority,) = self._pack(priority)
         B, H, N, _ = self.keys.shape
         dev = self.valid.device
-        count = self.valid.sum(-1)  # [B]
-        keep_n = torch.minimum(count, budgets.to(dev, torch.int64))  # [B]
+        per_head = budgets.dim() == 2 or self.per_head
 
-        def per_row(t: torch.Tensor) -> torch.Tensor:  # [B] -> [B * Hkv]: each KV head is a pool sequence
-            return t.to(dev, torch.int64).repeat_interleave(H)
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # [B] or [B, Hkv] -> [B * Hkv]: a KV head, a sequence
+            t = t.to(dev, torch.int64)
+            return (t if t.dim() == 2 else t[:, None].expand(B, H)).reshape(B * H).contiguous()
+
+        count = self.head_valid().sum(-1).reshape(B * H)  # [B * Hkv]
+        keep_n = torch.minimum(count, per_row(budgets)).view(B, H)
 
         pool = self._as_pool()
         k, v, pos, score, *extra = pool.values()
@@ -179,37 +196,36 @@ class PolicyLayer(DynamicLayer):
             extra, score = [score, *extra], priority.reshape(B * H, N, 1).to(torch.float32, copy=True)
         table = torch.arange(B * H, dtype=torch.int32, device=dev)[:, None]  # row r is page r
         free = torch.zeros(B * H + 1, dtype=torch.int32, device=dev)  # released pages: dropped below
-        topk_compact(k, v, pos, score, table, per_row(count).to(torch.int32), per_row(budgets),
+        topk_compact(k, v, pos, score, table, count.to(torch.int32), per_row(budgets),
                      per_row(n_sink), per_row(n_recent), free, torch.zeros(1, dtype=torch.int64, device=dev),
                      extra=extra)
         new_n = int(keep_n.max()) if keep_n.numel() else 0
         self._from_pool(pool, new_n)
-        self.valid = torch.arange(new_n, device=dev)[None, :] < keep_n[:, None]  # [B, new_n]
+        valid = torch.arange(new_n, device=dev) < keep_n[..., None]  # [B, Hkv, new_n]
+        self.valid = valid if per_head else valid[:, 0]
 
     def _pack(self, *also: torch.Tensor | None) -> list[torch.Tensor | None]:
         """Move each sequence's valid slots to the front, in order (left padding, a decode step's new token
         behind a compacted row): the layout ``topk_compact``'s sequences have. Pure storage. ``also``:
         further ``[B, Hkv, N]`` tensors (or None), returned packed the same way."""
-        assert self.valid is not None
-        N = self.valid.shape[1]
-        count = self.valid.sum(-1)  # [B]
-        packed = torch.arange(N, device=self.valid.device)[None, :] < count[:, None]  # [B, N]
-        if torch.equal(packed, self.valid):
+        valid = self.head_valid()  # [B, Hkv, N]
+        packed = torch.arange(valid.shape[-1], device=valid.device) < valid.sum(-1, keepdim=True)
+        if torch.equal(packed, valid):
             return list(also)
-        order = torch.sort((~self.valid).to(torch.uint8), dim=-1, stable=True).indices  # [B, N] valid first
+        order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices  # [B, Hkv, N] valid first
 
         def gather(x: torch.Tensor | None, per_token: bool = False) -> torch.Tensor | None:
             """Along the slot dim of ``[..., B, Hkv, N]`` (``[B, Hkv, N, D]`` when ``per_token``)."""
             if x is None:
                 return None
-            idx = order[:, None, :, None] if per_token else order[:, None, :]
+            idx = order[..., None] if per_token else order
             return torch.gather(x, x.dim() - 1 - per_token, idx.expand(x.shape))
 
         self.keys, self.values = gather(self.keys, True), gather(self.values, True)
         self.positions, self.scores, self.slot_mask = (gather(x) for x in (self.positions, self.scores,
                                                                           self.slot_mask))
         self.k_mag, self.v_mag = gather(self.k_mag), gather(self.v_mag)
-        self.valid = packed
+        self.valid = packed if self.per_head else packed[:, 0]
         return [gather(x) for x in also]
 
     def _as_pool(self) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ class Family:
     n_q_heads: int
     n_kv_heads: int
     head_dim: int
+    max_positions: int | None  # the positions the model was built for (a reconstruction pass fits in them)
 
 
 def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
@@ -79,12 +80,14 @@ def family(model: torch.nn.Module) -> Family:
         attns.append(attn)
     cls = type(attns[0]).__name__
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    names = ("max_position_embeddings", "n_positions", "max_seq_len")
+    positions = next((int(getattr(config, n)) for n in names if getattr(config, n, None) is not None), None)
     if cls == "MptAttention":
         h = attns[0].n_heads
-        return Family("mpt", list(layers), attns, base, h, h, attns[0].head_dim)
+        return Family("mpt", list(layers), attns, base, h, h, attns[0].head_dim, positions)
     if cls == "GPTJAttention":
         h = attns[0].num_attention_heads
-        return Family("gptj", list(layers), attns, base, h, h, attns[0].head_dim)
+        return Family("gptj", list(layers), attns, base, h, h, attns[0].head_dim, positions)
     if cls.endswith("FlashAttention2") or "flash" in impl or impl == "flex_attention":
         raise UnsupportedModelError(
             f"attention implementation {impl!r} ({cls}) cannot take the per-layer masks of a compressed "
@@ -112,6 +115,7 @@ def family(model: torch.nn.Module) -> Family:
         config.num_attention_heads,
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         a.head_dim,
+        positions,
     )
 
 

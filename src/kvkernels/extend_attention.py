@@ -1,5 +1,7 @@
 """Attention of new tokens over a sequence's kept (possibly compressed) cache plus themselves, and their
-eviction scores from the same probabilities: the torch math behind ``PagedKVCache.extend_attend``.
+eviction scores from the same probabilities: the torch math behind ``kvmodels``'
+``PagedKVCache.extend_attend`` and the transformers bridge's reconstruction pass (kvzip's probe scores,
+``mode="max"``).
 
 A sequence that already holds tokens in the cache takes ``n`` more (a follow-up question, the next chunk of
 a chunked prefill). Each new token attends to every kept token and causally to the new tokens up to
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-# The prefill scorer's noise (kvkernels._noise.gumbel_noise_hash), through the public module that uses it.
-from kvkernels.score_update import gumbel_noise_hash
+# The prefill scorer's noise: the same counter hash ``prefill_scores`` draws.
+from ._noise import gumbel_noise_hash
 
 
 def scored_rows(n: int, mode: str, window: int) -> int:
