@@ -4,7 +4,8 @@ It stores what the policy's plan says (``kvpolicies.plan``; docs/contract.md §3
 kvmodels' paged cache calls; it decides nothing itself:
 
 * its layers (:class:`~kvpolicies.hf.layer.PolicyLayer`) hold **compacted** K/V ``[B, Hkv, N, D]`` with each
-  slot's original position, score and validity (ragged kept lengths, left padding); heads of a layer keep
+  slot's original position, score and validity (ragged kept lengths, left padding), or with
+  ``kivi(residual=0)`` kvmodels' packed quantized rows, dequantized for the attention; heads of a layer keep
   different tokens (per-KV-head selection, never expanded to query heads), and with a head-budget policy
   (``adakv``, ``pooled``, ``duo``) different numbers of them, from the plan's ``rows``;
 * the model's hooks (:class:`~kvpolicies.hf.hooks.Hooks`) tell it each forward's padding, positions, queries
@@ -44,6 +45,7 @@ from kvpolicies.base import LayerStats, NewTokens, residual_cos_sim
 from kvpolicies.hf.hooks import Hooks
 from kvpolicies.hf.layer import PolicyLayer, Step
 from kvpolicies.hf.models import rebuild_query, scale_and_slopes
+from kvpolicies.hf.rows import packed_rows
 from kvpolicies.plan import CompressionPlan
 
 
@@ -66,6 +68,11 @@ class HFCacheReport:
         sequence's mean over its heads (``layer_budgets`` is the layer's budget, the mean of its heads';
         ``head_budgets`` ``[Lc, B, Hkv]`` the plan's split). Unlike kvmodels, whose heads hold pages of their
         own, a layer here is one tensor padded to its longest head: ``bytes_per_layer`` counts that padding.
+    rows, quantized: as ``kvmodels.cache.CacheReport``: how a stored row holds a token (empty: the cache's
+        dtype; else the packed format and its bytes per row) and whether rows are quantized. Quantized
+        (``kivi(residual=0)``), ``bytes_per_layer`` counts the packed rows (codes, scales and zero points)
+        and, with ``channel_scale``, the float32 channel factors; ``full_cache_bytes`` stays the unquantized
+        cache's.
 
     ``print(report)`` shows it as a table (:meth:`__str__`).
     """
@@ -79,6 +86,8 @@ class HFCacheReport:
     full_cache_bytes: int = 0
     head_tokens: torch.Tensor | None = None
     head_budgets: torch.Tensor | None = None
+    rows: str = ""
+    quantized: bool = False
 
     def __str__(self) -> str:
         mib = 2.0**-20
@@ -93,7 +102,7 @@ class HFCacheReport:
         lines.append(
             f"KV cache: {self.total_bytes * mib:.3f} MiB kept vs {self.full_cache_bytes * mib:.3f} MiB full "
             f"({ratio:.1%}; full = every prompt and generated token in every layer); peak "
-            f"{self.peak_bytes * mib:.3f} MiB"
+            f"{self.peak_bytes * mib:.3f} MiB" + (f"; {self.rows}" if self.rows else "")
         )
         if self.merged_pairs:
             lines.append(f"merged pairs (stored under the first layer): {list(self.merged_pairs)}")
@@ -138,17 +147,12 @@ class PolicyCache(Cache):
         if len(probe_prefix) and not policy.eviction.probe:
             raise ValueError(f"probe_prefix is fed before the context's copy in a reconstruction pass, and "
                              f"policy {policy.name!r} runs none; use kvzip, or leave probe_prefix out")
-        if policy.precision.quantizes:
-            raise ValueError(
-                f"policy {policy.name!r}: precision policy {policy.precision.name!r} stores tokens as "
-                "quantized rows, which the transformers bridge does not hold yet (it stores the cache's "
-                f"dtype); drop {policy.precision.name!r} from the composition (issue 36 tracks quantized "
-                "storage)"
-            )
         self.hooks = Hooks.on(model)
         self._family = self.hooks.family
+        # kivi(residual=0): every layer stores packed quantized rows (kvpolicies.hf.rows); else None.
+        self.rows = packed_rows(policy, self._family.kind, self._family.head_dim)
         n = len(self._family.layers)
-        super().__init__(layers=[PolicyLayer(self, i) for i in range(n)])
+        super().__init__(layers=[PolicyLayer(self, i, self.rows) for i in range(n)])
         self.policy = policy
         self.eviction = policy.eviction
         # Where each layer stores its tokens (MiniCache pairs share a region), as kvmodels' PagedKVCache
@@ -230,7 +234,8 @@ class PolicyCache(Cache):
         if self._probe is not None:  # a reconstruction pass: it scores the context and is not stored
             assert query is not None
             self._probe_scores(layer, query, key_states, value_states)
-            return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
+            keys, values = layer.dense()
+            return torch.cat([keys, key_states], -2), torch.cat([values, value_states], -2)
         new_scores = None
         if self.eviction.scores_tokens:  # an open rule: each new token's score from what the step provides
             # [B, H, q, D] -> the rule's [..., H, D] with [...] = [B, q] -> [B, q, Hkv] -> [B, Hkv, q]
@@ -238,7 +243,11 @@ class PolicyCache(Cache):
                             positions=self.step.positions,
                             q=query.transpose(1, 2) if self.eviction.reads_queries else None)
             new_scores = self.eviction.token_scores(new).to(torch.float32).transpose(1, 2)
-        keys, values = layer.append(key_states, value_states, self.step, new_scores)
+        # Quantized rows: a decode step attends over its own token as stored (kvmodels writes it, then its
+        # kernel reads it back), a prompt or a continuation over its exact K/V (kvmodels' prefill and
+        # extend_attention take them as they come).
+        exact = not self.prefilled or key_states.shape[2] > 1
+        keys, values = layer.append(key_states, value_states, self.step, new_scores, exact=exact)
         if query is not None:
             self._score_layer(layer, key_states, query)
         return keys, values
@@ -441,6 +450,7 @@ class PolicyCache(Cache):
         assert self._probe is not None and layer.valid is not None and layer.scores is not None
         ev = self.eviction
         scale, slopes = scale_and_slopes(self._family, layer.layer_idx, self.captures)
+        kept_k, kept_v = layer.dense()  # quantized rows: dequantized, as kvmodels' probe reads them
         for b, span in enumerate(self._probe.spans):
             if span is None:
                 continue
@@ -448,8 +458,8 @@ class PolicyCache(Cache):
             kept_pos = layer.positions[b][:, ctx]  # [Hkv, m], position order
             _, scores = extend_attention(
                 q[b][:, new].transpose(0, 1), k[b][:, new].transpose(0, 1), v[b][:, new].transpose(0, 1),
-                self.step.positions[b, new], layer.keys[b][:, ctx].transpose(0, 1),
-                layer.values[b][:, ctx].transpose(0, 1), kept_pos.t(), scale=scale, alibi_slopes=slopes,
+                self.step.positions[b, new], kept_k[b][:, ctx].transpose(0, 1),
+                kept_v[b][:, ctx].transpose(0, 1), kept_pos.t(), scale=scale, alibi_slopes=slopes,
                 mode=ev.probe_mode, skip=ev.probe_skip)
             assert scores is not None
             lo, hi = span
@@ -626,7 +636,7 @@ class PolicyCache(Cache):
         def pool(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, N, ...] -> [B, N, Hkv, ...], a copy
             return x.transpose(1, 2).contiguous()
 
-        keys = pool(store.keys)
+        keys = pool(store.dense()[0])  # quantized rows: dequantized, the keys kvmodels' kernel reads
         score = pool(store.scores)  # updated in place by the op, then taken back
         restore = Restore(k_scale=pool(store.k_mag[layer.member]) if layer.merged else None,
                                     slot_mask=pool(store.visible(layer.member).to(torch.uint8)), mask_bit=1)
@@ -683,13 +693,15 @@ class PolicyCache(Cache):
         full = 0
         if self.prompt_lens is not None:
             seen = int(self.prompt_lens.sum()) + self._decode_step * int(self.prompt_lens.numel())
-            shaped = [x for x in self.layers if getattr(x, "keys", None) is not None and x.keys.numel()]
-            if shaped:
-                k = shaped[0].keys  # [B, Hkv, N, D]
-                full = 2 * len(self.layers) * seen * k.shape[1] * k.shape[3] * k.element_size()
+            dtype = next((x.kv_dtype for x in self.layers if x.kv_dtype is not None), None)
+            if dtype is not None:  # K/V of every token in the cache's dtype (unquantized)
+                fam = self._family
+                full = 2 * len(self.layers) * seen * fam.n_kv_heads * fam.head_dim * dtype.itemsize
         head_budgets = None if self.plan is None else self.plan.head_budgets
         return HFCacheReport(tokens, nbytes, total, self.peak_bytes, budgets, pairs, full,
-                             heads if per_head else None, head_budgets)
+                             heads if per_head else None, head_budgets,
+                             rows="" if self.rows is None else self.rows.describe(),
+                             quantized=self.rows is not None)
 
     def kept_positions(self, layer_idx: int, b: int) -> torch.Tensor:
         """``[Hkv, n]`` original positions of the tokens sequence ``b`` keeps in layer ``layer_idx``.
@@ -713,7 +725,7 @@ class PolicyCache(Cache):
         ``score`` ``[n_h]`` float32. The heads may hold different counts (head budgets)."""
         layer = self.layers[layer_idx]
         store = layer.store
-        keys, values = store.restored(layer.member) if layer.merged else (store.keys, store.values)
+        keys, values = store.restored(layer.member) if layer.merged else store.dense()
         valid = store.visible(layer.member)[b]  # [Hkv, N]
         parts = {"k": keys, "v": values, "pos": store.positions, "score": store.scores}
         return [{name: x[b, h][valid[h]] for name, x in parts.items()} for h in range(valid.shape[0])]
@@ -728,7 +740,7 @@ class PolicyCache(Cache):
         layer = self.layers[layer_idx]
         store = layer.store
         self._check_layer_contents(store)
-        keys, values = store.restored(layer.member) if layer.merged else (store.keys, store.values)
+        keys, values = store.restored(layer.member) if layer.merged else store.dense()
         row = store.valid[b]
         out = {
             "k": keys[b][:, row].transpose(0, 1),

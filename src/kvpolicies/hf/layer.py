@@ -1,7 +1,8 @@
 """The transformers bridge's storage: one :class:`PolicyLayer` per model layer, compacted in place.
 
-A layer holds dense ``[B, Hkv, N, D]`` K/V (what transformers' attention reads) and, per slot, what the
-kvkernels ops need beside them; to compact it lays itself out as a ``kvkernels`` page pool and calls
+A layer holds dense ``[B, Hkv, N, D]`` K/V (what transformers' attention reads), or with ``kivi(residual=0)``
+kvmodels' packed quantized rows (:mod:`kvpolicies.hf.rows`), and, per slot, what the kvkernels ops need beside
+them; to compact it lays itself out as a ``kvkernels`` page pool and calls
 ``topk_compact``, the op kvmodels' paged cache compacts with. What to keep is not decided here: budgets and
 forced counts come from the policy's plan (``kvpolicies.plan``), through the cache.
 """
@@ -16,9 +17,11 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvkernels import merge_restore, topk_compact
+from kvkernels.quant import key_channel_scale
 
 if TYPE_CHECKING:
     from kvpolicies.hf.cache import PolicyCache
+    from kvpolicies.hf.rows import PackedRows
 
 
 @dataclasses.dataclass
@@ -42,12 +45,20 @@ class PolicyLayer(DynamicLayer):
     ``k_mag``, ``v_mag``: ``[2, B, Hkv, N]`` float32 per-slot magnitudes (member 0 = ``a``, 1 = ``b``; 1.0 on
     private slots) and ``slot_mask``: ``[B, Hkv, N]`` uint8 (bit 1: visible to ``a``, bit 2: to ``b``).
     Layer ``b`` holds empty tensors and reads ``a``'s region (``store``) as ``member`` 1.
+
+    With quantized ``rows`` (``kivi(residual=0)``, :mod:`kvpolicies.hf.rows`) ``keys`` and ``values`` are
+    packed ``uint8`` rows ``[B, Hkv, N, W]`` (codes, scales and zero points: compaction moves them like any
+    slot tensor, bit for bit) and :meth:`dense` reads them back; with ``channel_scale`` the keys are stored
+    over ``key_scale [B, Hkv, D]`` float32, each sequence's factors from its prompt.
     """
 
-    def __init__(self, owner: PolicyCache, layer_idx: int) -> None:
+    def __init__(self, owner: PolicyCache, layer_idx: int, rows: PackedRows | None = None) -> None:
         super().__init__()
         self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
+        self.rows = rows
+        self.key_scale: torch.Tensor | None = None
+        self.kv_dtype: torch.dtype | None = None  # the K/V's dtype (the first update's)
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -78,16 +89,50 @@ class PolicyLayer(DynamicLayer):
 
     def append(
         self, key_states: torch.Tensor, value_states: torch.Tensor, step: Step,
-        new_scores: torch.Tensor | None = None,
+        new_scores: torch.Tensor | None = None, exact: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``q`` new tokens ``[B, Hkv, q, D]`` (scores ``[B, Hkv, q]``, else zeros); return what this
         layer attends over. A layer of a merged pair appends private slots to its pair's region: exact K/V,
-        magnitude 1, visible to it only."""
+        magnitude 1, visible to it only. Quantized rows store the tokens packed and return the layer
+        dequantized, the new tokens exact when ``exact`` (else as stored)."""
+        self.kv_dtype = self.kv_dtype or key_states.dtype
         if self.merged:
             return self.store._append_private(key_states, value_states, step, self.member, new_scores)
-        keys, values = super().update(key_states, value_states)
+        if self.rows is None:
+            keys, values = super().update(key_states, value_states)
+            self._append_side(key_states, step, new_scores)
+            return keys, values
+        if not self.is_initialized:  # the prompt: each sequence's channel factors from its real tokens
+            self.is_initialized, self.device = True, key_states.device
+            B, H = key_states.shape[:2]
+            self.keys = self.values = key_states.new_empty(B, H, 0, self.rows.width, dtype=torch.uint8)
+            if self.rows.channel_scale:
+                self.key_scale = torch.stack([key_channel_scale(k[:, ok].transpose(0, 1))
+                                              for k, ok in zip(key_states, step.valid)])  # [B, Hkv, D]
+        old_k, old_v = self.dense()
+        stored = key_states if self.key_scale is None else key_states / self.key_scale[:, :, None].to(
+            key_states.dtype)  # a power of two: exact
+        new_k, new_v = self.rows.encode(stored), self.rows.encode(value_states)
+        self.keys, self.values = (torch.cat([x, new], dim=-2) for x, new in ((self.keys, new_k),
+                                                                           (self.values, new_v)))
         self._append_side(key_states, step, new_scores)
-        return keys, values
+        if not exact:
+            key_states, value_states = self._decoded(new_k, new_v)
+        return torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[B, Hkv, N, D]`` in the cache's dtype: as held, or the packed rows dequantized (rotated back,
+        keys times their channel factors): what kvmodels reads of the same rows."""
+        if self.rows is None or self.keys is None:
+            return self.keys, self.values
+        return self._decoded(self.keys, self.values)
+
+    def _decoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.rows is not None and self.kv_dtype is not None
+        keys = self.rows.decode(k, self.kv_dtype)
+        if self.key_scale is not None:
+            keys = keys * self.key_scale[:, :, None].to(keys.dtype)
+        return keys, self.rows.decode(v, self.kv_dtype)
 
     def _append_side(self, key_states: torch.Tensor, step: Step,
                      new_scores: torch.Tensor | None = None) -> None:
@@ -154,7 +199,7 @@ class PolicyLayer(DynamicLayer):
     def nbytes(self) -> int:
         if not self.is_initialized or self.keys is None:
             return 0
-        held = [self.keys, self.values, self.k_mag, self.v_mag, self.slot_mask]
+        held = [self.keys, self.values, self.k_mag, self.v_mag, self.slot_mask, self.key_scale]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def compact(

@@ -1,0 +1,87 @@
+"""Quantized rows in the transformers bridge: ``kivi(residual=0)``, every kept token in one packed format.
+
+:class:`PackedRows` stores what ``kvmodels.cache.storage.PackedRows`` stores for the same policy and K/V:
+the ``kvkernels.quant`` packed row (``codes | scale | zero``, ``QuantFormat.row_bytes`` bytes, float16
+parameters), written by ``quantize_rows`` (rotated first, in float32, with ``rotate=True``) and read by
+``dequantize_rows`` (rotated back). ZipCache's channel-separable keys (``channel_scale=True``) are the
+layer's: it stores ``k / c`` and multiplies ``c`` back on reads. :func:`packed_rows` refuses, by name and
+with the fix, what the bridge cannot hold (two formats: KIVI's residual, ZipCache, MiKV) and what kvmodels
+refuses (ALiBi, a format that does not fit the head dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from kvkernels.quant import QuantFormat, dequantize_rows, hadamard_rotation, quantize_rows, rotate
+
+#: Why a quantizing precision policy is refused, by name (else: its formats).
+_TWO_FORMATS = {
+    "kivi": "keeps each KV head's newest {residual} tokens in the cache's dtype beside the quantized ones",
+    "zipcache": "stores salient tokens at {high} bits and the others at {low}",
+    "mikv": "keeps the tokens it evicts at {low} bits beside the kept ones (high={high})",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedRows:
+    """One packed format for K and V (``fmt``), Hadamard-rotated rows (``rotation [D, D]``) or not."""
+
+    fmt: QuantFormat
+    head_dim: int
+    rotation: torch.Tensor | None = None
+    channel_scale: bool = False
+
+    @property
+    def width(self) -> int:
+        """Bytes of one packed row."""
+        return self.fmt.row_bytes(self.head_dim)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed rows ``[..., W]`` uint8 of ``x [..., D]`` (kvmodels' write: no finiteness sync)."""
+        if self.rotation is not None:  # float32 into the quantizer, as kvmodels rotates
+            x = x.float() @ self.rotation.to(x.device)
+        return quantize_rows(x, self.fmt, validate=False)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Values ``[..., D]`` in ``dtype`` of packed rows ``[..., W]`` (rotated back)."""
+        if self.rotation is None:
+            return dequantize_rows(rows, self.head_dim, self.fmt, dtype)
+        return rotate(dequantize_rows(rows, self.head_dim, self.fmt), self.rotation.to(rows.device),
+                      back=True).to(dtype)
+
+    def describe(self) -> str:
+        how = ", Hadamard-rotated" if self.rotation is not None else ""
+        how += ", channel-scaled keys" if self.channel_scale else ""
+        return (f"{self.fmt.bits}-bit rows, group {self.fmt.group}{how} ({self.width} B "
+                "per K or V row)")
+
+
+def packed_rows(policy: Any, kind: str, head_dim: int) -> PackedRows | None:
+    """The rows ``policy``'s precision role stores on a ``kind`` model of ``head_dim``: None for ``native``;
+    ``ValueError`` naming the policy, why, and the fix for what the bridge does not hold."""
+    prec = policy.precision
+    if not prec.quantizes:
+        return None
+    name = f"policy {policy.name!r}: precision {prec.name!r} ({prec})"
+    if prec.name != "kivi" or prec.residual:
+        why = _TWO_FORMATS.get(prec.name, "stores tokens in formats {formats}").format_map(
+            {**vars(prec), "formats": prec.formats()})
+        raise ValueError(f"{name} {why}: two formats in one cache, which the transformers bridge does not "
+                         "hold (one quantized format per cache); use kivi(bits=..., group=..., residual=0), "
+                         "or run it on kvmodels (kvmodels.decoder.Decoder)")
+    if kind == "mpt":  # as kvmodels' attend refuses it
+        raise ValueError(f"{name} on an ALiBi model (MPT): ALiBi reads each slot's position beside its "
+                         "K/V, which kvmodels' quantized decode kernel does not; use a RoPE model (Llama, "
+                         "GPT-J) or native precision")
+    fmt = QuantFormat(prec.bits, prec.group_size())
+    try:
+        fmt.check(head_dim)
+        rotation = hadamard_rotation(head_dim) if prec.rotate else None
+    except ValueError as e:  # a group that does not divide the head dim, a rotation of a non-power of two
+        fix = "; use rotate=False" if prec.rotate and "Hadamard" in str(e) else ""
+        raise ValueError(f"{name} does not fit this model: {e}{fix}") from None
+    return PackedRows(fmt, head_dim, rotation, prec.channel_scale)
