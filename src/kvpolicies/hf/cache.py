@@ -18,7 +18,11 @@ kvmodels' paged cache calls; it decides nothing itself:
 * a policy that ranks the context by a reconstruction pass (``kvzip``) has it run before the first forward
   after the prefill: the cache feeds the context's ids again (after ``probe_prefix``) through the model as
   nested forwards, scores the kept context with ``kvkernels.extend_attention`` (the op kvmodels' probe uses)
-  and stores nothing of them, then compresses (:meth:`PolicyCache._reconstruct`).
+  and stores nothing of them, then compresses (:meth:`PolicyCache._reconstruct`);
+* a forward of several tokens after the prompt (a question after the context, a follow-up turn) is an
+  extension, as ``kvmodels.Decoder.extend``'s: its tokens are scored with ``kvkernels.extend_attention`` over
+  the kept tokens and themselves (:meth:`PolicyCache._extension_scores`), then the policy re-plans every
+  sequence from all it has seen and every layer is compacted to the plan (:meth:`PolicyCache._end_extension`).
 """
 
 from __future__ import annotations
@@ -178,6 +182,11 @@ class PolicyCache(Cache):
         self.prefilled = False  # the prompt went through
         self._compressed = False  # the prompt was compressed to the layer budgets
         self._decode_step = 0
+        self.extending = False  # the forward in flight is an extension (several tokens after the prompt)
+        # [B] host int64 per sequence: tokens seen (prompt, extensions, decode steps), the length its budget
+        # is a fraction of (the prompt's, then each extension's total, as kvmodels' budget_len), and the
+        # tokens its budget statistic (SqueezeAttention's cos-sim) averages over (prompt and extensions).
+        self._seen_tokens = self._budget_lens = self._stat_tokens = torch.zeros(0, dtype=torch.int64)
         self.step = None  # type: ignore[assignment]
         self._next_pos: torch.Tensor | None = None
         self._seen = 0  # logical length (padded prompt + generated), what generate expects
@@ -218,6 +227,12 @@ class PolicyCache(Cache):
         return self._seen + query_length, 0
 
     # --- driven by the hooks and the layers ---------------------------------------------------------
+    @property
+    def observes(self) -> bool:
+        """Whether this forward feeds the budget policy's statistic: the prompt and an extension (as kvmodels'
+        ``observe``), not a decode step or a reconstruction pass."""
+        return self._probe is None and (not self.prefilled or self.extending)
+
     def append_step(self, layer: PolicyLayer, key_states: torch.Tensor, value_states: torch.Tensor,
                     query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's ``update``: score and store this forward's new K/V ``[B, Hkv, q, D]``; return what the
@@ -248,7 +263,9 @@ class PolicyCache(Cache):
         # extend_attention take them as they come).
         exact = not self.prefilled or key_states.shape[2] > 1
         keys, values = layer.append(key_states, value_states, self.step, new_scores, exact=exact)
-        if query is not None:
+        if self.extending:
+            self._extension_scores(layer, keys, values, query)
+        elif query is not None:
             self._score_layer(layer, key_states, query)
         return keys, values
 
@@ -260,14 +277,9 @@ class PolicyCache(Cache):
             self.step = Step(self._probe.valid, self._probe.positions)
             self.captures = {"q_len": q_len}
             return
-        if self.prefilled and q_len > 1 and self.policy.heads_refuse_extension:
-            raise NotImplementedError(
-                f"policy {self.policy.name!r} gives KV heads their own budgets from the prompt's token "
-                f"scores ({self.policy.heads.name}), which evicted tokens no longer have, so it cannot take "
-                "a forward of several tokens after the prompt (a question after the context, a chunked "
-                "prefill), as kvmodels.Decoder cannot; put the question in the prompt, or use duo's per-head "
-                "budgets"
-            )
+        extending = self.prefilled and q_len > 1
+        if extending:
+            self._check_extension()
         if self._fresh:
             self._fresh = False
         elif not self._compressed:
@@ -297,7 +309,8 @@ class PolicyCache(Cache):
         self._next_pos = last if self._next_pos is None else torch.where(valid.any(-1), last, self._next_pos)
         self.step = Step(valid, positions)
         self.captures = {"q_len": q_len}
-        if self.prefilled and self.eviction.score_mode == "gumbel":
+        self.extending = extending
+        if self.prefilled and not extending and self.eviction.score_mode == "gumbel":
             self._draw_noise(device)
         if not self.prefilled:
             self.prompt_lens = valid.sum(-1)
@@ -330,9 +343,14 @@ class PolicyCache(Cache):
         if self._probe is not None:  # the reconstruction pass stored nothing and saw nothing
             return
         self._seen += q_len
+        counts = self.step.valid.sum(-1).cpu()
         if not self.prefilled:
             self.prefilled = True
+            self._seen_tokens, self._budget_lens, self._stat_tokens = (counts.clone() for _ in range(3))
+        elif self.extending:
+            self._end_extension(counts)
         else:
+            self._seen_tokens += counts
             step = self._decode_step
             self._decode_step += 1
             assert self.plan is not None  # made when the decode's first forward began
@@ -350,22 +368,126 @@ class PolicyCache(Cache):
         self._compressed = True
         if self.eviction.probe:  # its scores replace the prompt's before anything is planned
             self._reconstruct()
-        lens = self.prompt_lens.cpu()
-        cos = (self._cos_sum / lens.to(torch.float64).clamp_min(1)).to(torch.float32)
-
-        def head_scores(l: int, b: int) -> torch.Tensor:  # [Hkv, L]: sequence b's prompt scores in layer l
-            layer = self.layers[l]
-            return layer.scores[b][:, layer.valid[b]]
-
-        # The same decision kvmodels' cache acts on (ComposedPolicy.plan); with head budgets, as its HeadRows
-        # plans them, from each head's uncompressed prompt scores (after a reconstruction pass, its scores).
-        self.plan = self.policy.plan(lens, len(self.layers), LayerStats(cos_sim=cos),
-                                     max_new_tokens=self.max_new_tokens or 0,
-                                     head_scores=head_scores if self.policy.heads.per_head else None)
+        self._plan_batch()
         for i, (a, b) in enumerate(self.layout.pairs):
             self._merge_pair(a, b, *self.plan.joint.row(i))
         if self.plan.schedule.prefill_compress or self.eviction.probe:
             self._evict(regions=False)  # a region was compressed by its joint selection
+
+    def _plan_batch(self) -> None:
+        """``self.plan``: the same decision kvmodels' cache acts on (``ComposedPolicy.plan``) from each
+        sequence's tokens seen, its budget length and its statistic's mean; with head budgets, as its
+        ``HeadRows`` plans them, from the scores each head holds (after the prompt: every prompt token's,
+        after a reconstruction pass its scores; after an extension each head's, 0 past its count)."""
+        cos = (self._cos_sum / self._stat_tokens.to(torch.float64).clamp_min(1)).to(torch.float32)
+
+        def head_scores(l: int, b: int) -> torch.Tensor:  # [Hkv, L]: the scores sequence b holds in layer l
+            layer = self.layers[l]
+            held = layer.head_valid()[b]  # [Hkv, N]
+            order = torch.sort((~held).to(torch.uint8), dim=-1, stable=True).indices  # held slots first
+            scores = torch.where(held.gather(-1, order), layer.scores[b].gather(-1, order), 0.0)
+            return scores[:, :int(held.sum(-1).max())]
+
+        self.plan = self.policy.plan(self._seen_tokens, len(self.layers), LayerStats(cos_sim=cos),
+                                     max_new_tokens=self.max_new_tokens or 0,
+                                     budget_tokens=self.policy.checked_budget_tokens(self._budget_lens),
+                                     head_scores=head_scores if self.policy.heads.per_head else None)
+
+    # --- an extension: several tokens after the prompt (kvmodels' Decoder.extend) ---------------------
+    def _check_extension(self) -> None:
+        """Refuse, as ``kvmodels.Decoder`` does, a policy that cannot take tokens after the prompt."""
+        name = self.policy.name
+        if self.layout.pairs:
+            raise NotImplementedError(
+                f"policy {name!r} merges layers ({self.policy.merge.name}), which cannot take a forward of "
+                "several tokens after the prompt (a question after the context, a chunked prefill), as "
+                "kvmodels.Decoder cannot; put the question in the prompt, or use a policy without merging")
+        if self.policy.heads_refuse_extension:
+            raise NotImplementedError(
+                f"policy {name!r} gives KV heads their own budgets from the prompt's token scores "
+                f"({self.policy.heads.name}), which evicted tokens no longer have, so it cannot take a "
+                "forward of several tokens after the prompt (a question after the context, a chunked "
+                "prefill), as kvmodels.Decoder cannot; put the question in the prompt, or use duo's per-head "
+                "budgets")
+
+    def _extension_scores(self, layer: PolicyLayer, keys: torch.Tensor, values: torch.Tensor,
+                          q: torch.Tensor | None) -> None:
+        """An extension's scores in ``layer``, as kvmodels' ``extend_attend`` makes them: per sequence (per KV
+        head with head budgets, with its query group and seed) ``kvkernels.extend_attention`` of its new
+        tokens (``q [B, Hq, n, D]``; ``keys``/``values`` ``[B, Hkv, N, D]``, what the layer returned: the
+        kept slots, then the new ones exact) over its kept tokens in position order and, causally,
+        themselves, in the policy's prefill score mode. Window votes (snapkv, tova) replace the kept tokens'
+        scores, post-processed over kept + new; rows that all score continue them (``decay``: times
+        ``decay**n``). Without a prefill mode nothing more: an open rule scored the new tokens as they were
+        appended, else they score 0. The op's attention output is not used (the model attended)."""
+        ev, mode = self.eviction, self.eviction.prefill_mode
+        if mode is None:
+            return
+        assert q is not None and layer.positions is not None and layer.scores is not None
+        scale, slopes = scale_and_slopes(self._family, layer.layer_idx, self.captures)
+        held, pos, score = layer.head_valid(), layer.positions, layer.scores
+        B, H, N = pos.shape
+        n_old, G, D = N - q.shape[2], q.shape[1] // H, keys.shape[-1]
+        rows = [(slice(None), slice(None), -1)] if not self.policy.heads.per_head else [
+            (slice(h, h + 1), slice(h * G, (h + 1) * G), h) for h in range(H)]
+        for b in range(B):
+            new = self.step.valid[b]
+            n = int(new.sum())
+            if n == 0:
+                continue
+            new_slots = n_old + new.nonzero().squeeze(-1)  # [n]
+            kw = ev.prefill_kwargs(n)
+            window, decay = ev.prefill_window(n), float(kw.get("decay", 1.0))
+            for heads, group, h in rows:
+                idx = held[b, heads.start or 0, :n_old].nonzero().squeeze(-1)  # [m] (the heads hold alike)
+                order = pos[b, heads][:, idx].argsort(dim=-1, stable=True)
+                slots = idx[order]  # [h, m] each head's kept slots in position order
+
+                def tokens(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # [h, N, D] -> [m or n, h, D]
+                    return x.gather(1, at[..., None].expand(*at.shape, D)).transpose(0, 1)
+
+                fresh = new_slots.expand(slots.shape[0], n)
+                seed = prefill_seed(self._noise_seed, layer.layer_idx, b if h < 0 else b * H + h)  # its row
+                _, s = extend_attention(
+                    q[b, group][:, new].transpose(0, 1), tokens(keys[b, heads], fresh),
+                    tokens(values[b, heads], fresh), self.step.positions[b, new],
+                    tokens(keys[b, heads], slots), tokens(values[b, heads], slots),
+                    pos[b, heads].gather(-1, slots).t(), scale=scale,
+                    alibi_slopes=None if slopes is None else slopes[group], mode=mode, window=window,
+                    decay=decay, seed=seed,
+                    temperature=float(kw.get("temperature", 1.0)))
+                assert s is not None
+                m = idx.numel()
+                if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
+                    s = ev.postprocess_prefill_scores(s)
+                else:  # every row scores: the rows continue the kept tokens' scores, as decode steps would
+                    old = score[b, heads].gather(-1, slots) * (decay**n if mode == "decay" else 1.0)
+                    s = torch.cat([old + s[:, :m], s[:, m:]], dim=-1)
+                row = score[b, heads]  # a view: written in place
+                row.scatter_(-1, slots, s[:, :m].to(row.dtype))
+                row[:, new_slots] = s[:, m:].to(row.dtype)
+
+    def _end_extension(self, counts: torch.Tensor) -> None:
+        """After an extension (``counts [B]``: each sequence's new tokens), as kvmodels' ``end_extend``: a
+        sequence that took tokens has its budget from everything it has seen (``budget_len``); the batch is
+        re-planned (each layer's budget capped at the tokens seen plus the horizon) and, with the policy's
+        prompt compression, every layer compacted to the plan. A head-budget policy that compresses nothing
+        after its split (``kvzip+pooled``) keeps it, as ``HeadRows``. The generation that follows counts
+        its decode steps from 0 (``restart_decode``)."""
+        self.extending, self._decode_step = False, 0
+        self._seen_tokens += counts
+        self._stat_tokens += counts
+        self._budget_lens = torch.where(counts > 0, self._seen_tokens, self._budget_lens)
+        ev = self.eviction
+        if self.policy.heads.per_head and not (ev.prefill_compress or ev.decode_evict):
+            return
+        self._plan_batch()
+        assert self.plan is not None
+        if self.plan.schedule.prefill_compress:
+            if ev.heads_share_selection:  # as after a decode step: one ranking for the layer's heads
+                for layer in self.layers:
+                    layer.scores = ev.eviction_scores(layer.scores, head_dim=1).clone()
+            self._evict()
 
     # --- the reconstruction pass (kvzip) ------------------------------------------------------------
     def _check_probe(self, input_ids: torch.Tensor | None) -> None:
@@ -692,7 +814,7 @@ class PolicyCache(Cache):
         budgets = None if self.plan is None else self.plan.storage.budgets.clone()
         full = 0
         if self.prompt_lens is not None:
-            seen = int(self.prompt_lens.sum()) + self._decode_step * int(self.prompt_lens.numel())
+            seen = int(self._seen_tokens.sum())
             dtype = next((x.kv_dtype for x in self.layers if x.kv_dtype is not None), None)
             if dtype is not None:  # K/V of every token in the cache's dtype (unquantized)
                 fam = self._family

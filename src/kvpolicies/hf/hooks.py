@@ -129,7 +129,7 @@ class Hooks:
 
     def _layer_pre(self, l: int, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = self.active
-        if cache is not None and not cache.prefilled:
+        if cache is not None and cache.observes:
             cache.captures[("h_in", l)] = kwargs.get("hidden_states", args[0] if args else None)
 
     def _attn_pre(
@@ -153,7 +153,7 @@ class Hooks:
     def _attn_post(self, l: int, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
                    output: Any) -> None:
         cache = self.cache_in(kwargs)
-        if cache is None or cache.prefilled:
+        if cache is None or not cache.observes:
             return
         h_in = cache.captures.pop(("h_in", l), None)
         if h_in is not None:
