@@ -448,3 +448,39 @@ def test_a_generation_past_max_tokens_is_refused_up_front():
     with pytest.raises(ValueError, match=r"^max_new_tokens=8: sequence 0 would cache 7 more tokens"):
         dec.generate(8)
     assert len(dec.generate(7).tokens[0]) == 7  # 6 steps fit
+
+
+DUO = ("duo", {"weights": ((0.9, 0.1), (0.1, 0.9)), "fraction": 0.5})  # one retrieval head per layer
+
+
+@pytest.mark.parametrize("spec", [("snapkv(window=4)",), ("h2o",), ("snapkv(window=4)", DUO)],
+                         ids=["snapkv", "h2o", "snapkv+duo"])
+def test_a_batched_follow_up_equals_each_sequence_alone(spec):
+    """A follow-up turn of a batch compresses each sequence by its own extension: sequence 0's ``end_extend``
+    must not compress sequence 1's answer to its old budget before sequence 1's question re-ranks it (the
+    batch, in either order, keeps and generates what each sequence does alone)."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [[int(x) for x in torch.randint(0, V, (n,), generator=g)] for n in (28, 23)]
+    follow = [[int(x) for x in torch.randint(0, V, (n,), generator=g)] for n in (6, 9)]
+    policy = compose(*spec, budget=0.5)
+
+    def kept(dec: Decoder, b: int) -> list:
+        if policy.heads.per_head:
+            return [[h["pos"].flatten().tolist() for h in dec.cache.head_contents(l, b)]
+                    for l in range(MODEL.n_cache_layers)]
+        return [dec.cache.layer_contents(l, b)["pos"].t().tolist() for l in range(MODEL.n_cache_layers)]
+
+    def run(order: list[int]) -> tuple[list[list[int]], list]:
+        dec = Decoder(MODEL, policy)
+        dec.extend([prompts[b] for b in order])
+        dec.generate(5)
+        dec.extend([follow[b] for b in order])
+        out = dec.generate(4).tokens
+        return out, [kept(dec, i) for i in range(len(order))]
+
+    alone = [run([b]) for b in (0, 1)]
+    for order in ([0, 1], [1, 0]):
+        out, held = run(order)
+        for i, b in enumerate(order):
+            assert out[i] == alone[b][0][0], f"order {order}, sequence {b}: tokens"
+            assert held[i] == alone[b][1][0], f"order {order}, sequence {b}: kept positions"

@@ -100,20 +100,17 @@ def test_question_after_context_on_other_models(kind, spec):
 @pytest.mark.parametrize("spec", ["h2o", "snapkv", "snapkv+duo"])
 def test_a_follow_up_after_the_answer_keeps_what_the_decoder_keeps(spec):
     """Context, question + generate, follow-up + generate: the second extension is the first answer's last
-    token (generated, not yet fed) and the follow-up, as the Decoder feeds its pending token first.
-
-    Compared per sequence with a Decoder of that sequence alone: a batched Decoder extends its sequences one
-    after another, and each ``end_extend`` re-plans the whole batch, so a later sequence's answer is
-    compressed to its previous budget before its own follow-up re-ranks it (it then keeps other tokens than
-    alone); the bridge extends every sequence of the batch at once, as each alone."""
+    token (generated, not yet fed) and the follow-up, as the Decoder feeds its pending token first. The bridge
+    extends every sequence of the batch at once, the Decoder one after another (each ``end_extend``
+    compresses its own sequence only): the same tokens kept either way."""
     hf_model, policy = model("llama"), SPECS[spec]("llama")
     contexts, questions, follow_ups = prompts(CONTEXTS, seed=7), prompts(QUESTIONS, seed=8), prompts(
         FOLLOW_UPS, seed=9)
     ours, cache = bridge(hf_model, policy, contexts, questions, follow_ups)
-    for b, ctx in enumerate(contexts):
-        theirs, ref = decoder(hf_model, policy, [ctx], [questions[b]], [follow_ups[b]])
-        assert [turn[b] for turn in ours] == [turn[0] for turn in theirs], f"sequence {b}"
-        assert kept(cache, b) == kept(ref, 0), f"sequence {b}"
+    theirs, ref = decoder(hf_model, policy, contexts, questions, follow_ups)
+    assert ours == theirs
+    for b in range(len(contexts)):
+        assert kept(cache, b) == kept(ref, b), f"sequence {b}"
 
 
 @pytest.mark.parametrize("spec", ["h2o", "snapkv+duo", "h2o+kivi"])

@@ -132,9 +132,11 @@ class Compactor:
         return [pool.k_mag[0], pool.k_mag[1], pool.v_mag[0], pool.v_mag[1], pool.slot_mask]
 
     def compress_calls(self, lens: np.ndarray, plan, n: int, layers: list[int] | None = None,
-                       in_place: bool = False, keep_order: bool = False) -> list[Compaction]:
+                       in_place: bool = False, keep_order: bool = False,
+                       rows: list[int] | None = None) -> list[Compaction]:
         """The calls that compact every storage layer (of ``layers``) holding more than ``plan``'s budget for
-        rows ``0 .. n - 1``, one call per storage width (plain layers, merged regions), not yet run.
+        rows ``0 .. n - 1`` (of ``rows`` only when given: the others' budgets are raised to what they hold, which
+        the op leaves as it is), one call per storage width (plain layers, merged regions), not yet run.
 
         ``in_place`` (decode-time eviction): plain layers evict with ``topk_evict``, which keeps the same
         tokens but moves only the kept slots past the budget, not every kept token after an evicted one.
@@ -143,6 +145,10 @@ class Compactor:
         too.
         """
         budgets, n_sink, n_recent = (x.numpy() for x in plan.rows)  # [Lc, n] each
+        if rows is not None:
+            others = np.setdiff1d(np.arange(n), rows)
+            budgets = budgets.copy()
+            budgets[:, others] = np.maximum(budgets[:, others], lens[:, others])
         calls = []
         for w, ls in self.width_groups(range(len(lens)) if layers is None else layers).items():
             if not (lens[ls, :n] > budgets[ls]).any():

@@ -362,7 +362,7 @@ class ExtendSteps:
             self.rows.replanned(b)
         self._extension = None
         self._state = "decode"
-        self._replan()
+        self._replan(rows)  # only b's rows: another sequence's new tokens wait for its own extension
         if ext.probe is not None and ext.probe.last:  # compressed by the probe's scores; others may wait
             assert self.plan is not None  # _replan made it
             self._compress_rows(rows, *(x.numpy()[:, rows] for x in self.plan.rows))
@@ -385,9 +385,11 @@ class ExtendSteps:
         self.max_new_tokens = max_new_tokens
         self._replan()
 
-    def _replan(self) -> None:
+    def _replan(self, rows: list[int] | None = None) -> None:
         """The batch's plan from the sequences' current lengths, budgets and horizon (``self.plan``), and,
-        with the policy's ``prefill_compress``, every layer over its budget compressed now. A
+        with the policy's ``prefill_compress``, every layer over its budget compressed now (of pool ``rows``
+        only when given: an extension compresses its own sequence, so a batch's turn, one sequence at a time,
+        keeps what each sequence keeps alone). A
         sequence's capacity counts every token it has seen (a generation adds to its context), its budget the
         length it was last given (``budget_len``). Layers may be out of position order after decode-time
         eviction: ``topk_evict`` ranks by stored positions (Keyformer's layers stay in order: its decode
@@ -400,5 +402,5 @@ class ExtendSteps:
         if self.plan.schedule.prefill_compress and self.side is None:  # two formats: at the split only
             if self.eviction.heads_share_selection:  # as after_step: one ranking for the layer's heads
                 self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
-            self._compress(in_place=True)
+            self._compress(in_place=True, rows=rows)
 

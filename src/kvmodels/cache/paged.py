@@ -385,19 +385,21 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
             self.side.split(self, todo)
         self._split[rows] = True
 
-    def _compress(self, layers: list[int] | None = None, in_place: bool = False) -> None:
-        """Compact every storage layer (of ``layers``) holding more than its budget: one op call per storage
-        width (plain layers, merged regions)."""
-        for call in self._compress_calls(layers, in_place):
+    def _compress(self, layers: list[int] | None = None, in_place: bool = False,
+                  rows: list[int] | None = None) -> None:
+        """Compact every storage layer (of ``layers``) holding more than its budget, in pool ``rows`` (all when
+        None): one op call per storage width (plain layers, merged regions)."""
+        for call in self._compress_calls(layers, in_place, rows):
             call.device()
             call.commit()
 
-    def _compress_calls(self, layers: list[int] | None = None, in_place: bool = False) -> list[Compaction]:
+    def _compress_calls(self, layers: list[int] | None = None, in_place: bool = False,
+                        rows: list[int] | None = None) -> list[Compaction]:
         """The compaction calls :meth:`_compress` makes, not yet run (``Compactor.compress_calls``;
         Keyformer's layers stay in slot order)."""
         assert self.plan is not None  # set by finish_prefill
         return self.compactor.compress_calls(self.host.lens, self.plan, self.batch_size, layers, in_place,
-                                             keep_order=self.gumbel)
+                                             keep_order=self.gumbel, rows=rows)
 
     def finish_sequence(self, b: int) -> None:
         """Return all pages of sequence ``b`` to the pool; its row stays in the batch, inactive."""
