@@ -135,8 +135,8 @@ class Compactor:
                        in_place: bool = False, keep_order: bool = False,
                        rows: list[int] | None = None) -> list[Compaction]:
         """The calls that compact every storage layer (of ``layers``) holding more than ``plan``'s budget for
-        rows ``0 .. n - 1`` (of ``rows`` only when given: the others' budgets are raised to what they hold, which
-        the op leaves as it is), one call per storage width (plain layers, merged regions), not yet run.
+        rows ``0 .. n - 1`` (of ``rows`` only when given: the others' budgets are raised to what they hold,
+        which the op leaves as it is), one call per storage width (plain layers, merged regions), not yet run.
 
         ``in_place`` (decode-time eviction): plain layers evict with ``topk_evict``, which keeps the same
         tokens but moves only the kept slots past the budget, not every kept token after an evicted one.

@@ -387,8 +387,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
 
     def _compress(self, layers: list[int] | None = None, in_place: bool = False,
                   rows: list[int] | None = None) -> None:
-        """Compact every storage layer (of ``layers``) holding more than its budget, in pool ``rows`` (all when
-        None): one op call per storage width (plain layers, merged regions)."""
+        """Compact every storage layer (of ``layers``) holding more than its budget, in pool ``rows`` (all
+        when None): one op call per storage width (plain layers, merged regions)."""
         for call in self._compress_calls(layers, in_place, rows):
             call.device()
             call.commit()
