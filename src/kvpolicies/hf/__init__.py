@@ -13,7 +13,9 @@ kvpolicies[hf]``); the core packages never import it.
     >>> out = model.generate(input_ids=context_and_question_ids, past_key_values=cache)  # compression first
 
 Its parts (docs/hf.md has the full story): :mod:`~kvpolicies.hf.cache`, the ``transformers.Cache`` that stores
-what the policy's plan says and calls the kvkernels ops; :mod:`~kvpolicies.hf.layer`, its per-layer storage;
+what the policy's plan says and calls the kvkernels ops, with its scores (:mod:`~kvpolicies.hf.scores`), its
+reconstruction pass and extensions (:mod:`~kvpolicies.hf.extend`) and its report
+(:mod:`~kvpolicies.hf.report`) in modules of their own; :mod:`~kvpolicies.hf.layer`, its per-layer storage;
 :mod:`~kvpolicies.hf.hooks`, what it learns from the model's forward; :mod:`~kvpolicies.hf.models`, the model
 families it can drive (Llama-style attention with rotary embeddings, GPT-J, MPT) and how their queries are
 rebuilt.
@@ -33,10 +35,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("kvpolicies.hf needs transformers: pip install 'kvpolicies[hf]'") from exc
 
-from kvpolicies.hf.cache import HFCacheReport, PolicyCache
+from kvpolicies.hf.cache import PolicyCache
 from kvpolicies.hf.hooks import CACHE_NAMES, Hooks, cache_kwarg
 from kvpolicies.hf.layer import PolicyLayer
 from kvpolicies.hf.models import UnsupportedModelError
+from kvpolicies.hf.report import HFCacheReport
 
 __all__ = [
     "PolicyCache",
