@@ -190,7 +190,7 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     hf_model = model("llama")  # 128 positions
     kvzip = compose("kvzip", budget=0.3)
     long = left_pad(prompts([70], seed=1))
-    with pytest.raises(ValueError, match=r"input_ids\[0\].*70 tokens again.*128 positions.*kvzip\(span=N\)"):
+    with pytest.raises(ValueError, match=r"input_ids\[0\].*70 tokens again.*context of 128.*kvzip\(span=N\)"):
         prefill(hf_model, kvzip.hf_cache(hf_model), *long)
     with pytest.raises(ValueError, match=r"after the 3 tokens of probe_prefix.*lower span"):
         prefill(hf_model, compose("kvzip(span=60)", budget=0.3).hf_cache(hf_model, probe_prefix=PREFIX),

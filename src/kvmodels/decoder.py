@@ -120,13 +120,7 @@ class Decoder:
         self._generator = torch.Generator(device=self.device)  # sampling at temperature > 0
         self._generator.manual_seed(seed)
         self._step_fn = compile_decode_step(model) if compile else model.decode_step
-        if isinstance(probe_prefix, (str, bytes)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in probe_prefix):
-            raise ValueError(f"probe_prefix must be a list of token ids, got {probe_prefix!r}; tokenize it")
-        if len(probe_prefix) and not policy.eviction.probe:
-            raise ValueError(f"probe_prefix is fed before the prompt's copy in a reconstruction pass, and "
-                             f"policy {policy.name!r} runs none; use kvzip, or leave probe_prefix out")
-        self.probe_prefix = [int(t) for t in probe_prefix]
+        self.probe_prefix = policy.checked_probe_prefix(probe_prefix)
         self._prefill_tokens, self._prefill_s = 0, 0.0  # since the last generate
 
     @property
@@ -285,24 +279,9 @@ class Decoder:
             raise NotImplementedError(f"{what}), and precision {self.policy.precision.name!r} stores tokens "
                                       "in two formats, split once after the prompt's compression, which "
                                       "this pass would redo; use native precision or kivi(residual=0)")
-        extra = len(self.probe_prefix)
-        span = getattr(self.policy.eviction, "span", None)  # kvzip's; a plugin's probe policy may have none
-        skip = self.policy.eviction.probe_skip
         for b, toks in enumerate(prompts):
-            if skip is not None and len(toks) <= skip[1]:
-                raise ValueError(f"tokens[{b}]: policy {name!r} copies the prompt from token {skip[1]} on "
-                                 f"(its skip: the chat template's opening), and the prompt has {len(toks)} "
-                                 "tokens; lower skip or give a longer prompt")
-            passes = self._probe_passes(len(toks))
-            need = len(toks) + max(extra + stop - start for start, stop, _ in passes)
-            if need > model.max_seq_len:
-                with_prefix = f" after the {extra} tokens of probe_prefix" if extra else ""
-                how = ("shorten the prompt or reconstruct it in parts (kvzip(span=N))" if span is None
-                       else "shorten the prompt or lower span")
-                raise ValueError(f"tokens[{b}]: policy {name!r} feeds the prompt of {len(toks)} tokens again "
-                                 f"after itself{with_prefix} (the reconstruction pass"
-                                 f"{'' if span is None else f', {span} tokens at a time'}), at positions up "
-                                 f"to {need}, past the model's context of {model.max_seq_len}; {how}")
+            self.policy.check_probe_fits(f"tokens[{b}]", len(toks), len(toks), len(self.probe_prefix),
+                                         model.max_seq_len)
 
     def _probe_passes(self, n: int) -> list[tuple[int, int, int]]:
         """The reconstruction's passes over a prompt of ``n`` tokens: ``(start, stop, scored)`` each copies

@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,6 +288,39 @@ class ComposedPolicy:
         steps (the eviction policy evicts during decoding, every ``evict_every`` steps)."""
         return EvictionSchedule(bool(self.eviction.prefill_compress), bool(self.eviction.decode_evict),
                                 self.evict_every)
+
+    def checked_probe_prefix(self, probe_prefix: Sequence[int]) -> list[int]:
+        """``probe_prefix`` as token ids, fed before the context's copy in a reconstruction pass (kvzip's
+        instruction); ``ValueError`` for text or a policy that runs no such pass."""
+        if isinstance(probe_prefix, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in probe_prefix):
+            raise ValueError(f"probe_prefix must be a list of token ids, got {probe_prefix!r}; tokenize it")
+        if len(probe_prefix) and not self.eviction.probe:
+            raise ValueError(f"probe_prefix is fed before the prompt's copy in a reconstruction pass, and "
+                             f"policy {self.name!r} runs none; use kvzip, or leave probe_prefix out")
+        return [int(t) for t in probe_prefix]
+
+    def check_probe_fits(self, where: str, n: int, start: int, extra: int, limit: int | None) -> None:
+        """Refuse a reconstruction pass over a prompt of ``n`` tokens (``where`` names it, e.g.
+        ``tokens[0]``) that cannot run: a prompt no longer than ``skip``'s opening, or passes fed at positions
+        from ``start`` on (after ``extra`` tokens of probe prefix) that reach past the model's ``limit``
+        positions (None: no limit)."""
+        ev, name = self.eviction, self.name
+        skip = ev.probe_skip
+        if skip is not None and n <= skip[1]:
+            raise ValueError(f"{where}: policy {name!r} copies the prompt from token {skip[1]} on (its "
+                             f"skip: the chat template's opening), and the prompt has {n} tokens; lower skip "
+                             "or give a longer prompt")
+        need = start + max(extra + stop - lo for lo, stop, _ in ev.probe_passes(n))
+        if limit is not None and need > limit:
+            span = getattr(ev, "span", None)  # kvzip's; a plugin's probe policy may have none
+            with_prefix = f" after the {extra} tokens of probe_prefix" if extra else ""
+            how = ("shorten the prompt or reconstruct it in parts (kvzip(span=N))" if span is None
+                   else "shorten the prompt or lower span")
+            raise ValueError(f"{where}: policy {name!r} feeds the prompt of {n} tokens again after itself"
+                             f"{with_prefix} (the reconstruction pass"
+                             f"{'' if span is None else f', {span} tokens at a time'}), at positions up to "
+                             f"{need}, past the model's context of {limit}; {how}")
 
     @property
     def heads_refuse_extension(self) -> bool:

@@ -78,12 +78,7 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
                 f"policy must be a kvpolicies.ComposedPolicy (build one with kvpolicies.compose(...)), "
                 f"got {type(policy).__name__}"
             )
-        if isinstance(probe_prefix, (str, bytes)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in probe_prefix):
-            raise ValueError(f"probe_prefix must be a list of token ids, got {probe_prefix!r}; tokenize it")
-        if len(probe_prefix) and not policy.eviction.probe:
-            raise ValueError(f"probe_prefix is fed before the context's copy in a reconstruction pass, and "
-                             f"policy {policy.name!r} runs none; use kvzip, or leave probe_prefix out")
+        prefix = policy.checked_probe_prefix(probe_prefix)
         self.hooks = Hooks.on(model)
         self._family = self.hooks.family
         # kivi(residual=0): every layer stores packed quantized rows (kvpolicies.hf.rows); else None.
@@ -102,7 +97,7 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
                 f"{policy.merge.name!r} cannot take (a merged region takes no tokens after the prompt); "
                 "use a policy without merging"
             )
-        self.probe_prefix = [int(t) for t in probe_prefix]
+        self.probe_prefix = prefix
         self.seed = seed
         # Seeds as kvmodels' PagedKVCache derives them (kvkernels.noise_seed / prefill_seed): the bridge and
         # kvmodels draw identical Gumbel noise for the same policy and seed.

@@ -117,22 +117,9 @@ class ExtendSteps:
                 "context's token ids again; pass the prompt as input_ids=, not inputs_embeds="
             )
         self._context = input_ids
-        skip, extra, limit = ev.probe_skip, len(self.probe_prefix), self._family.max_positions
-        span = getattr(ev, "span", None)  # kvzip's; a plugin's probe policy may have none
+        extra, limit = len(self.probe_prefix), self._family.max_positions
         for b, (n, start) in enumerate(zip(self.step.valid.sum(-1).tolist(), self._next_pos.tolist())):
-            if skip is not None and n <= skip[1]:
-                raise ValueError(f"input_ids[{b}]: policy {name!r} copies the prompt from token {skip[1]} on "
-                                 f"(its skip: the chat template's opening), and the prompt has {n} tokens; "
-                                 "lower skip or give a longer prompt")
-            need = start + max(extra + stop - lo for lo, stop, _ in ev.probe_passes(n))
-            if limit is not None and need > limit:
-                with_prefix = f" after the {extra} tokens of probe_prefix" if extra else ""
-                how = ("shorten the prompt or reconstruct it in parts (kvzip(span=N))" if span is None
-                       else "shorten the prompt or lower span")
-                raise ValueError(f"input_ids[{b}]: policy {name!r} feeds the prompt of {n} tokens again "
-                                 f"after itself{with_prefix} (the reconstruction pass"
-                                 f"{'' if span is None else f', {span} tokens at a time'}), at positions up "
-                                 f"to {need}, past the model's {limit} positions; {how}")
+            self.policy.check_probe_fits(f"input_ids[{b}]", n, start, extra, limit)
 
     def _reconstruct(self) -> None:
         """The context's reconstruction pass(es), as ``kvmodels.Decoder._probe`` runs them: per sequence the
