@@ -126,13 +126,19 @@ def test_zipcache_needs_scores_at_assign():
         ZipCache().assign(torch.ones(1, 4, dtype=torch.bool), None)
 
 
-def test_the_transformers_bridge_refuses_quantized_storage_by_name():
+def test_the_transformers_bridge_holds_one_format_and_refuses_two_by_name():
+    """The bridge stores ``kivi(residual=0)``'s packed rows (tests/test_hf_quant.py); two formats in one cache
+    (KIVI's full-precision residual, ZipCache, MiKV) are refused, naming the policy and the fix."""
     pytest.importorskip("transformers")
     from kvpolicies.hf import PolicyCache
-    from test_hf_bridge import model_of  # the bridge tests' tiny models
+    from test_hf_bridge import model_of  # the bridge tests' tiny models (head dim 16)
 
-    with pytest.raises(ValueError, match="precision policy 'kivi' stores tokens as quantized rows"):
-        PolicyCache(compose("snapkv", "kivi", budget=0.2), model_of("llama"))
+    model = model_of("llama")
+    assert PolicyCache(compose("snapkv", "kivi(residual=0, group=8)", budget=0.2), model).layers[0].rows
+    for precision in ("kivi", "zipcache(group=8)", "mikv(group=8)"):
+        name = precision.split("(")[0]
+        with pytest.raises(ValueError, match=f"precision '{name}'.*two formats.*use kivi\\(.*residual=0\\)"):
+            PolicyCache(compose("h2o", precision, budget=0.2), model)
 
 
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
