@@ -365,6 +365,24 @@ def dequantize_rows(rows: Tensor, head_dim: int, fmt: QuantFormat,
     return dequantize(unpack(rows, head_dim, fmt), fmt.bits, fmt.group, dtype)
 
 
+def encode_rows(x: Tensor, fmt: QuantFormat, rotation: Tensor | None = None) -> Tensor:
+    """Packed rows ``[..., W]`` of ``x [..., D]`` as a cache stores them: with ``rotation``
+    (:func:`hadamard_rotation`) rotated first, in float32 (no rounding to ``x``'s dtype before the quantizer);
+    no finiteness check (it reads the device, and a compiled decode step writes through here)."""
+    if rotation is not None:
+        x = x.float() @ rotation
+    return quantize_rows(x, fmt, validate=False)
+
+
+def decode_rows(rows: Tensor, head_dim: int, fmt: QuantFormat, dtype: torch.dtype,
+                rotation: Tensor | None = None) -> Tensor:
+    """What a cache reads of rows :func:`encode_rows` wrote: values ``[..., head_dim]`` in ``dtype``, rotated
+    back (in float32) with ``rotation``."""
+    if rotation is None:
+        return dequantize_rows(rows, head_dim, fmt, dtype)
+    return (dequantize_rows(rows, head_dim, fmt) @ rotation.t()).to(dtype)
+
+
 def hadamard_rotation(head_dim: int, device: torch.device | str | None = None) -> Tensor:
     """The randomized Hadamard rotation ``R [D, D]`` float32 that rotated rows are stored in (QuaRot's and
     RotateKV's fix for outlier channels): ``R = diag(s) H / sqrt(D)``, ``H`` Sylvester's Hadamard matrix and

@@ -283,13 +283,6 @@ class Decoder:
             self.policy.check_probe_fits(f"tokens[{b}]", len(toks), len(toks), len(self.probe_prefix),
                                          model.max_seq_len)
 
-    def _probe_passes(self, n: int) -> list[tuple[int, int, int]]:
-        """The reconstruction's passes over a prompt of ``n`` tokens: ``(start, stop, scored)`` each copies
-        prompt tokens ``[start, stop)`` and scores those from ``scored`` on (the policy's ``probe_passes``:
-        one pass without ``kvzip(span=)``; with it, each span copied from ``OVERLAP`` tokens before it; the
-        copy begins after ``kvzip(skip=)``'s opening; the first pass scores every position)."""
-        return self.policy.eviction.probe_passes(n)
-
     def _probe(self, b: int, toks: list[int], max_new_tokens: int) -> None:
         """Sequence ``b``'s reconstruction: its prompt ``toks`` fed again at the positions after it (after
         ``probe_prefix``; in spans with ``kvzip(span=)``), scoring the kept prompt and storing nothing; the
@@ -298,7 +291,7 @@ class Decoder:
         from kvmodels.cache import ProbeSpan
 
         cache, model = self.cache, cast(_Extendable, self.model)  # checked: model.can_extend
-        passes = self._probe_passes(len(toks))
+        passes = self.policy.eviction.probe_passes(len(toks))
         for i, (start, stop, scored) in enumerate(passes):
             probe = self.probe_prefix + toks[start:stop]
             last = i == len(passes) - 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvkernels.paged_attention import paged_decode_attention
-from kvkernels.quant import QuantFormat, dequantize_rows, hadamard_rotation, quantize_rows, rotate
+from kvkernels.quant import QuantFormat, decode_rows, encode_rows, hadamard_rotation, rotate
 from kvkernels.quant_attention import quant_decode_attention
 from kvpolicies.base import NATIVE_BITS
 
@@ -86,15 +86,10 @@ class PackedRows(NativeRows):
                 f"row, {self.head_dim * 2} B in float16)")
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        # No finiteness check: it reads the device, and a compiled decode step writes through here.
-        if self.rotation is not None:  # float32 into the quantizer: no rounding to the cache's dtype first
-            x = x.float() @ self.rotation
-        return quantize_rows(x, self.fmt, validate=False)
+        return encode_rows(x, self.fmt, self.rotation)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.rotation is None:
-            return dequantize_rows(rows, self.head_dim, self.fmt, self.dtype)
-        return (dequantize_rows(rows, self.head_dim, self.fmt) @ self.rotation.t()).to(self.dtype)
+        return decode_rows(rows, self.head_dim, self.fmt, self.dtype, self.rotation)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         return q if self.rotation is None else rotate(q, self.rotation)

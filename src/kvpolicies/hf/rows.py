@@ -2,11 +2,11 @@
 
 :class:`PackedRows` stores what ``kvmodels.cache.storage.PackedRows`` stores for the same policy and K/V:
 the ``kvkernels.quant`` packed row (``codes | scale | zero``, ``QuantFormat.row_bytes`` bytes, float16
-parameters), written by ``quantize_rows`` (rotated first, in float32, with ``rotate=True``) and read by
-``dequantize_rows`` (rotated back). ZipCache's channel-separable keys (``channel_scale=True``) are the
-layer's: it stores ``k / c`` and multiplies ``c`` back on reads. :func:`packed_rows` refuses, by name and
-with the fix, what the bridge cannot hold (two formats: KIVI's residual, ZipCache, MiKV) and what kvmodels
-refuses (ALiBi, a format that does not fit the head dim).
+parameters), written by ``encode_rows`` (rotated first, in float32, with ``rotate=True``) and read by
+``decode_rows`` (rotated back), the functions kvmodels' storage calls. ZipCache's channel-separable keys
+(``channel_scale=True``) are the layer's: it stores ``k / c`` and multiplies ``c`` back on reads.
+:func:`packed_rows` refuses, by name and with the fix, what the bridge cannot hold (two formats: KIVI's
+residual, ZipCache, MiKV) and what kvmodels refuses (ALiBi, a format that does not fit the head dim).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvkernels.quant import QuantFormat, dequantize_rows, hadamard_rotation, quantize_rows, rotate
+from kvkernels.quant import QuantFormat, decode_rows, encode_rows, hadamard_rotation
 
 #: Why a quantizing precision policy is refused, by name (else: its formats).
 _TWO_FORMATS = {
@@ -40,18 +40,16 @@ class PackedRows:
         """Bytes of one packed row."""
         return self.fmt.row_bytes(self.head_dim)
 
+    def _rotation(self, device: torch.device) -> torch.Tensor | None:
+        return None if self.rotation is None else self.rotation.to(device)
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Packed rows ``[..., W]`` uint8 of ``x [..., D]`` (kvmodels' write: no finiteness sync)."""
-        if self.rotation is not None:  # float32 into the quantizer, as kvmodels rotates
-            x = x.float() @ self.rotation.to(x.device)
-        return quantize_rows(x, self.fmt, validate=False)
+        """Packed rows ``[..., W]`` uint8 of ``x [..., D]`` (``encode_rows``, kvmodels' write)."""
+        return encode_rows(x, self.fmt, self._rotation(x.device))
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Values ``[..., D]`` in ``dtype`` of packed rows ``[..., W]`` (rotated back)."""
-        if self.rotation is None:
-            return dequantize_rows(rows, self.head_dim, self.fmt, dtype)
-        return rotate(dequantize_rows(rows, self.head_dim, self.fmt), self.rotation.to(rows.device),
-                      back=True).to(dtype)
+        """Values ``[..., D]`` in ``dtype`` of packed rows ``[..., W]`` (``decode_rows``, kvmodels' read)."""
+        return decode_rows(rows, self.head_dim, self.fmt, dtype, self._rotation(rows.device))
 
     def describe(self) -> str:
         how = ", Hadamard-rotated" if self.rotation is not None else ""

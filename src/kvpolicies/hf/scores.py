@@ -55,6 +55,19 @@ class ScoreSteps:
     _gumbel: torch.Generator | None
 
     # --- scores --------------------------------------------------------------------------------------
+    def _score_rows(self, H: int, G: int) -> list[tuple[slice, slice, int | None]]:
+        """The rows a sequence's prompt or extension is scored in, as ``(KV heads, query heads, head)``: the
+        whole sequence (head None), or with head budgets (kvmodels' ``HeadRows``) each KV head with its
+        group of ``G`` query heads."""
+        if not self.policy.heads.per_head:
+            return [(slice(None), slice(None), None)]
+        return [(slice(h, h + 1), slice(h * G, (h + 1) * G), h) for h in range(H)]
+
+    def _row_seed(self, l: int, b: int, h: int | None, H: int) -> int:
+        """The in-house cache's seed for layer ``l``'s row of sequence ``b`` (KV head ``h`` of ``H`` with head
+        budgets), so both caches draw the same prefill noise."""
+        return prefill_seed(self._noise_seed, l, b if h is None else b * H + h)
+
     def _score_layer(self, layer: PolicyLayer, new_keys: torch.Tensor, query: torch.Tensor) -> None:
         """The policy's attention scores of this forward's queries ``[B, Hq, q, D]`` over ``layer``."""
         fam, l = self._family, layer.layer_idx
@@ -79,14 +92,10 @@ class ScoreSteps:
             idx = self.step.valid[b].nonzero().squeeze(-1)  # real (unpadded) prompt tokens
             qb = q[b][:, idx].transpose(0, 1).contiguous()  # [L, Hq, D]
             kb = k[b][:, idx].transpose(0, 1).contiguous()  # [L, Hkv, D]
-            # The in-house cache's seed for (layer, row), so both draw the same prefill noise: a row is a
-            # sequence, or with head budgets (kvmodels' HeadRows) one KV head of it with its query group.
-            rows = [(slice(None), slice(None), b)] if not self.policy.heads.per_head else [
-                (slice(h, h + 1), slice(h * G, (h + 1) * G), b * H + h) for h in range(H)]
-            for heads, group, row in rows:
+            for heads, group, h in self._score_rows(H, G):
                 s = ev.prompt_scores(qb[:, group].contiguous(), kb[:, heads].contiguous(), scale=scale,
                                      alibi_slopes=None if slopes is None else slopes[group],
-                                     seed=prefill_seed(self._noise_seed, layer.layer_idx, row))  # [h, L]
+                                     seed=self._row_seed(layer.layer_idx, b, h, H))  # [h, L]
                 layer.scores[b, heads][:, idx] = s.to(torch.float32)
 
     def _decode_scores(
@@ -188,8 +197,7 @@ class ScoreSteps:
         held, pos, score = layer.head_valid(), layer.positions, layer.scores
         B, H, N = pos.shape
         n_old, G, D = N - q.shape[2], q.shape[1] // H, keys.shape[-1]
-        rows = [(slice(None), slice(None), -1)] if not self.policy.heads.per_head else [
-            (slice(h, h + 1), slice(h * G, (h + 1) * G), h) for h in range(H)]
+        rows = self._score_rows(H, G)
         for b in range(B):
             new = self.step.valid[b]
             n = int(new.sum())
@@ -207,7 +215,7 @@ class ScoreSteps:
                     return x.gather(1, at[..., None].expand(*at.shape, D)).transpose(0, 1)
 
                 fresh = new_slots.expand(slots.shape[0], n)
-                seed = prefill_seed(self._noise_seed, layer.layer_idx, b if h < 0 else b * H + h)  # its row
+                seed = self._row_seed(layer.layer_idx, b, h, H)
                 _, s = extend_attention(
                     q[b, group][:, new].transpose(0, 1), tokens(keys[b, heads], fresh),
                     tokens(values[b, heads], fresh), self.step.positions[b, new],
