@@ -264,12 +264,17 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             self._decode_step += 1
             assert self.plan is not None  # made when the decode's first forward began
             if self.plan.evicts_after(step):
-                if self.eviction.heads_share_selection:  # every head of a layer holds the same tokens
-                    for layer in self.layers:
-                        if layer.store is layer and layer.scores is not None:
-                            layer.scores = self.eviction.eviction_scores(layer.scores, head_dim=1).clone()
-                self._evict()
+                self._evict_by_plan()
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
+
+    def _evict_by_plan(self) -> None:
+        """Compact every layer to the plan after a decode step or an extension; a policy whose KV heads share
+        one selection ranks by one score per token of the layer first (as kvmodels' ``after_step``)."""
+        if self.eviction.heads_share_selection:  # every head of a layer holds the same tokens
+            for layer in self.layers:
+                if layer.store is layer and layer.scores is not None:
+                    layer.scores = self.eviction.eviction_scores(layer.scores, head_dim=1).clone()
+        self._evict()
 
     def _finish_prefill(self) -> None:
         """The policy's plan from the prompt statistics (after a reconstruction pass, which replaces the

@@ -64,7 +64,7 @@ class ExtendSteps:
 
     if TYPE_CHECKING:  # the cache's planning and eviction (kvpolicies.hf.cache)
         def _plan_batch(self) -> None: ...
-        def _evict(self, regions: bool = True) -> None: ...
+        def _evict_by_plan(self) -> None: ...
 
     # --- an extension: several tokens after the prompt (kvmodels' Decoder.extend) ---------------------
     def _check_extension(self) -> None:
@@ -100,10 +100,7 @@ class ExtendSteps:
         self._plan_batch()
         assert self.plan is not None
         if self.plan.schedule.prefill_compress:
-            if ev.heads_share_selection:  # as after a decode step: one ranking for the layer's heads
-                for layer in self.layers:
-                    layer.scores = ev.eviction_scores(layer.scores, head_dim=1).clone()
-            self._evict()
+            self._evict_by_plan()
 
     # --- the reconstruction pass (kvzip) ------------------------------------------------------------
     def _check_probe(self, input_ids: torch.Tensor | None) -> None:
