@@ -292,6 +292,53 @@ class EvictionPolicy(Policy):
                                 alibi_slopes=alibi_slopes, lse=lse, **kwargs)
         return self.postprocess_prefill_scores(scores)
 
+    def extension_scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         kept_k: torch.Tensor, kept_v: torch.Tensor, kept_pos: torch.Tensor,
+                         kept_scores: torch.Tensor, *, scale: float, seed: int = 0,
+                         alibi_slopes: torch.Tensor | None = None,
+                         probe: tuple[int, int | None] | None = None,
+                         scoring: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An extension's attention and scores: ``n`` new tokens (``q [n, Hq, D]``, ``k, v [n, Hkv, D]``,
+        ``positions [n]``) after the kept ones (``kept_k, kept_v [m, Hkv, D]``, ``kept_pos [m, Hkv]`` and
+        ``kept_scores [Hkv, m]``, each KV head's in position order), through ``kvkernels.extend_attention``.
+
+        Returns its output ``[n, Hq, D]`` and the scores the tokens hold after it (None when nothing is
+        scored: no ``prefill_mode``, or ``scoring=False``):
+
+        * ``probe=(lo, hi)``: a reconstruction pass (:attr:`probe_mode`, :attr:`probe_skip`) whose tokens
+          are not stored: ``[Hkv, m]``, the kept tokens at positions ``lo <= p < hi`` (``hi`` None: to the
+          end) take the pass's scores, the others keep theirs;
+        * window votes (:meth:`prefill_window` > 0, or ``replace``): ``[Hkv, m + n]``, the votes over kept
+          and new tokens, post-processed (:meth:`postprocess_prefill_scores`), replace the old ones;
+        * else every row scores: the kept tokens continue theirs (``decay``: times ``decay ** n``) and the
+          new ones start from theirs, as decode steps would have scored them.
+
+        Every cache that takes tokens after the prompt (``kvmodels``' ``extend_attend``, the transformers
+        bridge) scores them through it."""
+        from kvkernels.extend_attention import extend_attention
+
+        n, m = q.shape[0], kept_k.shape[0]
+        mode = self.probe_mode if probe is not None else self.prefill_mode if scoring else None
+        window = self.prefill_window(n) if mode is not None and probe is None else 0
+        kwargs = self.prefill_kwargs(n) if mode is not None else {}
+        decay = float(kwargs.get("decay", 1.0))
+        out, scores = extend_attention(
+            q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
+            window=window, decay=decay, seed=seed, temperature=float(kwargs.get("temperature", 1.0)),
+            skip=self.probe_skip if probe is not None else None)
+        if scores is None:
+            return out, None
+        if probe is not None:
+            lo, hi = probe
+            inside = kept_pos.t() >= lo
+            if hi is not None:
+                inside &= kept_pos.t() < hi
+            return out, torch.where(inside, scores[:, :m], kept_scores)
+        if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
+            return out, self.postprocess_prefill_scores(scores)
+        old = kept_scores * decay**n if mode == "decay" else kept_scores
+        return out, torch.cat([old + scores[:, :m], scores[:, m:]], dim=1)
+
     def score_source_layer(self, layer: int) -> int:
         """The cache layer whose prompt scores ``layer`` selects by (itself; ChunkKV's layer-wise index
         reuse names an earlier one). Layers are prefilled in order, so the source is always scored first."""

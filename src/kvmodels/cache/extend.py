@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from kvkernels import check_shape, check_tensor
-from kvkernels.extend_attention import extend_attention
 
 from .pool import ceil_div
 from .rows import INT_DTYPES, check_sequence
@@ -261,50 +260,31 @@ class ExtendSteps:
         # scoring both regions' tokens, as its decode steps do.
         ev = self.eviction
         span = None if self._extension is None else self._extension.probe
-        probe = span is not None
         scoring = self.side is None or ev.decode_evict
-        mode = ev.probe_mode if probe else ev.prefill_mode if scoring else None
-        window = ev.prefill_window(n) if mode is not None and not probe else 0
-        kwargs = ev.prefill_kwargs(n) if mode is not None else {}
-        decay = float(kwargs.get("decay", 1.0))
         kept_k = self.storage.decode(by_position(self.k_pages))
         kept_v = self.storage.decode(by_position(self.v_pages))
         kept_pos = by_position(self.slot_pos)
+        old = kept_score.gather(0, order).t()  # [Hkv, m] position order
         if self.key_scale is not None:  # channel-separable keys: the pool holds k / c
             kept_k = kept_k * self.key_scale[l, b].to(kept_k.dtype)
-        ms, side_old = 0, None
+        ms = 0
         if self.side is not None:  # the side region's tokens too (older than the main region's for KIVI)
             side_k, side_v, side_pos = self.side.held(
                 l, b, None if self.key_scale is None else self.key_scale[l, b])
             kept_k, kept_v = torch.cat([side_k, kept_k]), torch.cat([side_v, kept_v])
             kept_pos = torch.cat([side_pos, kept_pos])
             side_page, side_off = self.side.slots(l, b)
-            ms, side_old = side_k.shape[0], self.side.pool.slot_score[side_page, side_off].t()  # [Hkv, ms]
-        out, scores = extend_attention(
-            q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
-            window=window, decay=decay, seed=self.prefill_seed(l, b),
-            temperature=float(kwargs.get("temperature", 1.0)), skip=ev.probe_skip if probe else None)
+            ms = side_k.shape[0]
+            old = torch.cat([self.side.pool.slot_score[side_page, side_off].t(), old], dim=1)  # [Hkv, ms + m]
+        out, scores = ev.extension_scores(
+            q, k, v, positions, kept_k, kept_v, kept_pos, old, scale=scale, seed=self.prefill_seed(l, b),
+            alibi_slopes=alibi_slopes, probe=None if span is None else (span.start, span.stop),
+            scoring=scoring)
         if span is not None:  # a reconstruction pass: its rows' mass replaces the scores; nothing stored
             assert scores is not None and ms == 0  # _check_probe: one format, a scoring policy
-            kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())
-            if span.start > 0 or span.stop is not None:  # one pass of several: its span's tokens only
-                pos = self.slot_pos[page, offset]  # [m, Hkv], slot order
-                inside = pos >= span.start
-                if span.stop is not None:
-                    inside &= pos < span.stop
-                kept = torch.where(inside, kept, kept_score)
-            self.slot_score[page, offset] = kept  # back in slot order
+            self.slot_score[page, offset] = torch.empty_like(kept_score).scatter_(0, order, scores.t())
             return out
         if scores is not None:
-            if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
-                scores = ev.postprocess_prefill_scores(scores)
-            else:  # every row scores: the rows continue the kept tokens' scores, as decode steps would
-                old = kept_score.gather(0, order).t()  # [Hkv, m]
-                if side_old is not None:
-                    old = torch.cat([side_old, old], dim=1)  # [Hkv, ms + m]
-                if mode == "decay":
-                    old = old * decay**n
-                scores = torch.cat([old + scores[:, :ms + m], scores[:, ms + m:]], dim=1)
             if ms:  # the side region's, in its slot order
                 self.side.pool.slot_score[side_page, side_off] = scores[:, :ms].t().contiguous()
             scores = scores[:, ms:]  # the main region's kept tokens (position order), then the new ones

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvkernels.extend_attention import extend_attention
 from kvpolicies.hf.models import scale_and_slopes
 
 if TYPE_CHECKING:
@@ -167,29 +166,22 @@ class ExtendSteps:
         """A reconstruction pass in ``layer``: each sequence's pass rows (``q [B, Hq, n, D]``, ``k, v [B, Hkv,
         n, D]``) attend over its context and themselves, and the largest probability any row and any query
         head of the KV group gives a context token (the policy's ``probe_mode``, renormalised without
-        ``skip``'s opening) replaces its score, within the pass's span. ``kvkernels.extend_attention``
-        computes it, as in kvmodels' probe; its attention output is not used (the model attended)."""
+        ``skip``'s opening) replaces its score, within the pass's span: the policy's ``extension_scores``
+        (``kvkernels.extend_attention``), as kvmodels' probe; its output is not used (the model attended)."""
         assert self._probe is not None and layer.valid is not None and layer.scores is not None
-        ev = self.eviction
         scale, slopes = scale_and_slopes(self._family, layer.layer_idx, self.captures)
         kept_k, kept_v = layer.dense()  # quantized rows: dequantized, as kvmodels' probe reads them
         for b, span in enumerate(self._probe.spans):
             if span is None:
                 continue
             ctx, new = layer.valid[b], self.step.valid[b]
-            kept_pos = layer.positions[b][:, ctx]  # [Hkv, m], position order
-            _, scores = extend_attention(
+            _, scores = self.eviction.extension_scores(
                 q[b][:, new].transpose(0, 1), k[b][:, new].transpose(0, 1), v[b][:, new].transpose(0, 1),
                 self.step.positions[b, new], kept_k[b][:, ctx].transpose(0, 1),
-                kept_v[b][:, ctx].transpose(0, 1), kept_pos.t(), scale=scale, alibi_slopes=slopes,
-                mode=ev.probe_mode, skip=ev.probe_skip)
+                kept_v[b][:, ctx].transpose(0, 1), layer.positions[b][:, ctx].t(), layer.scores[b][:, ctx],
+                scale=scale, alibi_slopes=slopes, probe=span)
             assert scores is not None
-            lo, hi = span
-            inside = kept_pos >= lo
-            if hi is not None:
-                inside &= kept_pos < hi
-            old = layer.scores[b][:, ctx]
-            layer.scores[b][:, ctx] = torch.where(inside, scores[:, :kept_pos.shape[1]], old)
+            layer.scores[b][:, ctx] = scores
 
     def key_positions(self, layer: PolicyLayer) -> torch.Tensor:
         """``[B, Hkv, N + q]`` positions of the K/V ``layer``'s update returned this forward (a reconstruction

@@ -6,8 +6,8 @@ cache calls:
   never eager attention weights, so ``sdpa`` works);
 * a decode step's from ``kvkernels.paged_decode_attention``'s fused update, with the step's Gumbel noise drawn
   as kvmodels draws it;
-* an extension's (several tokens after the prompt) from ``kvkernels.extend_attention``, as kvmodels'
-  ``extend_attend``.
+* an extension's (several tokens after the prompt) from the policy's ``extension_scores``
+  (``kvkernels.extend_attention``), as kvmodels' ``extend_attend``.
 
 The model attended already: the ops' attention outputs are not used.
 """
@@ -27,7 +27,6 @@ from kvkernels import (
     paged_decode_attention,
     prefill_seed,
 )
-from kvkernels.extend_attention import extend_attention
 from kvpolicies.hf.models import scale_and_slopes
 
 if TYPE_CHECKING:
@@ -189,24 +188,21 @@ class ScoreSteps:
         scores, post-processed over kept + new; rows that all score continue them (``decay``: times
         ``decay**n``). Without a prefill mode nothing more: an open rule scored the new tokens as they were
         appended, else they score 0. The op's attention output is not used (the model attended)."""
-        ev, mode = self.eviction, self.eviction.prefill_mode
-        if mode is None:
+        ev = self.eviction
+        if ev.prefill_mode is None:
             return
         assert q is not None and layer.positions is not None and layer.scores is not None
         scale, slopes = scale_and_slopes(self._family, layer.layer_idx, self.captures)
         held, pos, score = layer.head_valid(), layer.positions, layer.scores
         B, H, N = pos.shape
         n_old, G, D = N - q.shape[2], q.shape[1] // H, keys.shape[-1]
-        rows = self._score_rows(H, G)
         for b in range(B):
             new = self.step.valid[b]
             n = int(new.sum())
             if n == 0:
                 continue
             new_slots = n_old + new.nonzero().squeeze(-1)  # [n]
-            kw = ev.prefill_kwargs(n)
-            window, decay = ev.prefill_window(n), float(kw.get("decay", 1.0))
-            for heads, group, h in rows:
+            for heads, group, h in self._score_rows(H, G):
                 idx = held[b, heads.start or 0, :n_old].nonzero().squeeze(-1)  # [m] (the heads hold alike)
                 order = pos[b, heads][:, idx].argsort(dim=-1, stable=True)
                 slots = idx[order]  # [h, m] each head's kept slots in position order
@@ -215,22 +211,15 @@ class ScoreSteps:
                     return x.gather(1, at[..., None].expand(*at.shape, D)).transpose(0, 1)
 
                 fresh = new_slots.expand(slots.shape[0], n)
-                seed = self._row_seed(layer.layer_idx, b, h, H)
-                _, s = extend_attention(
+                row = score[b, heads]  # a view: written in place
+                _, s = ev.extension_scores(
                     q[b, group][:, new].transpose(0, 1), tokens(keys[b, heads], fresh),
                     tokens(values[b, heads], fresh), self.step.positions[b, new],
                     tokens(keys[b, heads], slots), tokens(values[b, heads], slots),
-                    pos[b, heads].gather(-1, slots).t(), scale=scale,
-                    alibi_slopes=None if slopes is None else slopes[group], mode=mode, window=window,
-                    decay=decay, seed=seed,
-                    temperature=float(kw.get("temperature", 1.0)))
+                    pos[b, heads].gather(-1, slots).t(), row.gather(-1, slots).float(), scale=scale,
+                    seed=self._row_seed(layer.layer_idx, b, h, H),
+                    alibi_slopes=None if slopes is None else slopes[group])
                 assert s is not None
                 m = idx.numel()
-                if window or mode == "replace":  # window votes: they replace the kept tokens' old votes
-                    s = ev.postprocess_prefill_scores(s)
-                else:  # every row scores: the rows continue the kept tokens' scores, as decode steps would
-                    old = score[b, heads].gather(-1, slots) * (decay**n if mode == "decay" else 1.0)
-                    s = torch.cat([old + s[:, :m], s[:, m:]], dim=-1)
-                row = score[b, heads]  # a view: written in place
                 row.scatter_(-1, slots, s[:, :m].to(row.dtype))
                 row[:, new_slots] = s[:, m:].to(row.dtype)
