@@ -126,19 +126,23 @@ def test_zipcache_needs_scores_at_assign():
         ZipCache().assign(torch.ones(1, 4, dtype=torch.bool), None)
 
 
-def test_the_transformers_bridge_holds_one_format_and_refuses_two_by_name():
-    """The bridge stores ``kivi(residual=0)``'s packed rows (tests/test_hf_quant.py); two formats in one cache
-    (KIVI's full-precision residual, ZipCache, MiKV) are refused, naming the policy and the fix."""
+def test_the_transformers_bridge_holds_kivi_and_refuses_two_packed_formats_by_name():
+    """The bridge stores ``kivi``'s packed rows (tests/test_hf_quant.py), with KIVI's residual after a
+    prompt-only compression (tests/test_hf_kivi_residual.py); two packed formats in one cache (ZipCache,
+    MiKV) and a residual under eviction while decoding are refused, naming the policy and the fix."""
     pytest.importorskip("transformers")
     from kvpolicies.hf import PolicyCache
     from test_hf_bridge import model_of  # the bridge tests' tiny models (head dim 16)
 
     model = model_of("llama")
     assert PolicyCache(compose("snapkv", "kivi(residual=0, group=8)", budget=0.2), model).layers[0].rows
-    for precision in ("kivi", "zipcache(group=8)", "mikv(group=8)"):
+    assert PolicyCache(compose("snapkv", "kivi(group=8)", budget=0.2), model).layers[0].tiered
+    for precision in ("zipcache(group=8)", "mikv(group=8)"):
         name = precision.split("(")[0]
-        with pytest.raises(ValueError, match=f"precision '{name}'.*two formats.*use kivi\\(.*residual=0\\)"):
+        with pytest.raises(ValueError, match=f"precision '{name}'.*two packed formats.*use kivi\\("):
             PolicyCache(compose("h2o", precision, budget=0.2), model)
+    with pytest.raises(ValueError, match="precision 'kivi'.*'h2o' evicts while decoding.*residual=0"):
+        PolicyCache(compose("h2o", "kivi(group=8)", budget=0.2), model)
 
 
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
@@ -215,3 +219,15 @@ def test_assign_stays_on_the_device_of_its_inputs(policy):
     with _OneDevice("meta"):
         bits = policy.assign(kept, scores)
     assert bits.device.type == "meta" and bits.shape == (2, 7) and bits.dtype == torch.int64
+
+
+def test_kivi_ages_its_residual_a_group_or_more_at_a_time():
+    """``Kivi.aging(n)``: none of ``n`` waiting tokens until more than ``residual + group`` wait, then all but
+    the newest ``residual``; the same for ints, numpy arrays and tensors (both caches ask it)."""
+    import numpy as np
+
+    k = Kivi(bits=4, group=8, residual=4)
+    want = [0 if n <= 12 else n - 4 for n in range(30)]
+    assert [int(k.aging(n)) for n in range(30)] == want
+    assert k.aging(np.arange(30)).tolist() == want
+    assert k.aging(torch.arange(30)).tolist() == want

@@ -222,7 +222,7 @@ class SideRegion:
             waiting = total - self.settled[:len(total), b]
             moved = total if self.capped else np.where(waiting >= self.every, waiting, 0)
         elif p.name == "kivi" and p.residual:
-            moved = np.where(total > p.residual + p.group, total - p.residual, 0)
+            moved = p.aging(total)
         else:
             return 0
         have = self.lens[:len(total), b]
@@ -245,14 +245,15 @@ class SideRegion:
         p = self.precision
         n = cache.batch_size
         lens = cache.host.lens[:, :n]
-        excess = np.argwhere(lens > p.residual + p.group)
+        aged = p.aging(lens)
+        excess = np.argwhere(aged > 0)
         if not len(excess):
             return
         heads = self.pool.k_pages.shape[2]
         for l in sorted({int(x) for x in excess[:, 0]}):
             moves = []
             for b in (int(b) for ll, b in excess if ll == l):
-                m = int(lens[l, b]) - p.residual  # the main region's oldest m
+                m = int(aged[l, b])  # the main region's oldest m
                 out = torch.arange(m, device=self.page_table.device)[:, None].expand(m, heads)
                 moves.append((b, out, p.residual))
             self._move_down(cache, l, moves, "quantizing aged tokens")

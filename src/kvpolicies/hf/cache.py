@@ -5,7 +5,8 @@ kvmodels' paged cache calls; it decides nothing itself:
 
 * its layers (:class:`~kvpolicies.hf.layer.PolicyLayer`) hold **compacted** K/V ``[B, Hkv, N, D]`` with each
   slot's original position, score and validity (ragged kept lengths, left padding), or with
-  ``kivi(residual=0)`` kvmodels' packed quantized rows, dequantized for the attention; heads of a layer keep
+  ``kivi`` kvmodels' packed quantized rows (with KIVI's residual, beside the newest tokens as they came),
+  dequantized for the attention; heads of a layer keep
   different tokens (per-KV-head selection, never expanded to query heads), and with a head-budget policy
   (``adakv``, ``pooled``, ``duo``) different numbers of them, from the plan's ``rows``;
 * the model's hooks (:class:`~kvpolicies.hf.hooks.Hooks`) tell it each forward's padding, positions, queries
@@ -81,7 +82,8 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
         prefix = policy.checked_probe_prefix(probe_prefix)
         self.hooks = Hooks.on(model)
         self._family = self.hooks.family
-        # kivi(residual=0): every layer stores packed quantized rows (kvpolicies.hf.rows); else None.
+        # kivi: every layer stores packed quantized rows (kvpolicies.hf.rows; with KIVI's residual, beside its
+        # newest tokens as they came); else None.
         self.rows = packed_rows(policy, self._family.kind, self._family.head_dim)
         n = len(self._family.layers)
         super().__init__(layers=[PolicyLayer(self, i, self.rows) for i in range(n)])
@@ -265,6 +267,7 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             assert self.plan is not None  # made when the decode's first forward began
             if self.plan.evicts_after(step):
                 self._evict_by_plan()
+            self._age()
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
 
     def _evict_by_plan(self) -> None:
@@ -287,6 +290,23 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             self._merge_pair(a, b, *self.plan.joint.row(i))
         if self.plan.schedule.prefill_compress or self.eviction.probe:
             self._evict(regions=False)  # a region was compressed by its joint selection
+        if self.rows is not None and self.rows.precision is not None:  # KIVI's residual: the split
+            for layer in self.layers:
+                kept = layer.head_valid()
+                layer.quantize_oldest(self.rows.precision.assign(kept, layer.scores) == self.rows.fmt.bits)
+
+    def _age(self) -> None:
+        """KIVI's residual after a decode step or an extension (kvmodels' ``SideRegion.age``): in each layer a
+        sequence quantizes the oldest of the tokens waiting in the cache's dtype that ``Kivi.aging`` names."""
+        if self.rows is None or self.rows.precision is None:
+            return
+        for layer in self.layers:
+            nq = layer.low_k.shape[2]
+            waiting = layer.head_valid()[..., nq:]  # [B, Hkv, Nf]
+            rank = waiting.long().cumsum(-1)  # 1 for each row's oldest waiting token
+            aged = self.rows.precision.aging(waiting.sum(-1))  # [B, Hkv]
+            if bool((aged > 0).any()):
+                layer.quantize_oldest(waiting & (rank <= aged[..., None]))
 
     def _plan_batch(self) -> None:
         """``self.plan``: the same decision kvmodels' cache acts on (``ComposedPolicy.plan``) from each

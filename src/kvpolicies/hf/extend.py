@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvpolicies.hf.hooks import Hooks
     from kvpolicies.hf.layer import PolicyLayer, Step
     from kvpolicies.hf.models import Family
+    from kvpolicies.hf.rows import PackedRows
     from kvpolicies.plan import CompressionPlan, MergeLayout
 
 
@@ -61,9 +62,12 @@ class ExtendSteps:
     _stat_tokens: torch.Tensor
     _decode_step: int
 
-    if TYPE_CHECKING:  # the cache's planning and eviction (kvpolicies.hf.cache)
+    rows: PackedRows | None
+
+    if TYPE_CHECKING:  # the cache's planning, eviction and aging (kvpolicies.hf.cache)
         def _plan_batch(self) -> None: ...
         def _evict_by_plan(self) -> None: ...
+        def _age(self) -> None: ...
 
     # --- an extension: several tokens after the prompt (kvmodels' Decoder.extend) ---------------------
     def _check_extension(self) -> None:
@@ -98,7 +102,9 @@ class ExtendSteps:
             return
         self._plan_batch()
         assert self.plan is not None
-        if self.plan.schedule.prefill_compress:
+        if self.rows is not None and self.rows.precision is not None:  # KIVI's residual: nothing evicted
+            self._age()
+        elif self.plan.schedule.prefill_compress:
             self._evict_by_plan()
 
     # --- the reconstruction pass (kvzip) ------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The transformers bridge's storage: one :class:`PolicyLayer` per model layer, compacted in place.
 
-A layer holds dense ``[B, Hkv, N, D]`` K/V (what transformers' attention reads), or with ``kivi(residual=0)``
-kvmodels' packed quantized rows (:mod:`kvpolicies.hf.rows`), and, per slot, what the kvkernels ops need beside
+A layer holds dense ``[B, Hkv, N, D]`` K/V (what transformers' attention reads), or with ``kivi`` kvmodels'
+packed quantized rows (:mod:`kvpolicies.hf.rows`; with KIVI's residual, the packed older tokens before the
+newest ones in the cache's dtype), and, per slot, what the kvkernels ops need beside
 them; to compact it lays itself out as a ``kvkernels`` page pool and calls
 ``topk_compact``, the op kvmodels' paged cache compacts with. What to keep is not decided here: budgets and
 forced counts come from the policy's plan (``kvpolicies.plan``), through the cache.
@@ -22,6 +23,15 @@ from kvkernels.quant import key_channel_scale
 if TYPE_CHECKING:
     from kvpolicies.hf.cache import PolicyCache
     from kvpolicies.hf.rows import PackedRows
+
+
+def _front(x: torch.Tensor, keep: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [B, Hkv, N, ...]``'s slots where ``keep [B, Hkv, N]``, moved to the front of each row in order and
+    cut to ``width`` slots (the rest: whatever followed)."""
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
+    if x.dim() > 3:
+        order = order[..., None].expand(*order.shape, x.shape[-1])
+    return torch.gather(x, 2, order)
 
 
 @dataclasses.dataclass
@@ -49,7 +59,11 @@ class PolicyLayer(DynamicLayer):
     With quantized ``rows`` (``kivi(residual=0)``, :mod:`kvpolicies.hf.rows`) ``keys`` and ``values`` are
     packed ``uint8`` rows ``[B, Hkv, N, W]`` (codes, scales and zero points: compaction moves them like any
     slot tensor, bit for bit) and :meth:`dense` reads them back; with ``channel_scale`` the keys are stored
-    over ``key_scale [B, Hkv, D]`` float32, each sequence's factors from its prompt.
+    over ``key_scale [B, Hkv, D]`` float32, each sequence's factors from its prompt. With KIVI's residual
+    (``rows.precision``) a layer is two parts: ``low_k``, ``low_v`` ``[B, Hkv, Nq, W]`` packed rows of the
+    older tokens (the first ``Nq`` slots of ``positions``, ``scores`` and ``valid``) and ``keys``, ``values``
+    ``[B, Hkv, Nf, D]`` the newest in the cache's dtype (the other slots); :meth:`quantize_oldest` moves
+    tokens from the second part to the first (the split after the prompt, then KIVI's aging).
     """
 
     def __init__(self, owner: PolicyCache, layer_idx: int, rows: PackedRows | None = None) -> None:
@@ -58,6 +72,8 @@ class PolicyLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.rows = rows
         self.key_scale: torch.Tensor | None = None
+        self.low_k: torch.Tensor | None = None  # KIVI's residual: the older tokens' packed rows
+        self.low_v: torch.Tensor | None = None
         self.kv_dtype: torch.dtype | None = None  # the K/V's dtype (the first update's)
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
@@ -72,6 +88,11 @@ class PolicyLayer(DynamicLayer):
     def store(self) -> PolicyLayer:
         """The layer whose tensors hold this layer's tokens: itself, or its pair's region owner."""
         return self if self._store is None else self._store
+
+    @property
+    def tiered(self) -> bool:
+        """Whether this layer holds KIVI's residual: its newest tokens unquantized, the rest packed."""
+        return self.rows is not None and self.rows.precision is not None
 
     @property
     def merged(self) -> bool:
@@ -98,21 +119,20 @@ class PolicyLayer(DynamicLayer):
         self.kv_dtype = self.kv_dtype or key_states.dtype
         if self.merged:
             return self.store._append_private(key_states, value_states, step, self.member, new_scores)
-        if self.rows is None:
+        if self.tiered and self.rows.channel_scale and self.key_scale is None:  # the prompt's factors
+            self.key_scale = self._channel_scale(key_states, step)
+        if self.rows is None or self.tiered:  # the new tokens in the cache's dtype
             keys, values = super().update(key_states, value_states)
             self._append_side(key_states, step, new_scores)
-            return keys, values
+            return (keys, values) if self.low_k is None else self.dense()
         if not self.is_initialized:  # the prompt: each sequence's channel factors from its real tokens
             self.is_initialized, self.device = True, key_states.device
             B, H = key_states.shape[:2]
             self.keys = self.values = key_states.new_empty(B, H, 0, self.rows.width, dtype=torch.uint8)
             if self.rows.channel_scale:
-                self.key_scale = torch.stack([key_channel_scale(k[:, ok].transpose(0, 1))
-                                              for k, ok in zip(key_states, step.valid)])  # [B, Hkv, D]
+                self.key_scale = self._channel_scale(key_states, step)
         old_k, old_v = self.dense()
-        stored = key_states if self.key_scale is None else key_states / self.key_scale[:, :, None].to(
-            key_states.dtype)  # a power of two: exact
-        new_k, new_v = self.rows.encode(stored), self.rows.encode(value_states)
+        new_k, new_v = self._encoded(key_states, value_states)
         self.keys, self.values = (torch.cat([x, new], dim=-2) for x, new in ((self.keys, new_k),
                                                                            (self.values, new_v)))
         self._append_side(key_states, step, new_scores)
@@ -120,12 +140,55 @@ class PolicyLayer(DynamicLayer):
             key_states, value_states = self._decoded(new_k, new_v)
         return torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
 
+    @staticmethod
+    def _channel_scale(key_states: torch.Tensor, step: Step) -> torch.Tensor:
+        """``[B, Hkv, D]``: each sequence's channel factors from its prompt's real tokens."""
+        return torch.stack([key_channel_scale(k[:, ok].transpose(0, 1))
+                            for k, ok in zip(key_states, step.valid, strict=True)])
+
+    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed rows of K/V ``[B, Hkv, n, D]``: keys over their channel factors (a power of two: exact)."""
+        assert self.rows is not None
+        stored = k if self.key_scale is None else k / self.key_scale[:, :, None].to(k.dtype)
+        return self.rows.encode(stored), self.rows.encode(v)
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``[B, Hkv, N, D]`` in the cache's dtype: as held, or the packed rows dequantized (rotated back,
-        keys times their channel factors): what kvmodels reads of the same rows."""
+        keys times their channel factors): what kvmodels reads of the same rows. With KIVI's residual the
+        packed older tokens, then the newest as held."""
         if self.rows is None or self.keys is None:
             return self.keys, self.values
+        if self.tiered:
+            if self.low_k is None:
+                return self.keys, self.values
+            low_k, low_v = self._decoded(self.low_k, self.low_v)
+            return torch.cat([low_k, self.keys], dim=-2), torch.cat([low_v, self.values], dim=-2)
         return self._decoded(self.keys, self.values)
+
+    def quantize_oldest(self, move: torch.Tensor) -> None:
+        """KIVI's residual: the slots ``move [B, Hkv, Nf]`` of the part in the cache's dtype (each KV head as
+        many per sequence) join the packed rows, encoded as kvmodels encodes them; both parts are then packed
+        to the front of each row, in position order (packed tokens are older than the others)."""
+        assert self.tiered and self.keys is not None
+        nq = 0 if self.low_k is None else self.low_k.shape[2]
+        valid = self.head_valid()
+        low_valid, new_valid = valid[..., :nq], valid[..., nq:]
+        stay, into_low = new_valid & ~move, torch.cat([low_valid, move], dim=-1)
+        width_low, width_new = int(into_low.sum(-1).max()), int(stay.sum(-1).max())
+        enc_k, enc_v = self._encoded(self.keys, self.values)
+        if self.low_k is not None:
+            enc_k, enc_v = torch.cat([self.low_k, enc_k], dim=-2), torch.cat([self.low_v, enc_v], dim=-2)
+        self.low_k, self.low_v = _front(enc_k, into_low, width_low), _front(enc_v, into_low, width_low)
+        self.keys, self.values = _front(self.keys, stay, width_new), _front(self.values, stay, width_new)
+        self.positions, self.scores = (torch.cat([_front(x, into_low, width_low),
+                                                  _front(x[..., nq:], stay, width_new)], dim=-1)
+                                       for x in (self.positions, self.scores))
+        counts = torch.cat([into_low.sum(-1, keepdim=True), stay.sum(-1, keepdim=True)], dim=-1)  # [B, H, 2]
+        if bool((counts != counts[:, :1]).any()):
+            raise ValueError("KIVI's residual needs every KV head of a sequence to hold as many tokens")
+        slots = torch.arange(width_low + width_new, device=valid.device)
+        self.valid = torch.where(slots < width_low, slots < counts[:, 0, :1],
+                                 slots - width_low < counts[:, 0, 1:])  # [B, N]
 
     def _decoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.rows is not None and self.kv_dtype is not None
@@ -199,7 +262,8 @@ class PolicyLayer(DynamicLayer):
     def nbytes(self) -> int:
         if not self.is_initialized or self.keys is None:
             return 0
-        held = [self.keys, self.values, self.k_mag, self.v_mag, self.slot_mask, self.key_scale]
+        held = [self.keys, self.values, self.low_k, self.low_v, self.k_mag, self.v_mag, self.slot_mask,
+                self.key_scale]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def compact(
@@ -223,6 +287,7 @@ class PolicyLayer(DynamicLayer):
         """
         if self.valid is None or self.valid.shape[-1] == 0:
             return
+        assert self.low_k is None, "a layer is compacted before KIVI's residual splits it"
         (priority,) = self._pack(priority)
         B, H, N, _ = self.keys.shape
         dev = self.valid.device

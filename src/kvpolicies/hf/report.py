@@ -38,7 +38,8 @@ class HFCacheReport:
         own, a layer here is one tensor padded to its longest head: ``bytes_per_layer`` counts that padding.
     rows, quantized: as ``kvmodels.cache.CacheReport``: how a stored row holds a token (empty: the cache's
         dtype; else the packed format and its bytes per row) and whether rows are quantized. Quantized
-        (``kivi(residual=0)``), ``bytes_per_layer`` counts the packed rows (codes, scales and zero points)
+        (``kivi``), ``bytes_per_layer`` counts the packed rows (codes, scales and zero points; with KIVI's
+        residual, beside the newest tokens in the cache's dtype)
         and, with ``channel_scale``, the float32 channel factors; ``full_cache_bytes`` stays the unquantized
         cache's.
 

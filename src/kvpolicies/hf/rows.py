@@ -1,4 +1,6 @@
-"""Quantized rows in the transformers bridge: ``kivi(residual=0)``, every kept token in one packed format.
+"""Quantized rows in the transformers bridge: ``kivi``, every kept token in one packed format, or with KIVI's
+residual (``residual > 0``) all but each sequence's newest ``residual`` to ``residual + group`` tokens, which
+wait in the cache's dtype and age into the packed format a group or more at a time (``Kivi.aging``).
 
 :class:`PackedRows` stores what ``kvmodels.cache.storage.PackedRows`` stores for the same policy and K/V:
 the ``kvkernels.quant`` packed row (``codes | scale | zero``, ``QuantFormat.row_bytes`` bytes, float16
@@ -6,7 +8,9 @@ parameters), written by ``encode_rows`` (rotated first, in float32, with ``rotat
 ``decode_rows`` (rotated back), the functions kvmodels' storage calls. ZipCache's channel-separable keys
 (``channel_scale=True``) are the layer's: it stores ``k / c`` and multiplies ``c`` back on reads.
 :func:`packed_rows` refuses, by name and with the fix, what the bridge cannot hold (two formats: KIVI's
-residual, ZipCache, MiKV) and what kvmodels refuses (ALiBi, a format that does not fit the head dim).
+ZipCache's and MiKV's two packed formats, and with KIVI's residual what only kvmodels' ``SideRegion`` holds:
+eviction while decoding, a reconstruction pass, head budgets) and what kvmodels refuses (ALiBi, a format that
+does not fit the head dim).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from kvkernels.quant import QuantFormat, decode_rows, encode_rows, hadamard_rota
 
 #: Why a quantizing precision policy is refused, by name (else: its formats).
 _TWO_FORMATS = {
-    "kivi": "keeps each KV head's newest {residual} tokens in the cache's dtype beside the quantized ones",
     "zipcache": "stores salient tokens at {high} bits and the others at {low}",
     "mikv": "keeps the tokens it evicts at {low} bits beside the kept ones (high={high})",
 }
@@ -28,12 +31,14 @@ _TWO_FORMATS = {
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedRows:
-    """One packed format for K and V (``fmt``), Hadamard-rotated rows (``rotation [D, D]``) or not."""
+    """One packed format for K and V (``fmt``), Hadamard-rotated rows (``rotation [D, D]``) or not; with
+    ``precision`` (KIVI's residual) the newest tokens wait in the cache's dtype (``precision.aging``)."""
 
     fmt: QuantFormat
     head_dim: int
     rotation: torch.Tensor | None = None
     channel_scale: bool = False
+    precision: Any = None  # the Kivi policy whose residual the layers hold, else None
 
     @property
     def width(self) -> int:
@@ -54,8 +59,10 @@ class PackedRows:
     def describe(self) -> str:
         how = ", Hadamard-rotated" if self.rotation is not None else ""
         how += ", channel-scaled keys" if self.channel_scale else ""
-        return (f"{self.fmt.bits}-bit rows, group {self.fmt.group}{how} ({self.width} B "
-                "per K or V row)")
+        text = f"{self.fmt.bits}-bit rows, group {self.fmt.group}{how} ({self.width} B per K or V row)"
+        if self.precision is not None:
+            text += f", the newest {self.precision.residual} tokens or more in the cache's dtype"
+        return text
 
 
 def packed_rows(policy: Any, kind: str, head_dim: int) -> PackedRows | None:
@@ -65,12 +72,24 @@ def packed_rows(policy: Any, kind: str, head_dim: int) -> PackedRows | None:
     if not prec.quantizes:
         return None
     name = f"policy {policy.name!r}: precision {prec.name!r} ({prec})"
-    if prec.name != "kivi" or prec.residual:
+    if prec.name != "kivi":
         why = _TWO_FORMATS.get(prec.name, "stores tokens in formats {formats}").format_map(
             {**vars(prec), "formats": prec.formats()})
-        raise ValueError(f"{name} {why}: two formats in one cache, which the transformers bridge does not "
-                         "hold (one quantized format per cache); use kivi(bits=..., group=..., residual=0), "
-                         "or run it on kvmodels (kvmodels.decoder.Decoder)")
+        raise ValueError(f"{name} {why}: two packed formats in one cache, which the transformers bridge "
+                         "does not hold (one packed format, with or without KIVI's residual); use "
+                         "kivi(bits=..., group=...), or run it on kvmodels (kvmodels.decoder.Decoder)")
+    if prec.residual:
+        ev = policy.eviction
+        refuse = (f"eviction policy {ev.name!r} evicts while decoding" if ev.decode_evict else
+                  f"eviction policy {ev.name!r} ranks the context by a reconstruction pass" if ev.probe else
+                  f"head-budget policy {policy.heads.name!r} gives each KV head its own budget"
+                  if policy.heads.per_head else None)
+        if refuse:
+            raise ValueError(f"{name} keeps each sequence's newest {prec.residual} tokens unquantized beside "
+                             f"the packed ones, and {refuse}, which the "
+                             "bridge does not combine with a residual (kvmodels does, except the pass and "
+                             "head budgets); use kivi(..., residual=0), or run it on kvmodels "
+                             "(kvmodels.decoder.Decoder)")
     if kind == "mpt":  # as kvmodels' attend refuses it
         raise ValueError(f"{name} on an ALiBi model (MPT): ALiBi reads each slot's position beside its "
                          "K/V, which kvmodels' quantized decode kernel does not; use a RoPE model (Llama, "
@@ -82,4 +101,4 @@ def packed_rows(policy: Any, kind: str, head_dim: int) -> PackedRows | None:
     except ValueError as e:  # a group that does not divide the head dim, a rotation of a non-power of two
         fix = "; use rotate=False" if prec.rotate and "Hadamard" in str(e) else ""
         raise ValueError(f"{name} does not fit this model: {e}{fix}") from None
-    return PackedRows(fmt, head_dim, rotation, prec.channel_scale)
+    return PackedRows(fmt, head_dim, rotation, prec.channel_scale, prec if prec.residual else None)

@@ -189,7 +189,7 @@ class ScoreSteps:
         ``decay**n``). Without a prefill mode nothing more: an open rule scored the new tokens as they were
         appended, else they score 0. The op's attention output is not used (the model attended)."""
         ev = self.eviction
-        if ev.prefill_mode is None:
+        if ev.prefill_mode is None or layer.tiered:  # KIVI's residual: nothing is evicted after the split
             return
         assert q is not None and layer.positions is not None and layer.scores is not None
         scale, slopes = scale_and_slopes(self._family, layer.layer_idx, self.captures)

@@ -1,0 +1,149 @@
+"""KIVI's residual in the transformers bridge: ``kivi(residual=R)`` keeps each sequence's newest tokens in the
+cache's dtype and packs the older ones (kvpolicies/hf/layer.py ``quantize_oldest``), as kvmodels' two-format
+cache does (``SideRegion``: the split after the prompt, then ``age`` after each step and extension).
+
+On the tiny models of tests/test_hf_bridge.py (head dim 16), against ``kvmodels.decoder.Decoder`` on the same
+weights, with generations long enough for the residual to age:
+* the same generated tokens, the same positions in each part (packed / in the cache's dtype) per sequence,
+  layer and KV head, and the packed rows bit for bit for the prompt's tokens (a decoded token's K/V come from
+  two attentions that round differently: within a code);
+* a question after the context (an extension) is kept whole and ages, as kvmodels' ``end_extend``;
+* the report counts both parts' bytes; what the bridge does not combine with a residual is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvmodels.decoder import Decoder  # noqa: E402
+from kvpolicies import compose  # noqa: E402
+from test_hf_bridge import left_pad, model_of, prompts, run  # noqa: E402
+from test_hf_kvzip import in_house  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 20  # more decode steps than a group (16): the residual ages at least once
+SPECS = [
+    ("full+kivi(bits=4, group=8, residual=2)", 1.0),
+    ("snapkv(window=3)+kivi(bits=2, group=16, residual=3)", 0.5),
+    ("snapkv(window=3, per_head=False)+kivi(bits=4, group=8, residual=5, channel_scale=True)", 0.6),
+    ("chunkkv(window=3, chunk=2)+kivi(bits=8, group=16, residual=4)", 0.5),
+]
+KINDS = ["llama", "smollm2", "gptj"]
+
+
+def policy_of(spec: str, budget: float):
+    first, *rest = spec.split("+")
+    return compose(first, *rest, budget=budget)
+
+
+def model(kind: str) -> torch.nn.Module:
+    return model_of(kind, "sdpa" if kind in ("llama", "smollm2") else "eager")
+
+
+def parts(cache, l: int, b: int) -> tuple[list[list[int]], list[list[int]], torch.Tensor, torch.Tensor]:
+    """The bridge's layer ``l``, sequence ``b``: per KV head the packed tokens' positions and the others',
+    and the packed K/V rows ``[H, n, W]``."""
+    layer = cache.layers[l]
+    nq = layer.low_k.shape[2]
+    valid = layer.head_valid()[b]  # [H, N]
+    low, rest = valid[:, :nq], valid[:, nq:]
+    pos = layer.positions[b]
+    packed = [pos[h, :nq][low[h]].tolist() for h in range(pos.shape[0])]
+    others = [pos[h, nq:][rest[h]].tolist() for h in range(pos.shape[0])]
+    rows_k = torch.stack([layer.low_k[b, h][low[h]] for h in range(pos.shape[0])])
+    rows_v = torch.stack([layer.low_v[b, h][low[h]] for h in range(pos.shape[0])])
+    return packed, others, rows_k, rows_v
+
+
+def in_house_parts(dec: Decoder, l: int, b: int):
+    """kvmodels' layer ``l``, sequence ``b``: the side region's positions per KV head (slot order), the main
+    region's, and the side region's packed rows ``[H, n, W]``."""
+    cache = dec.cache
+    page, off = cache.side.slots(l, b)
+    side_pos = cache.side.pool.slot_pos[page, off].t()  # [H, n]
+    main = [d["pos"].tolist() for d in cache.head_contents(l, b)]
+    rows_k = cache.side.pool.k_pages[page, off].transpose(0, 1)
+    rows_v = cache.side.pool.v_pages[page, off].transpose(0, 1)
+    return side_pos.tolist(), main, rows_k, rows_v
+
+
+def check_same_parts(cache, dec: Decoder, batch: list[list[int]]) -> None:
+    for b, p in enumerate(batch):
+        for l in range(len(cache.layers)):
+            packed, others, ours_k, ours_v = parts(cache, l, b)
+            side, main, ref_k, ref_v = in_house_parts(dec, l, b)
+            assert packed == side, (l, b)
+            assert others == main, (l, b)
+            prompt = torch.tensor(side[0]) < len(p)  # the prompt's rows: the same bytes
+            for ours, ref in ((ours_k, ref_k), (ours_v, ref_v)):
+                assert torch.equal(ours[:, prompt], ref[:, prompt]), (l, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec,budget", SPECS)
+def test_splits_ages_and_generates_as_kvmodels(kind, spec, budget):
+    policy, hf_model, batch = policy_of(spec, budget), model(kind), prompts([14, 9], seed=5)
+    tokens, cache = run(hf_model, batch, policy, new=NEW)
+    dec = Decoder(in_house(hf_model), policy)
+    dec.extend(batch)
+    assert tokens == dec.generate(NEW).tokens
+    check_same_parts(cache, dec, batch)
+    residual = policy.precision.residual
+    for layer in cache.layers:  # the residual aged: at most residual + group wait, and some were packed late
+        waiting = layer.head_valid()[..., layer.low_k.shape[2]:].sum(-1)
+        assert int(waiting.max()) <= residual + policy.precision.group
+        assert int(layer.positions[..., :layer.low_k.shape[2]].amax()) >= len(batch[0])  # a decoded token
+    rep = cache.report()
+    assert rep.quantized and f"newest {residual} tokens" in rep.rows
+
+
+def test_the_report_counts_both_parts():
+    policy, hf_model = policy_of(*SPECS[0]), model("llama")
+    _, cache = run(hf_model, prompts([14, 9], seed=5), policy, new=NEW)
+    rep = cache.report()
+    for l, layer in enumerate(cache.layers):
+        want = sum(t.numel() * t.element_size() for t in (layer.low_k, layer.low_v, layer.keys, layer.values))
+        assert int(rep.bytes_per_layer[l]) == want
+        assert layer.low_k.dtype == torch.uint8 and layer.keys.dtype == torch.float32
+    fp32 = 2 * 16 * 4  # a K and a V row of head dim 16 in float32
+    tokens = int(rep.tokens_per_layer.sum())
+    assert rep.total_bytes < 0.5 * tokens * fp32 * cache._family.n_kv_heads  # mostly 4-bit rows
+
+
+@pytest.mark.parametrize("kind", ["llama", "gptj"])
+def test_question_after_context_is_kept_whole_and_ages_as_kvmodels(kind):
+    policy, hf_model = policy_of(*SPECS[1]), model(kind)
+    contexts, questions = prompts([20, 13], seed=7), prompts([12, 6], seed=8)
+    (ctx_ids, ctx_mask), (q_ids, q_mask) = left_pad(contexts), left_pad(questions)
+    cache = policy.hf_cache(hf_model)
+    with torch.no_grad():
+        hf_model(input_ids=ctx_ids, attention_mask=ctx_mask, past_key_values=cache, use_cache=True,
+                 position_ids=(ctx_mask.cumsum(-1) - 1).clamp_min(0))
+    ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
+    with torch.no_grad():
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                past_key_values=cache, pad_token_id=0, use_cache=True)
+    dec = Decoder(in_house(hf_model), policy)
+    dec.extend(contexts)
+    dec.extend(questions, max_new_tokens=NEW)
+    assert out[:, ids.shape[1]:].tolist() == dec.generate(NEW).tokens
+    check_same_parts(cache, dec, [c + q for c, q in zip(contexts, questions, strict=True)])
+
+
+@pytest.mark.parametrize("spec,names", [
+    ("h2o+kivi(group=8, residual=4)", ["'h2o'", "evicts while decoding", "residual=0"]),
+    ("kvzip+kivi(group=8, residual=4)", ["'kvzip'", "reconstruction pass", "residual=0"]),
+    ("snapkv+pooled+kivi(group=8, residual=4)", ["'pooled'", "own budget", "residual=0"]),
+    ("snapkv+zipcache(group=8)", ["'zipcache'", "two packed formats", "kvmodels"]),
+    ("snapkv+mikv(group=8)", ["'mikv'", "two packed formats", "kvmodels"]),
+])
+def test_what_the_bridge_does_not_combine_with_a_residual_is_refused_by_name(spec, names):
+    policy = policy_of(spec, 0.5)
+    with pytest.raises(ValueError) as e:
+        policy.hf_cache(model("llama"))
+    for name in names:
+        assert name in str(e.value)
