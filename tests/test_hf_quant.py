@@ -240,7 +240,7 @@ def test_ragged_batch_equals_each_alone(spec):
 
 # --- refusals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec,kind,words", [
-    ("h2o+kivi(bits=4, group=8)", "llama", ["'kivi'", "residual", "use kivi(", "residual=0", "kvmodels"]),
+    ("keyformer+kivi(bits=4, group=8)", "llama", ["'kivi'", "residual", "Gumbel", "use kivi(", "residual=0"]),
     ("h2o+zipcache(group=8)", "llama", ["'zipcache'", "two packed formats", "use kivi(", "kvmodels"]),
     ("h2o+mikv(group=8)", "llama", ["'mikv'", "two packed formats", "use kivi(", "kvmodels"]),
     ("h2o+kivi(bits=4, residual=0, group=8)", "mpt", ["'kivi'", "ALiBi", "RoPE model"]),

@@ -127,9 +127,9 @@ def test_zipcache_needs_scores_at_assign():
 
 
 def test_the_transformers_bridge_holds_kivi_and_refuses_two_packed_formats_by_name():
-    """The bridge stores ``kivi``'s packed rows (tests/test_hf_quant.py), with KIVI's residual after a
-    prompt-only compression (tests/test_hf_kivi_residual.py); two packed formats in one cache (ZipCache,
-    MiKV) and a residual under eviction while decoding are refused, naming the policy and the fix."""
+    """The bridge stores ``kivi``'s packed rows (tests/test_hf_quant.py), with KIVI's residual too
+    (tests/test_hf_kivi_residual.py); two packed formats in one cache (ZipCache, MiKV) and a residual under
+    Keyformer's per-slot noise (as kvmodels) are refused, naming the policy and the fix."""
     pytest.importorskip("transformers")
     from kvpolicies.hf import PolicyCache
     from test_hf_bridge import model_of  # the bridge tests' tiny models (head dim 16)
@@ -141,8 +141,9 @@ def test_the_transformers_bridge_holds_kivi_and_refuses_two_packed_formats_by_na
         name = precision.split("(")[0]
         with pytest.raises(ValueError, match=f"precision '{name}'.*two packed formats.*use kivi\\("):
             PolicyCache(compose("h2o", precision, budget=0.2), model)
-    with pytest.raises(ValueError, match="precision 'kivi'.*'h2o' evicts while decoding.*residual=0"):
-        PolicyCache(compose("h2o", "kivi(group=8)", budget=0.2), model)
+    assert PolicyCache(compose("h2o", "kivi(group=8)", budget=0.2), model).layers[0].tiered
+    with pytest.raises(ValueError, match="'kivi'.*'keyformer' scores with Gumbel noise.*residual=0"):
+        PolicyCache(compose("keyformer", "kivi(group=8)", budget=0.2), model)
 
 
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():

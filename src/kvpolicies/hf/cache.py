@@ -265,9 +265,12 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             step = self._decode_step
             self._decode_step += 1
             assert self.plan is not None  # made when the decode's first forward began
-            if self.plan.evicts_after(step):
+            if self.rows is not None and self.rows.precision is not None:  # KIVI's residual, as kvmodels
+                self._age()
+                if self.plan.evicts_after(step) and self.eviction.decode_evict:
+                    self._evict_packed()
+            elif self.plan.evicts_after(step):
                 self._evict_by_plan()
-            self._age()
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
 
     def _evict_by_plan(self) -> None:
@@ -294,6 +297,27 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             for layer in self.layers:
                 kept = layer.head_valid()
                 layer.quantize_oldest(self.rows.precision.assign(kept, layer.scores) == self.rows.fmt.bits)
+
+    def _evict_packed(self) -> None:
+        """KIVI's residual under eviction while decoding (kvmodels' ``SideRegion.evict``): in each layer a
+        sequence whose two parts hold more than its budget (the plan's) gives up packed tokens only, keeping
+        ``budget - waiting`` of them (the policy's sinks, and the part of its recent window the waiting
+        tokens do not hold); the tokens waiting in the cache's dtype stay whole."""
+        assert self.plan is not None and self.rows is not None
+        ev = self.eviction
+        share = ev.eviction_scores if ev.heads_share_selection else None
+        for l, layer in enumerate(self.layers):
+            budgets, n_sink, n_recent = (x.to(torch.int64) for x in self.plan.rows.row(l))  # [B] each
+            nq = layer.low_k.shape[2]
+            valid = layer.valid.cpu()
+            packed, waiting = valid[:, :nq].sum(-1), valid[:, nq:].sum(-1)
+            room = (budgets - waiting).clamp_min(0)
+            if not bool((packed > room).any()):
+                continue
+            keep = torch.minimum(packed, room)
+            sink = torch.minimum(n_sink, keep)
+            recent = torch.minimum((n_recent - waiting).clamp_min(0), keep - sink)
+            layer.evict_packed(keep, sink, recent, share)
 
     def _age(self) -> None:
         """KIVI's residual after a decode step or an extension (kvmodels' ``SideRegion.age``): in each layer a

@@ -94,6 +94,26 @@ class PolicyLayer(DynamicLayer):
         """Whether this layer holds KIVI's residual: its newest tokens unquantized, the rest packed."""
         return self.rows is not None and self.rows.precision is not None
 
+    def evict_packed(self, budgets: torch.Tensor, n_sink: torch.Tensor, n_recent: torch.Tensor,
+                     share: Any = None) -> None:
+        """KIVI's residual under eviction while decoding (kvmodels' ``SideRegion.evict``): the packed part
+        alone is compacted (:meth:`compact`) to ``budgets [B]`` slots with forced ``n_sink`` / ``n_recent``
+        (0 keeps none); the tokens in the cache's dtype stay whole. ``share``: the eviction policy's
+        ``eviction_scores``, applied to the packed part's scores first (its heads then rank alike)."""
+        assert self.tiered and self.low_k is not None
+        nq = self.low_k.shape[2]
+        rest = (self.keys, self.values, self.positions[..., nq:], self.scores[..., nq:], self.valid[:, nq:])
+        self.keys, self.values, self.low_k, self.low_v = self.low_k, self.low_v, None, None
+        self.positions, self.scores, self.valid = (x[..., :nq]
+                                                   for x in (self.positions, self.scores, self.valid))
+        if share is not None:
+            self.scores = share(self.scores, head_dim=1).clone()
+        self.compact(budgets.clamp_min(1), n_sink, n_recent)  # a row keeping none: cleared below
+        self.valid &= (budgets > 0).to(self.valid.device)[:, None]
+        self.low_k, self.low_v, self.keys, self.values = self.keys, self.values, rest[0], rest[1]
+        self.positions, self.scores, self.valid = (torch.cat([x, r], dim=-1) for x, r in zip(
+            (self.positions, self.scores, self.valid), rest[2:], strict=True))
+
     @property
     def merged(self) -> bool:
         """Whether this layer reads a merged pair's region."""

@@ -8,9 +8,8 @@ parameters), written by ``encode_rows`` (rotated first, in float32, with ``rotat
 ``decode_rows`` (rotated back), the functions kvmodels' storage calls. ZipCache's channel-separable keys
 (``channel_scale=True``) are the layer's: it stores ``k / c`` and multiplies ``c`` back on reads.
 :func:`packed_rows` refuses, by name and with the fix, what the bridge cannot hold (two formats: KIVI's
-ZipCache's and MiKV's two packed formats, and with KIVI's residual what only kvmodels' ``SideRegion`` holds:
-eviction while decoding, a reconstruction pass, head budgets) and what kvmodels refuses (ALiBi, a format that
-does not fit the head dim).
+ZipCache's and MiKV's two packed formats) and what kvmodels refuses (ALiBi, a format that does not fit the
+head dim; with KIVI's residual Keyformer's per-slot noise, a reconstruction pass, head budgets).
 """
 
 from __future__ import annotations
@@ -80,16 +79,15 @@ def packed_rows(policy: Any, kind: str, head_dim: int) -> PackedRows | None:
                          "kivi(bits=..., group=...), or run it on kvmodels (kvmodels.decoder.Decoder)")
     if prec.residual:
         ev = policy.eviction
-        refuse = (f"eviction policy {ev.name!r} evicts while decoding" if ev.decode_evict else
+        refuse = (f"eviction policy {ev.name!r} scores with Gumbel noise drawn per slot of one part"
+                  if ev.decode_evict and ev.score_mode == "gumbel" else
                   f"eviction policy {ev.name!r} ranks the context by a reconstruction pass" if ev.probe else
                   f"head-budget policy {policy.heads.name!r} gives each KV head its own budget"
                   if policy.heads.per_head else None)
         if refuse:
             raise ValueError(f"{name} keeps each sequence's newest {prec.residual} tokens unquantized beside "
-                             f"the packed ones, and {refuse}, which the "
-                             "bridge does not combine with a residual (kvmodels does, except the pass and "
-                             "head budgets); use kivi(..., residual=0), or run it on kvmodels "
-                             "(kvmodels.decoder.Decoder)")
+                             f"the packed ones, and {refuse}, which the bridge does not combine with a "
+                             "residual, as kvmodels does not; use kivi(..., residual=0)")
     if kind == "mpt":  # as kvmodels' attend refuses it
         raise ValueError(f"{name} on an ALiBi model (MPT): ALiBi reads each slot's position beside its "
                          "K/V, which kvmodels' quantized decode kernel does not; use a RoPE model (Llama, "
