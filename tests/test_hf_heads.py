@@ -122,19 +122,38 @@ def test_ragged_batch_equals_each_sequence_alone(kind, spec):
         assert cache.report().head_tokens[:, b].tolist() == alone.report().head_tokens[:, 0].tolist()
 
 
-def test_layers_are_padded_to_their_longest_head_and_smaller_than_full():
+def test_layers_hold_each_heads_own_tokens_between_forwards_and_pad_only_for_one():
+    """Between forwards a layer holds its heads' kept K/V ragged (each head its own count, no padding);
+    a forward pads a layer to its longest head for transformers' attention, one layer at a time, which the
+    peak counts."""
     hf_model = model("gptj")  # 4 KV heads
     batch = prompts(BATCH, seed=7)
     _, cache = run(hf_model, batch, SPECS["snapkv+pooled"]("gptj"))
     rep = cache.report()
     for l, layer in enumerate(cache.layers):
-        B, H, n, D = layer.keys.shape
+        keys, values = layer.dense()  # the padded view a forward reads
+        B, H, n, D = keys.shape
         assert (B, H) == (2, 4) and layer.valid.shape == (B, H, n)
         assert n == int(rep.head_tokens[l].max())  # the longest head of the layer, no wider
-        assert rep.bytes_per_layer[l] == 2 * layer.keys.numel() * layer.keys.element_size()
+        assert layer.keys.shape[2] == 0  # held ragged: no padded tensor kept
+        kept = int(rep.head_tokens[l].sum())
+        assert rep.bytes_per_layer[l] == 2 * kept * D * keys.element_size()
     # Every head holds its split share plus the NEW - 1 decoded tokens (snapkv evicts only the prompt).
     assert rep.head_tokens.tolist() == (cache.plan.head_budgets + NEW - 1).tolist()
     assert rep.total_bytes < rep.full_cache_bytes
+    # One more decode step from here: while the last layer attends, the others hold their tokens ragged and it
+    # is padded, which the peak counts (the prompt's peak, larger, is set aside).
+    cache.peak_bytes = 0
+    ids = torch.tensor([[5], [7]], device=DEVICE)
+    mask = torch.ones(2, cache.get_seq_length() + 1, dtype=torch.int64, device=DEVICE)
+    with torch.no_grad():
+        hf_model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    rep = cache.report()
+    padded = [2 * x.dense()[0].numel() * x.dense()[0].element_size() for x in cache.layers]
+    extra = [p - int(b) for p, b in zip(padded, rep.bytes_per_layer, strict=True)]  # each layer's padding
+    assert extra[-1] > 0  # the last layer's heads are uneven
+    # At least the last layer's moment (each layer holding its new token); one layer padded at a time at most.
+    assert rep.total_bytes + extra[-1] <= rep.peak_bytes <= rep.total_bytes + max(extra)
 
 
 @pytest.mark.parametrize("kind", ["smollm2", "mpt"])
@@ -150,13 +169,14 @@ def test_attention_over_per_head_rows_attends_to_each_heads_tokens_only(kind):
     counts = cache.report().head_tokens
     l = int(((counts != counts[..., :1]).any(-1).any(-1)).nonzero()[0])  # a layer whose heads differ
     layer = cache.layers[l]
-    B, H, N, D = layer.keys.shape
+    held_k, held_v = layer.dense()  # padded to the longest head, as a forward reads the layer
+    B, H, N, D = held_k.shape
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, h, 1, D, generator=g).to(DEVICE) for h in (fam.n_q_heads, H, H))
     cache.step = Step(torch.ones(B, 1, dtype=torch.bool, device=DEVICE),
                       torch.full((B, 1), 100, dtype=torch.int64, device=DEVICE))
-    keys = torch.cat([layer.keys, k], dim=2).repeat_interleave(G, dim=1)  # [B, Hq, N + 1, D]
-    values = torch.cat([layer.values, v], dim=2).repeat_interleave(G, dim=1)
+    keys = torch.cat([held_k, k], dim=2).repeat_interleave(G, dim=1)  # [B, Hq, N + 1, D]
+    values = torch.cat([held_v, v], dim=2).repeat_interleave(G, dim=1)
     logits = q @ keys.transpose(-1, -2) / math.sqrt(D)  # [B, Hq, 1, N + 1]
 
     def attend(allowed: torch.Tensor) -> torch.Tensor:

@@ -164,9 +164,10 @@ def test_the_probe_stores_nothing(spec):
         heads = cache.head_contents(l, 0)
         assert [len(h["pos"]) for h in heads] == budgets[l, 0].expand(4).tolist()
         assert all(int(h["pos"].max()) < 30 for h in heads)  # no probe token stored
-        B, H, n, D = layer.keys.shape
-        assert n == int(budgets[l, 0].max()) < 30  # padded to the longest head only
-        assert rep.bytes_per_layer[l] == 2 * H * n * D * layer.keys.element_size()
+        B, H, n, D = layer.dense()[0].shape  # the view a forward reads: padded to the longest head only
+        assert n == int(budgets[l, 0].max()) < 30
+        kept = sum(len(h["pos"]) for h in heads)  # held: each head its own count (ragged with head budgets)
+        assert rep.bytes_per_layer[l] == 2 * kept * D * layer.keys.element_size()
     assert rep.peak_bytes == rep.full_cache_bytes  # the uncompressed prompt, never more: the pass stored none
     if not policy.heads.per_head:  # K+V x layers x heads x ceil(0.3 * 30) x D x fp32
         assert rep.total_bytes == 2 * len(cache.layers) * 4 * 9 * 16 * 4

@@ -197,6 +197,9 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             self._extension_scores(layer, keys, values, query)
         elif query is not None:
             self._score_layer(layer, key_states, query)
+        # Head budgets: the layer padded for this forward counts at its peak, then goes back to ragged.
+        self.peak_bytes = max(self.peak_bytes, sum(x.nbytes() for x in self.layers))
+        layer.hold()
         return keys, values
 
     def begin_forward(
@@ -407,6 +410,7 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
                 continue  # the second layer of a pair holds no tokens; a region may be left alone
             row = self.plan.rows.row(l)
             layer.compact(*(x.view(-1, H) for x in row) if per_head else row)
+            layer.hold()
 
     def record_cos(self, layer_idx: int, h_in: torch.Tensor, attn_out: torch.Tensor) -> None:
         cos = residual_cos_sim(h_in, attn_out)  # [B, q]

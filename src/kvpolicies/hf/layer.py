@@ -48,7 +48,8 @@ class PolicyLayer(DynamicLayer):
     keys, values: ``[B, Hkv, N, D]``; ``positions``: ``[B, Hkv, N]`` int64 original absolute positions;
     ``scores``: ``[B, Hkv, N]`` float32; ``valid``: ``[B, N]`` bool (the same for every head of a layer), or
     ``[B, Hkv, N]`` once a head-budget policy compacted the layer (each KV head its own count; a row is padded
-    to the layer's longest head; :meth:`head_valid` reads either as ``[B, Hkv, N]``).
+    to the layer's longest head while a forward reads it, and held ragged between forwards, :meth:`hold`;
+    :meth:`head_valid` reads either as ``[B, Hkv, N]``).
 
     After a MiniCache merge, layer ``a`` of a pair holds the pair's *region* (docs/contract.md §5.1) in
     those tensors: a shared slot holds the unit direction, a private slot the original K/V. It also holds
@@ -74,6 +75,7 @@ class PolicyLayer(DynamicLayer):
         self.key_scale: torch.Tensor | None = None
         self.low_k: torch.Tensor | None = None  # KIVI's residual: the older tokens' packed rows
         self.low_v: torch.Tensor | None = None
+        self._held: tuple[torch.Tensor, torch.Tensor] | None = None  # head budgets: K/V held ragged (hold)
         self.kv_dtype: torch.dtype | None = None  # the K/V's dtype (the first update's)
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
@@ -88,6 +90,31 @@ class PolicyLayer(DynamicLayer):
     def store(self) -> PolicyLayer:
         """The layer whose tensors hold this layer's tokens: itself, or its pair's region owner."""
         return self if self._store is None else self._store
+
+    def hold(self) -> None:
+        """Between forwards, a layer whose KV heads keep different counts (head budgets) holds its K/V (or
+        packed rows) ragged, each (sequence, KV head) its own valid slots one after another, ``[n, D]``,
+        instead of padded to its longest head; ``keys`` / ``values`` are then empty ``[B, Hkv, 0, D]``
+        placeholders until :meth:`unhold` pads them back for the next forward or compaction."""
+        if self._held is None and self.per_head and self.keys is not None:
+            valid = self.valid
+            self._held = (self.keys[valid], self.values[valid])
+            self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
+
+    def unhold(self) -> None:
+        """Pad the ragged K/V of :meth:`hold` back to ``[B, Hkv, N, D]`` (zeros past each head's count)."""
+        if self._held is not None:
+            self.keys, self.values = self._padded()
+            self._held = None
+
+    def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._held is not None and self.valid is not None
+        out = []
+        for flat in self._held:
+            x = flat.new_zeros(*self.valid.shape, flat.shape[-1])
+            x[self.valid] = flat
+            out.append(x)
+        return out[0], out[1]
 
     @property
     def tiered(self) -> bool:
@@ -137,6 +164,7 @@ class PolicyLayer(DynamicLayer):
         magnitude 1, visible to it only. Quantized rows store the tokens packed and return the layer
         dequantized, the new tokens exact when ``exact`` (else as stored)."""
         self.kv_dtype = self.kv_dtype or key_states.dtype
+        self.unhold()
         if self.merged:
             return self.store._append_private(key_states, value_states, step, self.member, new_scores)
         if self.tiered and self.rows.channel_scale and self.key_scale is None:  # the prompt's factors
@@ -176,6 +204,9 @@ class PolicyLayer(DynamicLayer):
         """K/V ``[B, Hkv, N, D]`` in the cache's dtype: as held, or the packed rows dequantized (rotated back,
         keys times their channel factors): what kvmodels reads of the same rows. With KIVI's residual the
         packed older tokens, then the newest as held."""
+        if self._held is not None:  # held ragged (head budgets): padded for the reader, not kept
+            keys, values = self._padded()
+            return (keys, values) if self.rows is None else self._decoded(keys, values)
         if self.rows is None or self.keys is None:
             return self.keys, self.values
         if self.tiered:
@@ -283,7 +314,7 @@ class PolicyLayer(DynamicLayer):
         if not self.is_initialized or self.keys is None:
             return 0
         held = [self.keys, self.values, self.low_k, self.low_v, self.k_mag, self.v_mag, self.slot_mask,
-                self.key_scale]
+                self.key_scale, *(self._held or ())]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def compact(
@@ -308,6 +339,7 @@ class PolicyLayer(DynamicLayer):
         if self.valid is None or self.valid.shape[-1] == 0:
             return
         assert self.low_k is None, "a layer is compacted before KIVI's residual splits it"
+        self.unhold()
         (priority,) = self._pack(priority)
         B, H, N, _ = self.keys.shape
         dev = self.valid.device

@@ -34,8 +34,9 @@ class HFCacheReport:
     head_tokens: ``[Lc, B, Hkv]`` int64, a head-budget policy's (``adakv``, ``pooled``, ``duo``) kept tokens
         per KV head, else None. As ``kvmodels.cache.CacheReport``, ``tokens_per_layer`` is then float64, each
         sequence's mean over its heads (``layer_budgets`` is the layer's budget, the mean of its heads';
-        ``head_budgets`` ``[Lc, B, Hkv]`` the plan's split). Unlike kvmodels, whose heads hold pages of their
-        own, a layer here is one tensor padded to its longest head: ``bytes_per_layer`` counts that padding.
+        ``head_budgets`` ``[Lc, B, Hkv]`` the plan's split). Between forwards such a layer holds each head's
+        tokens ragged (``PolicyLayer.hold``): ``bytes_per_layer`` counts the heads' tokens, no padding (and no
+        page rounding, unlike kvmodels' per-head pages); ``peak_bytes`` counts the layer a forward pads.
     rows, quantized: as ``kvmodels.cache.CacheReport``: how a stored row holds a token (empty: the cache's
         dtype; else the packed format and its bytes per row) and whether rows are quantized. Quantized
         (``kivi``), ``bytes_per_layer`` counts the packed rows (codes, scales and zero points; with KIVI's
