@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from kvmodels.decoder import Decoder  # noqa: E402
 from kvpolicies import compose  # noqa: E402
-from test_hf_bridge import left_pad, model_of, prompts, run  # noqa: E402
+from test_hf_bridge import model_of, prompts, run  # noqa: E402
 from test_hf_kvzip import in_house  # noqa: E402
+from test_hf_quant import ask_after_context  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,19 +134,7 @@ def test_the_report_counts_both_parts():
 def test_question_after_context_is_kept_whole_and_ages_as_kvmodels(kind, spec, budget):
     policy, hf_model = policy_of(spec, budget), model(kind)
     contexts, questions = prompts([20, 13], seed=7), prompts([12, 6], seed=8)
-    (ctx_ids, ctx_mask), (q_ids, q_mask) = left_pad(contexts), left_pad(questions)
-    cache = policy.hf_cache(hf_model)
-    with torch.no_grad():
-        hf_model(input_ids=ctx_ids, attention_mask=ctx_mask, past_key_values=cache, use_cache=True,
-                 position_ids=(ctx_mask.cumsum(-1) - 1).clamp_min(0))
-    ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
-    with torch.no_grad():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                past_key_values=cache, pad_token_id=0, use_cache=True)
-    dec = Decoder(in_house(hf_model), policy)
-    dec.extend(contexts)
-    dec.extend(questions, max_new_tokens=NEW)
-    assert out[:, ids.shape[1]:].tolist() == dec.generate(NEW).tokens
+    cache, dec = ask_after_context(hf_model, policy, contexts, questions, NEW)
     check_same_parts(cache, dec, [c + q for c, q in zip(contexts, questions, strict=True)])
 
 

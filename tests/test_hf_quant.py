@@ -62,6 +62,24 @@ def prefill(hf_model, cache, batch: list[list[int]]) -> None:
                  position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
 
 
+def ask_after_context(hf_model, policy, contexts: list[list[int]], questions: list[list[int]], new: int):
+    """A forward on the (left-padded) contexts, then ``generate`` with the questions after them, through the
+    bridge; kvmodels extends twice and generates; the two generations must be equal. Returns both caches
+    (the bridge's, the ``Decoder``)."""
+    (ctx_ids, ctx_mask), (q_ids, q_mask) = left_pad(contexts), left_pad(questions)
+    cache = policy.hf_cache(hf_model)
+    prefill(hf_model, cache, contexts)
+    ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
+    with torch.no_grad():
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                past_key_values=cache, pad_token_id=0, use_cache=True)
+    dec = Decoder(in_house(hf_model), policy)
+    dec.extend(contexts)
+    dec.extend(questions, max_new_tokens=new)
+    assert out[:, ids.shape[1]:].tolist() == dec.generate(new).tokens
+    return cache, dec
+
+
 # --- the same as kvmodels ------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec", SPECS)
@@ -98,17 +116,7 @@ def test_question_after_context_keeps_what_kvmodels_does(kind, spec):
     path is checked against kvmodels for a reconstruction pass.)"""
     policy, hf_model = policy_of(spec, budget=0.3), model(kind)
     contexts, questions = prompts([20, 13], seed=7), prompts([4, 6], seed=8)
-    (ctx_ids, ctx_mask), (q_ids, q_mask) = left_pad(contexts), left_pad(questions)
-    cache = policy.hf_cache(hf_model)
-    prefill(hf_model, cache, contexts)
-    ids, mask = torch.cat([ctx_ids, q_ids], 1), torch.cat([ctx_mask, q_mask], 1)
-    with torch.no_grad():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                past_key_values=cache, pad_token_id=0, use_cache=True)
-    dec = Decoder(in_house(hf_model), policy)
-    dec.extend(contexts)
-    dec.extend(questions, max_new_tokens=NEW)
-    assert out[:, ids.shape[1]:].tolist() == dec.generate(NEW).tokens
+    cache, dec = ask_after_context(hf_model, policy, contexts, questions, NEW)
     for b in range(len(contexts)):
         assert kept(cache, b) == kept(dec.cache, b), f"sequence {b}"
 
