@@ -113,7 +113,7 @@ def test_splits_ages_and_generates_as_kvmodels(kind, spec, budget):
         assert int(waiting.max()) <= residual + policy.precision.group
         assert int(layer.positions[..., :layer.low_k.shape[2]].amax()) >= len(batch[0])  # a decoded token
     rep = cache.report()
-    assert rep.quantized and f"newest {residual} tokens" in rep.rows
+    assert rep.quantized and f"newest {residual} to {residual + policy.precision.group} tokens" in rep.rows
 
 
 def test_the_report_counts_both_parts():

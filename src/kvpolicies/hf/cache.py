@@ -197,9 +197,9 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             self._extension_scores(layer, keys, values, query)
         elif query is not None:
             self._score_layer(layer, key_states, query)
-        # Head budgets: the layer padded for this forward counts at its peak, then goes back to ragged.
-        self.peak_bytes = max(self.peak_bytes, sum(x.nbytes() for x in self.layers))
-        layer.hold()
+        if layer.per_head:  # head budgets: padded for this forward (counted at the peak), then held ragged
+            self.peak_bytes = max(self.peak_bytes, sum(x.nbytes() for x in self.layers))
+            layer.hold()
         return keys, values
 
     def begin_forward(

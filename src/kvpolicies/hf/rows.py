@@ -60,7 +60,8 @@ class PackedRows:
         how += ", channel-scaled keys" if self.channel_scale else ""
         text = f"{self.fmt.bits}-bit rows, group {self.fmt.group}{how} ({self.width} B per K or V row)"
         if self.precision is not None:
-            text += f", the newest {self.precision.residual} tokens or more in the cache's dtype"
+            r = self.precision.residual
+            text += f", the newest {r} to {r + self.fmt.group} tokens in the cache's dtype"
         return text
 
 
