@@ -110,10 +110,10 @@ STUDIES = sorted(m.name for m in pkgutil.iter_modules(experiments.__path__))
 
 
 def test_the_studies_are_all_here():
-    assert STUDIES == ["adakv_imbalance", "adakv_retrieval", "chunked_prefill", "key_digits_kept",
-                       "kvpress_question_agnostic", "passkey_layer_ablation", "passkey_margins",
-                       "passkey_profile", "passkey_variants", "quantized_baseline", "quantized_kv",
-                       "question_agnostic"]
+    assert STUDIES == ["adakv_imbalance", "adakv_retrieval", "chunked_prefill", "hf_kivi_perplexity",
+                       "key_digits_kept", "kivi_channel_keys", "kvpress_question_agnostic",
+                       "passkey_layer_ablation", "passkey_margins", "passkey_profile", "passkey_variants",
+                       "quantized_baseline", "quantized_kv", "question_agnostic"]
 
 
 def test_quantized_kv_table_reads_its_records():
