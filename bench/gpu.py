@@ -105,7 +105,7 @@ TEST_FILES = (
     "tests/test_cache_policies.py", "tests/test_cache_minicache.py", "tests/test_cache_compress_each.py",
     "tests/test_cache_prefill_attend.py", "tests/test_cache_compile.py", "tests/test_generate.py",
     "tests/test_hf_bridge.py", "tests/test_hf_merge.py",
-    "tests/test_hf_quant.py", "tests/test_hf_kivi_residual.py",  # the bridge's packed rows: never on a GPU
+    "tests/test_hf_quant.py", "tests/test_hf_two_parts.py",  # the bridge's packed rows: never on a GPU
 )
 SMOKE_TEST_FILES = ("tests/test_gpu.py", "tests/test_layering.py")
 

@@ -11,7 +11,7 @@ On the tiny models of tests/test_hf_bridge.py (head dim 16, so ``group`` 8 or 16
 * the report counts the packed rows' bytes (codes, scales, zero points), about a third of fp16's at 4 bits;
 * a left-padded ragged batch keeps and generates what each sequence does alone;
 * what the bridge cannot hold (two packed formats, ALiBi, a group that does not divide the head dim) is
-  refused by name with the fix (KIVI's residual: tests/test_hf_kivi_residual.py).
+  refused by name with the fix (KIVI's residual: tests/test_hf_two_parts.py).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def test_ragged_batch_equals_each_alone(spec):
 @pytest.mark.parametrize("spec,kind,words", [
     ("keyformer+kivi(bits=4, group=8)", "llama", ["'kivi'", "residual", "Gumbel", "use kivi(", "residual=0"]),
     ("h2o+zipcache(group=8)", "llama", ["'zipcache'", "two packed formats", "use kivi(", "kvmodels"]),
-    ("h2o+mikv(group=8)", "llama", ["'mikv'", "two packed formats", "use kivi(", "kvmodels"]),
+    ("h2o+mikv(high=8, group=8)", "llama", ["'mikv'", "two packed formats", "use kivi(", "kvmodels"]),
     ("h2o+kivi(bits=4, residual=0, group=8)", "mpt", ["'kivi'", "ALiBi", "RoPE model"]),
     ("h2o+kivi(bits=4, residual=0, group=32)", "llama", ["'kivi'", "does not fit", "head dim 16"]),
 ])

@@ -127,9 +127,10 @@ def test_zipcache_needs_scores_at_assign():
 
 
 def test_the_transformers_bridge_holds_kivi_and_refuses_two_packed_formats_by_name():
-    """The bridge stores ``kivi``'s packed rows (tests/test_hf_quant.py), with KIVI's residual too
-    (tests/test_hf_kivi_residual.py); two packed formats in one cache (ZipCache, MiKV) and a residual under
-    Keyformer's per-slot noise (as kvmodels) are refused, naming the policy and the fix."""
+    """The bridge stores ``kivi``'s packed rows (tests/test_hf_quant.py), beside tokens in the cache's dtype
+    too (KIVI's residual, ``mikv(high=16)``: tests/test_hf_two_parts.py); two packed formats in one cache
+    (ZipCache, MiKV with ``high`` < 16) and two parts under Keyformer's per-slot noise (as kvmodels) are
+    refused, naming the policy and the fix."""
     pytest.importorskip("transformers")
     from kvpolicies.hf import PolicyCache
     from test_hf_bridge import model_of  # the bridge tests' tiny models (head dim 16)
@@ -137,7 +138,8 @@ def test_the_transformers_bridge_holds_kivi_and_refuses_two_packed_formats_by_na
     model = model_of("llama")
     assert PolicyCache(compose("snapkv", "kivi(residual=0, group=8)", budget=0.2), model).layers[0].rows
     assert PolicyCache(compose("snapkv", "kivi(group=8)", budget=0.2), model).layers[0].tiered
-    for precision in ("zipcache(group=8)", "mikv(group=8)"):
+    assert PolicyCache(compose("h2o", "mikv(group=8)", budget=0.2), model).layers[0].tiered
+    for precision in ("zipcache(group=8)", "mikv(high=4, group=8)"):
         name = precision.split("(")[0]
         with pytest.raises(ValueError, match=f"precision '{name}'.*two packed formats.*use kivi\\("):
             PolicyCache(compose("h2o", precision, budget=0.2), model)
@@ -232,3 +234,23 @@ def test_kivi_ages_its_residual_a_group_or_more_at_a_time():
     assert [int(k.aging(n)) for n in range(30)] == want
     assert k.aging(np.arange(30)).tolist() == want
     assert k.aging(torch.arange(30)).tolist() == want
+
+
+@given(total=st.integers(1, 12), keep=st.integers(0, 12), sink=st.integers(0, 4), recent=st.integers(0, 4),
+       heads=st.integers(1, 3), seed=st.integers(0, 2**16), ties=st.booleans())
+def test_mikv_demotes_each_heads_lowest_ranked_but_the_forced_ties_to_the_older(total, keep, sink, recent,
+                                                                                heads, seed, ties):
+    """``MiKV.demoted`` (both caches ask it): per KV head the ``total - keep`` lowest-ranked tokens, the first
+    ``sink`` and last ``recent`` never, the older first among equal ranks; against a loop over the tokens."""
+    keep = min(keep, total)
+    sink = min(sink, keep)
+    recent = min(recent, keep - sink)
+    g = torch.Generator().manual_seed(seed)
+    rank = torch.randint(0, 3, (total, heads), generator=g).float() if ties else torch.rand(total, heads,
+                                                                                            generator=g)
+    got = MiKV().demoted(rank, keep, sink, recent)
+    assert got.shape == (total - keep, heads)
+    for h in range(heads):
+        free = [i for i in range(total) if sink <= i < total - recent]
+        want = sorted(sorted(free, key=lambda i: (float(rank[i, h]), i))[:total - keep])
+        assert got[:, h].tolist() == want

@@ -348,11 +348,7 @@ class SideRegion:
                 page, off = self._rows(cache.page_table[l, b], total)
                 scores = cache.slot_score[page, off]  # [total, Hkv], slot (= position) order
                 rank = ev.eviction_scores(scores, head_dim=-1) if ev.heads_share_selection else scores
-                slot = torch.arange(total, device=page.device)
-                forced = (slot < sink) | (slot >= total - recent)
-                rank = rank.masked_fill(forced[:, None], float("inf"))
-                out = torch.sort(rank, dim=0, stable=True).indices[:total - keep].sort(dim=0).values
-                moves.append((b, out, keep))
+                moves.append((b, self.precision.demoted(rank, keep, sink, recent), keep))
             self._move_down(cache, l, moves, "keeping evicted tokens")
 
     def _move_down(self, cache, l: int, moves: list[tuple[int, torch.Tensor, int]], why: str) -> None:

@@ -5,7 +5,7 @@ kvmodels' paged cache calls; it decides nothing itself:
 
 * its layers (:class:`~kvpolicies.hf.layer.PolicyLayer`) hold **compacted** K/V ``[B, Hkv, N, D]`` with each
   slot's original position, score and validity (ragged kept lengths, left padding), or with
-  ``kivi`` kvmodels' packed quantized rows (with KIVI's residual, beside the newest tokens as they came),
+  ``kivi`` kvmodels' packed quantized rows (with KIVI's residual or ``mikv``, beside tokens as they came),
   dequantized for the attention; heads of a layer keep
   different tokens (per-KV-head selection, never expanded to query heads), and with a head-budget policy
   (``adakv``, ``pooled``, ``duo``) different numbers of them, from the plan's ``rows``;
@@ -82,8 +82,8 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
         prefix = policy.checked_probe_prefix(probe_prefix)
         self.hooks = Hooks.on(model)
         self._family = self.hooks.family
-        # kivi: every layer stores packed quantized rows (kvpolicies.hf.rows; with KIVI's residual, beside its
-        # newest tokens as they came); else None.
+        # kivi / mikv: every layer stores packed quantized rows (kvpolicies.hf.rows; with KIVI's residual or
+        # MiKV, beside tokens as they came); else None.
         self.rows = packed_rows(policy, self._family.kind, self._family.head_dim)
         n = len(self._family.layers)
         super().__init__(layers=[PolicyLayer(self, i, self.rows) for i in range(n)])
@@ -268,10 +268,10 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             step = self._decode_step
             self._decode_step += 1
             assert self.plan is not None  # made when the decode's first forward began
-            if self.rows is not None and self.rows.precision is not None:  # KIVI's residual, as kvmodels
+            if self.rows is not None and self.rows.precision is not None:  # two parts (kvmodels' SideRegion)
                 self._age()
                 if self.plan.evicts_after(step) and self.eviction.decode_evict:
-                    self._evict_packed()
+                    self._demote() if self.rows.precision.name == "mikv" else self._evict_packed()
             elif self.plan.evicts_after(step):
                 self._evict_by_plan()
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
@@ -294,12 +294,20 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
         self._plan_batch()
         for i, (a, b) in enumerate(self.layout.pairs):
             self._merge_pair(a, b, *self.plan.joint.row(i))
+        prec = None if self.rows is None else self.rows.precision
+        mikv = prec is not None and prec.name == "mikv"
+        prompt = [layer.parts() for layer in self.layers] if mikv else None  # MiKV keeps what is evicted
         if self.plan.schedule.prefill_compress or self.eviction.probe:
             self._evict(regions=False)  # a region was compressed by its joint selection
-        if self.rows is not None and self.rows.precision is not None:  # KIVI's residual: the split
-            for layer in self.layers:
+        if prec is not None:  # two parts: the split (KIVI's residual, MiKV's evicted tokens)
+            for l, layer in enumerate(self.layers):
                 kept = layer.head_valid()
-                layer.quantize_oldest(self.rows.precision.assign(kept, layer.scores) == self.rows.fmt.bits)
+                if prompt is not None:  # MiKV: the whole prompt again, what the eviction kept marked
+                    held = torch.where(kept, layer.positions, -1)  # [B, Hkv, N]
+                    layer.restore_parts(prompt[l])
+                    kept = layer.head_valid() & (layer.positions[..., None] == held[..., None, :]).any(-1)
+                packed = prec.assign(kept, layer.scores) == self.rows.fmt.bits
+                layer.quantize_oldest(packed & layer.head_valid())  # padding slots are no tokens
 
     def _evict_packed(self) -> None:
         """KIVI's residual under eviction while decoding (kvmodels' ``SideRegion.evict``): in each layer a
@@ -322,10 +330,34 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             recent = torch.minimum((n_recent - waiting).clamp_min(0), keep - sink)
             layer.evict_packed(keep, sink, recent, share)
 
+    def _demote(self) -> None:
+        """MiKV under eviction while decoding (kvmodels' ``SideRegion.demote``): in each layer a sequence
+        whose tokens in the cache's dtype exceed its budget (the plan's) packs the ones its eviction would
+        drop (``MiKV.demoted``: each head's lowest-ranked, sinks and recent window excepted); none is lost."""
+        assert self.plan is not None and self.rows is not None
+        ev, prec = self.eviction, self.rows.precision
+        for l, layer in enumerate(self.layers):
+            budgets, n_sink, n_recent = (x.tolist() for x in self.plan.rows.row(l))
+            nq = layer.low_k.shape[2]
+            held = layer.valid[:, nq:]  # [B, Nf]: the tokens in the cache's dtype, in position order
+            move = torch.zeros_like(layer.head_valid()[..., nq:])  # [B, Hkv, Nf]
+            for b in range(held.shape[0]):
+                slots = held[b].nonzero().squeeze(-1)  # [total]
+                keep = int(budgets[b])
+                if slots.numel() <= keep:
+                    continue
+                sink = min(int(n_sink[b]), keep)
+                recent = min(int(n_recent[b]), keep - sink)
+                scores = layer.scores[b, :, nq + slots].t()  # [total, Hkv]
+                rank = ev.eviction_scores(scores, head_dim=-1) if ev.heads_share_selection else scores
+                move[b].scatter_(1, slots[prec.demoted(rank, keep, sink, recent)].t(), True)
+            if bool(move.any()):
+                layer.quantize_oldest(move)
+
     def _age(self) -> None:
         """KIVI's residual after a decode step or an extension (kvmodels' ``SideRegion.age``): in each layer a
         sequence quantizes the oldest of the tokens waiting in the cache's dtype that ``Kivi.aging`` names."""
-        if self.rows is None or self.rows.precision is None:
+        if self.rows is None or self.rows.precision is None or self.rows.precision.name != "kivi":
             return
         for layer in self.layers:
             nq = layer.low_k.shape[2]

@@ -102,7 +102,7 @@ class ExtendSteps:
             return
         self._plan_batch()
         assert self.plan is not None
-        if self.rows is not None and self.rows.precision is not None:  # KIVI's residual: nothing evicted
+        if self.rows is not None and self.rows.precision is not None:  # two parts: nothing evicted
             self._age()
         elif self.plan.schedule.prefill_compress:
             self._evict_by_plan()

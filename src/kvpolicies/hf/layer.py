@@ -1,8 +1,8 @@
 """The transformers bridge's storage: one :class:`PolicyLayer` per model layer, compacted in place.
 
 A layer holds dense ``[B, Hkv, N, D]`` K/V (what transformers' attention reads), or with ``kivi`` kvmodels'
-packed quantized rows (:mod:`kvpolicies.hf.rows`; with KIVI's residual, the packed older tokens before the
-newest ones in the cache's dtype), and, per slot, what the kvkernels ops need beside
+packed quantized rows (:mod:`kvpolicies.hf.rows`; with KIVI's residual or MiKV, packed tokens before tokens
+in the cache's dtype), and, per slot, what the kvkernels ops need beside
 them; to compact it lays itself out as a ``kvkernels`` page pool and calls
 ``topk_compact``, the op kvmodels' paged cache compacts with. What to keep is not decided here: budgets and
 forced counts come from the policy's plan (``kvpolicies.plan``), through the cache.
@@ -60,11 +60,12 @@ class PolicyLayer(DynamicLayer):
     With quantized ``rows`` (``kivi(residual=0)``, :mod:`kvpolicies.hf.rows`) ``keys`` and ``values`` are
     packed ``uint8`` rows ``[B, Hkv, N, W]`` (codes, scales and zero points: compaction moves them like any
     slot tensor, bit for bit) and :meth:`dense` reads them back; with ``channel_scale`` the keys are stored
-    over ``key_scale [B, Hkv, D]`` float32, each sequence's factors from its prompt. With KIVI's residual
-    (``rows.precision``) a layer is two parts: ``low_k``, ``low_v`` ``[B, Hkv, Nq, W]`` packed rows of the
-    older tokens (the first ``Nq`` slots of ``positions``, ``scores`` and ``valid``) and ``keys``, ``values``
-    ``[B, Hkv, Nf, D]`` the newest in the cache's dtype (the other slots); :meth:`quantize_oldest` moves
-    tokens from the second part to the first (the split after the prompt, then KIVI's aging).
+    over ``key_scale [B, Hkv, D]`` float32, each sequence's factors from its prompt. With KIVI's residual or
+    MiKV (``rows.precision``) a layer is two parts: ``low_k``, ``low_v`` ``[B, Hkv, Nq, W]`` packed rows (the
+    first ``Nq`` slots of ``positions``, ``scores`` and ``valid``: KIVI's older tokens, MiKV's evicted ones)
+    and ``keys``, ``values`` ``[B, Hkv, Nf, D]`` in the cache's dtype (the other slots: KIVI's newest, MiKV's
+    kept); :meth:`quantize_oldest` moves tokens from the second part to the first (the split after the
+    prompt, then KIVI's aging or MiKV's demotion).
     """
 
     def __init__(self, owner: PolicyCache, layer_idx: int, rows: PackedRows | None = None) -> None:
@@ -73,7 +74,7 @@ class PolicyLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.rows = rows
         self.key_scale: torch.Tensor | None = None
-        self.low_k: torch.Tensor | None = None  # KIVI's residual: the older tokens' packed rows
+        self.low_k: torch.Tensor | None = None  # two parts: the packed part's rows
         self.low_v: torch.Tensor | None = None
         self._held: tuple[torch.Tensor, torch.Tensor] | None = None  # head budgets: K/V held ragged (hold)
         self.kv_dtype: torch.dtype | None = None  # the K/V's dtype (the first update's)
@@ -118,8 +119,16 @@ class PolicyLayer(DynamicLayer):
 
     @property
     def tiered(self) -> bool:
-        """Whether this layer holds KIVI's residual: its newest tokens unquantized, the rest packed."""
+        """Whether this layer holds two parts (KIVI's residual, MiKV): packed rows beside unquantized ones."""
         return self.rows is not None and self.rows.precision is not None
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """A copy of what this layer holds per slot (K/V, positions, scores, validity), for
+        :meth:`restore_parts` (MiKV's split: the whole prompt again after the eviction chose)."""
+        return tuple(x.clone() for x in (self.keys, self.values, self.positions, self.scores, self.valid))
+
+    def restore_parts(self, parts: tuple[torch.Tensor, ...]) -> None:
+        self.keys, self.values, self.positions, self.scores, self.valid = parts
 
     def evict_packed(self, budgets: torch.Tensor, n_sink: torch.Tensor, n_recent: torch.Tensor,
                      share: Any = None) -> None:
@@ -202,8 +211,8 @@ class PolicyLayer(DynamicLayer):
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``[B, Hkv, N, D]`` in the cache's dtype: as held, or the packed rows dequantized (rotated back,
-        keys times their channel factors): what kvmodels reads of the same rows. With KIVI's residual the
-        packed older tokens, then the newest as held."""
+        keys times their channel factors): what kvmodels reads of the same rows. With two parts the packed
+        tokens, then the others as held."""
         if self._held is not None:  # held ragged (head budgets): padded for the reader, not kept
             keys, values = self._padded()
             return (keys, values) if self.rows is None else self._decoded(keys, values)
@@ -217,7 +226,7 @@ class PolicyLayer(DynamicLayer):
         return self._decoded(self.keys, self.values)
 
     def quantize_oldest(self, move: torch.Tensor) -> None:
-        """KIVI's residual: the slots ``move [B, Hkv, Nf]`` of the part in the cache's dtype (each KV head as
+        """Two parts: the slots ``move [B, Hkv, Nf]`` of the part in the cache's dtype (each KV head as
         many per sequence) join the packed rows, encoded as kvmodels encodes them; both parts are then packed
         to the front of each row, in position order (packed tokens are older than the others)."""
         assert self.tiered and self.keys is not None
@@ -236,7 +245,7 @@ class PolicyLayer(DynamicLayer):
                                        for x in (self.positions, self.scores))
         counts = torch.cat([into_low.sum(-1, keepdim=True), stay.sum(-1, keepdim=True)], dim=-1)  # [B, H, 2]
         if bool((counts != counts[:, :1]).any()):
-            raise ValueError("KIVI's residual needs every KV head of a sequence to hold as many tokens")
+            raise ValueError("two parts need every KV head of a sequence to hold as many tokens in each")
         slots = torch.arange(width_low + width_new, device=valid.device)
         self.valid = torch.where(slots < width_low, slots < counts[:, 0, :1],
                                  slots - width_low < counts[:, 0, 1:])  # [B, N]
@@ -338,7 +347,7 @@ class PolicyLayer(DynamicLayer):
         """
         if self.valid is None or self.valid.shape[-1] == 0:
             return
-        assert self.low_k is None, "a layer is compacted before KIVI's residual splits it"
+        assert self.low_k is None, "a layer is compacted before it is split in two parts"
         self.unhold()
         (priority,) = self._pack(priority)
         B, H, N, _ = self.keys.shape

@@ -9,7 +9,8 @@ parameters), written by ``encode_rows`` (rotated first, in float32, with ``rotat
 (``channel_scale=True``) are the layer's: it stores ``k / c`` and multiplies ``c`` back on reads.
 :func:`packed_rows` refuses, by name and with the fix, what the bridge cannot hold (two formats: KIVI's
 ZipCache's and MiKV's two packed formats) and what kvmodels refuses (ALiBi, a format that does not fit the
-head dim; with KIVI's residual Keyformer's per-slot noise, a reconstruction pass, head budgets).
+head dim; with two parts Keyformer's per-slot noise, a reconstruction pass, head budgets). ``mikv(high=16)``
+keeps its kept tokens in the cache's dtype and the ones its eviction drops packed at ``low`` bits.
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ from typing import Any
 import torch
 
 from kvkernels.quant import QuantFormat, decode_rows, encode_rows, hadamard_rotation
+from kvpolicies.base import NATIVE_BITS
 
 #: Why a quantizing precision policy is refused, by name (else: its formats).
 _TWO_FORMATS = {
     "zipcache": "stores salient tokens at {high} bits and the others at {low}",
-    "mikv": "keeps the tokens it evicts at {low} bits beside the kept ones (high={high})",
+    "mikv": "keeps the tokens it evicts at {low} bits beside the kept ones at high={high} bits",
 }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedRows:
     """One packed format for K and V (``fmt``), Hadamard-rotated rows (``rotation [D, D]``) or not; with
-    ``precision`` (KIVI's residual) the newest tokens wait in the cache's dtype (``precision.aging``)."""
+    ``precision`` (KIVI's residual, MiKV) a layer also holds tokens in the cache's dtype (KIVI's newest,
+    ``precision.aging``; MiKV's kept ones, ``precision.demoted`` while decoding)."""
 
     fmt: QuantFormat
     head_dim: int
@@ -59,7 +62,9 @@ class PackedRows:
         how = ", Hadamard-rotated" if self.rotation is not None else ""
         how += ", channel-scaled keys" if self.channel_scale else ""
         text = f"{self.fmt.bits}-bit rows, group {self.fmt.group}{how} ({self.width} B per K or V row)"
-        if self.precision is not None:
+        if self.precision is not None and self.precision.name == "mikv":
+            text = f"the kept tokens in the cache's dtype, the evicted ones as {text}"
+        elif self.precision is not None:
             r = self.precision.residual
             text += f", the newest {r} to {r + self.fmt.group} tokens in the cache's dtype"
         return text
@@ -72,13 +77,16 @@ def packed_rows(policy: Any, kind: str, head_dim: int) -> PackedRows | None:
     if not prec.quantizes:
         return None
     name = f"policy {policy.name!r}: precision {prec.name!r} ({prec})"
-    if prec.name != "kivi":
+    mikv = prec.name == "mikv" and prec.high == NATIVE_BITS  # the kept tokens as they came, the others packed
+    if prec.name != "kivi" and not mikv:
         why = _TWO_FORMATS.get(prec.name, "stores tokens in formats {formats}").format_map(
             {**vars(prec), "formats": prec.formats()})
         raise ValueError(f"{name} {why}: two packed formats in one cache, which the transformers bridge "
-                         "does not hold (one packed format, with or without KIVI's residual); use "
-                         "kivi(bits=..., group=...), or run it on kvmodels (kvmodels.decoder.Decoder)")
-    if prec.residual:
+                         "does not hold (one packed format, beside tokens in the cache's dtype or not); use "
+                         "kivi(bits=..., group=...) or mikv(high=16), or run it on kvmodels "
+                         "(kvmodels.decoder.Decoder)")
+    two_parts = mikv or prec.residual
+    if two_parts:
         ev = policy.eviction
         refuse = (f"eviction policy {ev.name!r} scores with Gumbel noise drawn per slot of one part"
                   if ev.decode_evict and ev.score_mode == "gumbel" else
@@ -86,18 +94,20 @@ def packed_rows(policy: Any, kind: str, head_dim: int) -> PackedRows | None:
                   f"head-budget policy {policy.heads.name!r} gives each KV head its own budget"
                   if policy.heads.per_head else None)
         if refuse:
-            raise ValueError(f"{name} keeps each sequence's newest {prec.residual} tokens unquantized beside "
-                             f"the packed ones, and {refuse}, which the bridge does not combine with a "
-                             "residual, as kvmodels does not; use kivi(..., residual=0)")
+            what = ("keeps what its eviction drops at low bits beside the kept tokens" if mikv else
+                    f"keeps each sequence's newest {prec.residual} tokens unquantized beside the packed ones")
+            fix = "kivi(bits=...)" if mikv else "kivi(..., residual=0)"
+            raise ValueError(f"{name} {what}, and {refuse}, which the bridge does not combine with two "
+                             f"parts, as kvmodels does not; use {fix}")
     if kind == "mpt":  # as kvmodels' attend refuses it
         raise ValueError(f"{name} on an ALiBi model (MPT): ALiBi reads each slot's position beside its "
                          "K/V, which kvmodels' quantized decode kernel does not; use a RoPE model (Llama, "
                          "GPT-J) or native precision")
-    fmt = QuantFormat(prec.bits, prec.group_size())
+    fmt = QuantFormat(prec.low if mikv else prec.bits, prec.group_size())
     try:
         fmt.check(head_dim)
         rotation = hadamard_rotation(head_dim) if prec.rotate else None
     except ValueError as e:  # a group that does not divide the head dim, a rotation of a non-power of two
         fix = "; use rotate=False" if prec.rotate and "Hadamard" in str(e) else ""
         raise ValueError(f"{name} does not fit this model: {e}{fix}") from None
-    return PackedRows(fmt, head_dim, rotation, prec.channel_scale, prec if prec.residual else None)
+    return PackedRows(fmt, head_dim, rotation, prec.channel_scale, prec if two_parts else None)

@@ -113,7 +113,7 @@ class ScoreSteps:
         kw = ev.decode_kwargs(self._decode_step, self._max_new_tokens() if ev.needs_max_new_tokens else 1)
         B, hq, q_len, _ = q.shape
         store = layer.store
-        N = store.positions.shape[-1]  # slots (with KIVI's residual: both parts)
+        N = store.positions.shape[-1]  # slots (with two parts: both)
         dev = store.keys.device
 
         def pool(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, N, ...] -> [B, N, Hkv, ...], a copy
@@ -189,7 +189,7 @@ class ScoreSteps:
         ``decay**n``). Without a prefill mode nothing more: an open rule scored the new tokens as they were
         appended, else they score 0. The op's attention output is not used (the model attended)."""
         ev = self.eviction
-        if ev.prefill_mode is None or (layer.tiered and not ev.decode_evict):  # KIVI's residual: nothing is
+        if ev.prefill_mode is None or (layer.tiered and not ev.decode_evict):  # two parts: nothing is
             return  # evicted after the split unless the policy evicts while decoding
         assert q is not None and layer.positions is not None and layer.scores is not None
         scale, slopes = scale_and_slopes(self._family, layer.layer_idx, self.captures)

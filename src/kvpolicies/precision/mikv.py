@@ -49,6 +49,18 @@ class MiKV(PrecisionPolicy):
                voters: torch.Tensor | None = None) -> torch.Tensor:
         return torch.where(kept, self.high, self.low).to(torch.int64)
 
+    def demoted(self, rank: torch.Tensor, keep: int, n_sink: int, n_recent: int) -> torch.Tensor:
+        """While decoding: which of a row's ``total`` kept tokens (``rank [total, Hkv]``, the eviction's
+        ranking in position order) move to the low bits so that ``keep`` stay: ``[total - keep, Hkv]`` slot
+        indices, ascending, each KV head's lowest-ranked, the first ``n_sink`` and last ``n_recent`` excepted,
+        ties to the older. Every cache that holds MiKV's low bits (kvmodels' ``SideRegion.demote``, the
+        transformers bridge) asks this."""
+        total = rank.shape[0]
+        slot = torch.arange(total, device=rank.device)
+        forced = (slot < n_sink) | (slot >= total - n_recent)
+        rank = rank.masked_fill(forced[:, None], float("inf"))
+        return torch.sort(rank, dim=0, stable=True).indices[:total - keep].sort(dim=0).values
+
     def group_size(self) -> int:
         return self.group
 
