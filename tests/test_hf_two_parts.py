@@ -107,15 +107,21 @@ def check_same_parts(cache, dec: Decoder, batch: list[list[int]]) -> None:
                 assert bool(((got - want).abs() <= 1.01 * step + 1e-4).all()), (l, b)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("spec,budget", SPECS)
-def test_splits_ages_and_generates_as_kvmodels(kind, spec, budget):
-    policy, hf_model, batch = policy_of(spec, budget), model(kind), prompts([14, 9], seed=5)
+def generate_as_kvmodels(hf_model, policy, batch: list[list[int]]):
+    """Greedy generate through the bridge and with kvmodels: the same tokens, the same parts; the cache."""
     tokens, cache = run(hf_model, batch, policy, new=NEW)
     dec = Decoder(in_house(hf_model), policy)
     dec.extend(batch)
     assert tokens == dec.generate(NEW).tokens
     check_same_parts(cache, dec, batch)
+    return cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec,budget", SPECS)
+def test_splits_ages_and_generates_as_kvmodels(kind, spec, budget):
+    policy, batch = policy_of(spec, budget), prompts([14, 9], seed=5)
+    cache = generate_as_kvmodels(model(kind), policy, batch)
     residual = policy.precision.residual
     for layer in cache.layers:  # the residual aged: at most residual + group wait, and some were packed late
         waiting = layer.head_valid()[..., layer.low_k.shape[2]:].sum(-1)
@@ -152,12 +158,8 @@ def test_mikv_keeps_what_it_evicts_packed_as_kvmodels(kind, spec, budget):
     """MiKV (``high=16``): the tokens the eviction keeps in the cache's dtype, the ones it drops (at the
     prompt's compression, then while decoding) packed at ``low`` bits instead: the same tokens in each part as
     kvmodels' two regions, none lost."""
-    policy, hf_model, batch = policy_of(spec, budget), model(kind), prompts([14, 9], seed=5)
-    tokens, cache = run(hf_model, batch, policy, new=NEW)
-    dec = Decoder(in_house(hf_model), policy)
-    dec.extend(batch)
-    assert tokens == dec.generate(NEW).tokens
-    check_same_parts(cache, dec, batch)
+    policy, batch = policy_of(spec, budget), prompts([14, 9], seed=5)
+    cache = generate_as_kvmodels(model(kind), policy, batch)
     for b, p in enumerate(batch):  # nothing left the cache: every token is in one part or the other
         for l in range(len(cache.layers)):
             packed, others, _, _ = parts(cache, l, b)
