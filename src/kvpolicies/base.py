@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 
 from kvkernels import prefill_scores
+from kvkernels.extend_attention import extend_attention
 
 Role = Literal["eviction", "budget", "merge", "heads", "precision"]
 ROLES: tuple[Role, ...] = ("eviction", "budget", "merge", "heads", "precision")
@@ -315,8 +316,6 @@ class EvictionPolicy(Policy):
 
         Every cache that takes tokens after the prompt (``kvmodels``' ``extend_attend``, the transformers
         bridge) scores them through it."""
-        from kvkernels.extend_attention import extend_attention
-
         n, m = q.shape[0], kept_k.shape[0]
         mode = self.probe_mode if probe is not None else self.prefill_mode if scoring else None
         window = self.prefill_window(n) if mode is not None and probe is None else 0

@@ -133,6 +133,12 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
         self.captures: dict[Any, Any] = {}
 
     @property
+    def two_parts(self) -> Any:
+        """The precision policy whose packed rows sit beside tokens in the cache's dtype (KIVI with a
+        residual, ``mikv(high=16)``), else None."""
+        return None if self.rows is None else self.rows.precision
+
+    @property
     def merged_pairs(self) -> list[tuple[int, int]]:
         """MiniCache pairs ``(a, b)`` (``layout.pairs``)."""
         return list(self.layout.pairs)
@@ -268,10 +274,10 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             step = self._decode_step
             self._decode_step += 1
             assert self.plan is not None  # made when the decode's first forward began
-            if self.rows is not None and self.rows.precision is not None:  # two parts (kvmodels' SideRegion)
+            if self.two_parts is not None:  # as kvmodels' SideRegion
                 self._age()
                 if self.plan.evicts_after(step) and self.eviction.decode_evict:
-                    self._demote() if self.rows.precision.name == "mikv" else self._evict_packed()
+                    self._demote() if self.two_parts.name == "mikv" else self._evict_packed()
             elif self.plan.evicts_after(step):
                 self._evict_by_plan()
         self.peak_bytes = max(self.peak_bytes, sum(layer.nbytes() for layer in self.layers))
@@ -294,7 +300,7 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
         self._plan_batch()
         for i, (a, b) in enumerate(self.layout.pairs):
             self._merge_pair(a, b, *self.plan.joint.row(i))
-        prec = None if self.rows is None else self.rows.precision
+        prec = self.two_parts
         mikv = prec is not None and prec.name == "mikv"
         prompt = [layer.parts() for layer in self.layers] if mikv else None  # MiKV keeps what is evicted
         if self.plan.schedule.prefill_compress or self.eviction.probe:
@@ -303,11 +309,12 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
             for l, layer in enumerate(self.layers):
                 kept = layer.head_valid()
                 if prompt is not None:  # MiKV: the whole prompt again, what the eviction kept marked
-                    held = torch.where(kept, layer.positions, -1)  # [B, Hkv, N]
+                    held = torch.where(kept, layer.positions, -1).sort(dim=-1).values  # ascending
                     layer.restore_parts(prompt[l])
-                    kept = layer.head_valid() & (layer.positions[..., None] == held[..., None, :]).any(-1)
+                    at = torch.searchsorted(held, layer.positions).clamp_max(held.shape[-1] - 1)
+                    kept = layer.head_valid() & (held.gather(-1, at) == layer.positions)  # membership
                 packed = prec.assign(kept, layer.scores) == self.rows.fmt.bits
-                layer.quantize_oldest(packed & layer.head_valid())  # padding slots are no tokens
+                layer.pack_slots(packed & layer.head_valid())  # padding slots are no tokens
 
     def _evict_packed(self) -> None:
         """KIVI's residual under eviction while decoding (kvmodels' ``SideRegion.evict``): in each layer a
@@ -335,7 +342,7 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
         whose tokens in the cache's dtype exceed its budget (the plan's) packs the ones its eviction would
         drop (``MiKV.demoted``: each head's lowest-ranked, sinks and recent window excepted); none is lost."""
         assert self.plan is not None and self.rows is not None
-        ev, prec = self.eviction, self.rows.precision
+        ev, prec = self.eviction, self.two_parts
         for l, layer in enumerate(self.layers):
             budgets, n_sink, n_recent = (x.tolist() for x in self.plan.rows.row(l))
             nq = layer.low_k.shape[2]
@@ -352,20 +359,21 @@ class PolicyCache(Cache, ScoreSteps, ExtendSteps, InspectSteps):
                 rank = ev.eviction_scores(scores, head_dim=-1) if ev.heads_share_selection else scores
                 move[b].scatter_(1, slots[prec.demoted(rank, keep, sink, recent)].t(), True)
             if bool(move.any()):
-                layer.quantize_oldest(move)
+                layer.pack_slots(move)
 
     def _age(self) -> None:
         """KIVI's residual after a decode step or an extension (kvmodels' ``SideRegion.age``): in each layer a
         sequence quantizes the oldest of the tokens waiting in the cache's dtype that ``Kivi.aging`` names."""
-        if self.rows is None or self.rows.precision is None or self.rows.precision.name != "kivi":
+        prec = self.two_parts
+        if prec is None or prec.name != "kivi":
             return
         for layer in self.layers:
             nq = layer.low_k.shape[2]
             waiting = layer.head_valid()[..., nq:]  # [B, Hkv, Nf]
             rank = waiting.long().cumsum(-1)  # 1 for each row's oldest waiting token
-            aged = self.rows.precision.aging(waiting.sum(-1))  # [B, Hkv]
+            aged = prec.aging(waiting.sum(-1))  # [B, Hkv]
             if bool((aged > 0).any()):
-                layer.quantize_oldest(waiting & (rank <= aged[..., None]))
+                layer.pack_slots(waiting & (rank <= aged[..., None]))
 
     def _plan_batch(self) -> None:
         """``self.plan``: the same decision kvmodels' cache acts on (``ComposedPolicy.plan``) from each

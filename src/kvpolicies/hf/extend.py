@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from kvpolicies.hf.hooks import Hooks
     from kvpolicies.hf.layer import PolicyLayer, Step
     from kvpolicies.hf.models import Family
-    from kvpolicies.hf.rows import PackedRows
     from kvpolicies.plan import CompressionPlan, MergeLayout
 
 
@@ -62,7 +61,7 @@ class ExtendSteps:
     _stat_tokens: torch.Tensor
     _decode_step: int
 
-    rows: PackedRows | None
+    two_parts: Any
 
     if TYPE_CHECKING:  # the cache's planning, eviction and aging (kvpolicies.hf.cache)
         def _plan_batch(self) -> None: ...
@@ -102,7 +101,7 @@ class ExtendSteps:
             return
         self._plan_batch()
         assert self.plan is not None
-        if self.rows is not None and self.rows.precision is not None:  # two parts: nothing evicted
+        if self.two_parts is not None:  # two parts: nothing evicted
             self._age()
         elif self.plan.schedule.prefill_compress:
             self._evict_by_plan()

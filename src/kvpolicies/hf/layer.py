@@ -64,7 +64,7 @@ class PolicyLayer(DynamicLayer):
     MiKV (``rows.precision``) a layer is two parts: ``low_k``, ``low_v`` ``[B, Hkv, Nq, W]`` packed rows (the
     first ``Nq`` slots of ``positions``, ``scores`` and ``valid``: KIVI's older tokens, MiKV's evicted ones)
     and ``keys``, ``values`` ``[B, Hkv, Nf, D]`` in the cache's dtype (the other slots: KIVI's newest, MiKV's
-    kept); :meth:`quantize_oldest` moves tokens from the second part to the first (the split after the
+    kept); :meth:`pack_slots` moves tokens from the second part to the first (the split after the
     prompt, then KIVI's aging or MiKV's demotion).
     """
 
@@ -225,7 +225,7 @@ class PolicyLayer(DynamicLayer):
             return torch.cat([low_k, self.keys], dim=-2), torch.cat([low_v, self.values], dim=-2)
         return self._decoded(self.keys, self.values)
 
-    def quantize_oldest(self, move: torch.Tensor) -> None:
+    def pack_slots(self, move: torch.Tensor) -> None:
         """Two parts: the slots ``move [B, Hkv, Nf]`` of the part in the cache's dtype (each KV head as
         many per sequence) join the packed rows, encoded as kvmodels encodes them; both parts are then packed
         to the front of each row, in position order (packed tokens are older than the others)."""
