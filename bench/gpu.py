@@ -24,7 +24,8 @@ box, so a crash, a CUDA error or a hang in one loses nothing measured before it:
                 policies, then full / h2o / snapkv / streaming at 0.2, batch 1, 16 and 64, compiled, the
                 most telling first (``generation_order``); ``--runs 64:full,64:kivi(residual=0)`` adds the
                 4-bit cache end to end (not in the default order: it compiles one more decode step, ~40 s)
-``hf_static``   transformers ``generate(cache_implementation="static")`` at batch 16 on the same shape
+``hf_static``   transformers ``generate(cache_implementation="static")`` at batch 16 on the same shape, then
+                the same model on the paged cache (``kvmodels.hf.wrap_transformers``, eager, ``snapkv``)
 ``capacity``    the largest batch one fixed page pool holds, full cache against 0.2, run for real
 
 Each stage appends its records to ``DIR/<stage>.jsonl`` as it measures them; after every stage
@@ -73,7 +74,8 @@ STAGES = ("env", "correctness", "kernels", "quant", "generation", "hf_static", "
 # Run 8 (dd21673, 412 s): correctness spent ~30 of its 55 s starting pytest and reached 8 tests; a pytest run
 # by hand afterwards found two GPU-only failures in tests/test_cache_quantized.py the stage never reached.
 # Correctness now gets 135 s (the run about 490 s, under the device's 600 s per call), quantized tests first.
-SHARES = {"env": 10, "correctness": 135, "kernels": 35, "quant": 40, "generation": 240, "hf_static": 50,
+# hf_static gets 10 s of generation's for its wrap_transformers run (eager, ~10 s expected; never measured).
+SHARES = {"env": 10, "correctness": 135, "kernels": 35, "quant": 40, "generation": 230, "hf_static": 60,
           "capacity": 50}
 DEFAULT_BUDGET = sum(SHARES.values())  # 560 s: about 8 minutes in practice (stages end before their boxes)
 RUNS_ENV = "KVPOLICIES_GPU_RUNS"  # --runs, handed to the generation stage's process
@@ -106,6 +108,7 @@ TEST_FILES = (
     "tests/test_cache_prefill_attend.py", "tests/test_cache_compile.py", "tests/test_generate.py",
     "tests/test_hf_bridge.py", "tests/test_hf_merge.py",
     "tests/test_hf_quant.py", "tests/test_hf_two_parts.py",  # the bridge's packed rows: never on a GPU
+    "tests/test_hf_wrap.py",  # transformers models on the paged cache (kvmodels.hf): never on a GPU
 )
 SMOKE_TEST_FILES = ("tests/test_gpu.py", "tests/test_layering.py")
 
@@ -964,6 +967,23 @@ def stage_hf_static(st: Stage) -> None:
                     logits_processor=transformers.LogitsProcessorList([clock]))
     st.emit("hf_static", batch=batch, new_tokens=new, prompt_len=sh.prompt_len, prefill_s=clock.times[0] - t0,
             **decode_rates(clock.times, batch), transformers=transformers.__version__)
+    _hf_wrap_run(st, hf, ids.tolist(), new)
+
+
+def _hf_wrap_run(st: Stage, hf: Any, prompts: list[list[int]], new: int) -> None:
+    """The same transformers model on the paged cache (``kvmodels.hf.wrap_transformers``), eager, under
+    ``snapkv`` at the shapes' budget: one ``hf_wrap`` record (its decode against ``hf_static``'s)."""
+    from kvmodels.generate import generate
+    from kvmodels.hf import wrap_transformers
+
+    stamps: list[float] = []
+    clock = lambda b, tok: b == 0 and stamps.append(time.perf_counter())  # noqa: E731
+    policy = _policy("snapkv", st.shapes.budget)
+    res = generate(wrap_transformers(hf), prompts, new, policy, stream=clock)
+    st.emit("hf_wrap", batch=len(prompts), policy="snapkv", budget=policy.budget, new_tokens=new,
+            prompt_len=len(prompts[0]), compiled=False, prefill_s=res.prefill_s,
+            **decode_rates(stamps, len(prompts)),
+            kv_kept=res.report.total_bytes / res.report.full_cache_bytes)
 
 
 CAPACITY_POLICIES = ("full", "h2o", "streaming", "snapkv")  # searched in this order; full first
@@ -1211,6 +1231,11 @@ def _hf_rows(kinds: dict[str, list[dict[str, Any]]], gen: dict[tuple[int, str], 
     if full_b:
         rows.append((f"batch {b}, full cache, vs transformers static-cache generate",
                      f"{full_b['decode_tok_s'] / hf[0]['decode_tok_s']:.2f}x", "(reference)"))
+    wrap = kinds.get("hf_wrap", [])
+    if wrap and wrap[0].get("decode_tok_s"):
+        rows.append((f"batch {b}, the transformers model on the paged cache (wrap_transformers, eager, "
+                     "snapkv), vs transformers static-cache generate",
+                     f"{wrap[0]['decode_tok_s'] / hf[0]['decode_tok_s']:.2f}x", "(reference)"))
     return rows
 
 

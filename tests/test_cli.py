@@ -17,15 +17,17 @@ from kvmodels.cli import CPU_COMPILE_FROM, build_parser, choose_compile, convers
 WORDS = ["<eos>", "hello", "world", "the", "cache", "is", "small", "big", "a", "b"]
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    """A Hugging Face directory: random tiny Llama (context 64) + a word-level tokenizer."""
-    d = tmp_path_factory.mktemp("ckpt")
+def checkpoint(d, kind: str = "llama"):
+    """``d`` as a Hugging Face directory: a random tiny ``kind`` model (context 64) and a word tokenizer."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=2,
-                                      num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
-                                      eos_token_id=None)  # no eos: every run makes all its tokens
-    transformers.LlamaForCausalLM(config).save_pretrained(d)
+    shape = dict(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=32, max_position_embeddings=64,
+                 eos_token_id=None)  # no eos: every run makes all its tokens
+    if kind == "llama":
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).save_pretrained(d)
+    else:
+        config = transformers.Qwen2Config(**shape, num_key_value_heads=1)
+        transformers.Qwen2ForCausalLM(config).save_pretrained(d)
     vocab = {w: i for i, w in enumerate(WORDS)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="a"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -33,6 +35,12 @@ def tiny_ckpt(tmp_path_factory):
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"unk_token": "a"}))
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A Hugging Face directory: random tiny Llama (context 64) + a word-level tokenizer."""
+    return checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -77,6 +85,7 @@ def test_unsupported_architecture_and_too_long_prompt(capsys, tmp_path, tiny_ckp
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     rc, _, err = run_cli(capsys, "--model", str(tmp_path), "hi")
     assert rc == 2 and "unsupported architecture 'mamba'" in err and "supported: llama" in err
+    assert "attention interface: MambaForCausalLM uses sliding-window / hybrid attention layers" in err
     assert err.count("\n") == 1
     rc, _, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "hello " * 60)
     assert rc == 2 and "context of 64 tokens" in err and "shorten the prompt" in err and err.count("\n") == 1
@@ -95,6 +104,27 @@ def test_generation_on_a_tiny_checkpoint(capsys, tiny_ckpt, tmp_path):
                            "--batch-file", str(tmp_path / "batch.txt"))
     assert rc == 0 and "[0] hello world" in out and "[1] the cache is big" in out
     assert "layer budgets (sequence 1)" in err and "tokens per KV head" not in err
+
+
+def test_another_architecture_runs_through_transformers(capsys, tmp_path):
+    """A Qwen2 checkpoint: kvmodels has no Qwen2 of its own; transformers runs it on the paged cache, and the
+    tokens are the model's own greedy ones (``kvmodels.hf.wrap_transformers``)."""
+    from kvmodels import load_checkpoint
+    from kvmodels.hf import TransformersModel
+
+    d = checkpoint(tmp_path, "qwen2")
+    rc, out, err = run_cli(capsys, "--model", str(d), "--no-chat", "--max-new-tokens", "4", "--policy", "h2o",
+                           "--budget", "0.5", "hello world the cache is small " * 3)
+    assert rc == 0 and len(out.split()) == 4 and "KV cache:" in err and "(50.0%; full = every prompt" in err
+    loaded = load_checkpoint(d)
+    assert isinstance(loaded.model, TransformersModel)
+    ids = torch.tensor([loaded.tokenizer.encode("hello world the cache is small")])
+    with torch.no_grad():
+        own = loaded.model.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                       do_sample=False, pad_token_id=0)
+    rc, out, _ = run_cli(capsys, "--model", str(d), "--no-chat", "--max-new-tokens", "4",
+                         "hello world the cache is small")
+    assert rc == 0 and out.split() == [WORDS[i] for i in own[0, ids.shape[1]:].tolist()]
 
 
 def test_head_budgets_print_each_heads_count(capsys, tiny_ckpt):

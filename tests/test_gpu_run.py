@@ -57,8 +57,10 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert not errors, errors[0]["traceback"]
     kinds = {r["kind"] for r in records}
     assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
-            "prefill_sweep", "quant_decode", "quant_sweep", "prefill_policy", "gen", "hf_static",
+            "prefill_sweep", "quant_decode", "quant_sweep", "prefill_policy", "gen", "hf_static", "hf_wrap",
             "capacity"} <= kinds
+    wrap = next(r for r in records if r["kind"] == "hf_wrap")
+    assert wrap["decode_tok_s"] > 0 and 0 < wrap["kv_kept"] < 1  # the transformers model, compressed
     quant = {r["impl"]: r for r in records if r["kind"] == "quant_decode"}
     # each width the other way round from its default (4 bits prefetched by default, 8 bits not)
     flipped = ["int4 prefetch=off", "int8 prefetch=on"]

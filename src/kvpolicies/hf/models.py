@@ -49,13 +49,15 @@ def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.M
     )
 
 
-def family(model: torch.nn.Module) -> Family:
-    """Identify the model family, or raise an error that says what to change."""
+def attention_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, list[Any], list[Any], int | None]:
+    """A decoder-only model's base module, decoder layers, their attention modules and the positions it was
+    built for, or :class:`UnsupportedModelError` for an encoder-decoder model or sliding / hybrid layers
+    (a compressed cache needs full attention in every layer). Shared with ``kvmodels.hf``."""
     config = model.config.get_text_config(decoder=True)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
-            f"{type(model).__name__} is an encoder-decoder model; kvpolicies.hf "
-            "supports decoder-only causal LMs (AutoModelForCausalLM)"
+            f"{type(model).__name__} is an encoder-decoder model; a policy cache drives "
+            "decoder-only causal LMs (AutoModelForCausalLM)"
         )
     layer_types = getattr(config, "layer_types", None)
     if (
@@ -78,10 +80,17 @@ def family(model: torch.nn.Module) -> Family:
         if attn is None:
             raise UnsupportedModelError(f"{type(layer).__name__} has no self_attn / attn module")
         attns.append(attn)
-    cls = type(attns[0]).__name__
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
     names = ("max_position_embeddings", "n_positions", "max_seq_len")
     positions = next((int(getattr(config, n)) for n in names if getattr(config, n, None) is not None), None)
+    return base, list(layers), attns, positions
+
+
+def family(model: torch.nn.Module) -> Family:
+    """Identify the model family, or raise an error that says what to change."""
+    config = model.config.get_text_config(decoder=True)
+    base, layers, attns, positions = attention_layers(model)
+    cls = type(attns[0]).__name__
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if cls == "MptAttention":
         h = attns[0].n_heads
         return Family("mpt", list(layers), attns, base, h, h, attns[0].head_dim, positions)
