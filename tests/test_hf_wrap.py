@@ -24,10 +24,10 @@ transformers = pytest.importorskip("transformers")
 
 from devices import DEVICE  # noqa: E402
 from kvmodels import Decoder, generate  # noqa: E402
-from kvmodels.hf import ATTENTION, wrap_transformers  # noqa: E402
+from kvmodels.hf import ATTENTION, paged_cache, wrap_transformers  # noqa: E402
 from kvpolicies import compose  # noqa: E402
 from kvpolicies.hf import UnsupportedModelError  # noqa: E402
-from test_hf_bridge import V, model_of, prompts, run  # noqa: E402
+from test_hf_bridge import V, left_pad, model_of, prompts, run  # noqa: E402
 from test_hf_kvzip import in_house, kept  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -200,3 +200,106 @@ def test_refusals_name_the_fix() -> None:
             hf(input_ids=torch.tensor([[1, 2, 3]], device=DEVICE))
     finally:
         hf.config._attn_implementation = "sdpa"
+
+
+# --- model.generate on the paged cache (kvmodels.hf.paged_cache) -----------------------------------------
+
+GENERATE_SPECS = [
+    ("full", 1.0, ()),
+    ("h2o", 0.5, ()),
+    ("snapkv(window=3)", 0.3, ()),
+    ("squeeze+keyformer", 0.4, ()),
+    ("snapkv(window=3)+adakv", 0.3, ()),
+    ("snapkv(window=3)+zipcache(group=8)", 0.6, ()),
+    ("h2o+mikv(high=4, low=2, group=8)", 0.5, ()),
+    ("kvzip(skip=0)", 0.4, (5, 6, 7)),
+]
+
+
+def hf_generate(model, batch: list[list[int]], cache, new: int = NEW, **kw) -> list[list[int]]:
+    """``model.generate`` on a left-padded batch with ``cache``; each row's new tokens."""
+    ids, mask = left_pad(batch)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             past_key_values=cache, pad_token_id=0, **kw)
+    return out[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("kind", ["smollm2", "qwen3", "phi3"])
+@pytest.mark.parametrize("spec,budget,probe", GENERATE_SPECS, ids=[s for s, _, _ in GENERATE_SPECS])
+def test_model_generate_with_a_paged_cache_is_kvmodels_generate(kind: str, spec: str, budget: float,
+                                                                probe: tuple) -> None:
+    model = model_of(kind) if kind == "smollm2" else other(kind)
+    batch = prompts([30, 1, 17], seed=5)
+    policy = policy_of(spec, budget)
+    cache = paged_cache(model, policy, max_new_tokens=NEW, seed=4, probe_prefix=list(probe))
+    got = hf_generate(model, batch, cache)
+    own = Decoder(wrap_transformers(model), policy, seed=4, probe_prefix=list(probe))
+    own.extend(batch, max_new_tokens=NEW)
+    assert got == own.generate(NEW).tokens
+    for s in range(len(batch)):
+        assert kept(cache.decoder.cache, s) == kept(own.cache, s)
+    assert model.config._attn_implementation == "sdpa"
+    report = cache.report()
+    assert report.total_bytes == own.cache.report().total_bytes
+    if spec == "full":  # and the model's own dense cache, row by row
+        assert got == [plain_generate(model, p) for p in batch]
+
+
+@pytest.mark.parametrize("spec,budget", [("h2o", 0.5), ("snapkv(window=3)", 0.3), ("tova", 0.4)])
+def test_a_follow_up_generate_continues_the_cache(spec: str, budget: float) -> None:
+    """A second ``generate`` with the history and a question: the decoder's ``extend`` + ``generate``."""
+    model = model_of("smollm2")
+    batch, question = prompts([30, 12], seed=5), prompts([6, 6], seed=6)
+    policy = policy_of(spec, budget)
+    cache = paged_cache(model, policy, max_new_tokens=NEW)
+    ids, mask = left_pad(batch)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                             past_key_values=cache, pad_token_id=0)
+        q = torch.tensor(question, device=DEVICE)
+        ids2 = torch.cat([out, q], dim=1)
+        mask2 = torch.cat([mask, torch.ones_like(ids2[:, mask.shape[1]:])], dim=1)
+        out2 = model.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=NEW, do_sample=False,
+                              past_key_values=cache, pad_token_id=0)
+    own = Decoder(wrap_transformers(model), policy)
+    own.extend(batch, max_new_tokens=NEW)
+    first = own.generate(NEW)
+    own.extend(question, max_new_tokens=NEW)
+    assert out[:, ids.shape[1]:].tolist() == first.tokens
+    assert out2[:, ids2.shape[1]:].tolist() == own.generate(NEW).tokens
+    for s in range(len(batch)):
+        assert kept(cache.decoder.cache, s) == kept(own.cache, s)
+
+
+def test_paged_cache_refusals_and_a_failed_step() -> None:
+    model = model_of("smollm2")
+    batch = prompts([9, 4], seed=2)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        hf_generate(model, batch, paged_cache(model, compose("h2o", budget=0.5)), num_beams=2)
+    cache = paged_cache(model, compose("h2o", budget=0.5))
+    with pytest.raises(RuntimeError, match="report\\(\\) before the cache held a prompt"):
+        cache.report()
+    hf_generate(model, batch, cache, new=2)
+    attend = cache.decoder.cache.attend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a failing decode step")
+
+    cache.decoder.cache.attend = broken
+    ids = torch.tensor([[3], [4]], device=DEVICE)
+    with pytest.raises(RuntimeError, match="a failing decode step"), torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    assert model.config._attn_implementation == "sdpa"  # restored though the step raised
+    cache.decoder.cache.attend = attend
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="raised part way through"):  # its layers are out of step
+            model(input_ids=ids, past_key_values=cache)
+        assert model(input_ids=ids).logits.shape[:2] == (2, 1)  # the model itself runs on
+        cache = paged_cache(model, compose("h2o", budget=0.5))
+        hf_generate(model, batch, cache, new=2)
+        assert model(input_ids=ids, past_key_values=cache).logits.shape[:2] == (2, 1)  # one more step
+        for another in (model_of("llama"), other("qwen2")):  # the hooks of a model with a PagedCache too
+            paged_cache(another, compose("full"))
+            with pytest.raises(RuntimeError, match="stores through the model it was built for"):
+                another(input_ids=ids, past_key_values=cache)  # not routed through the wrong model

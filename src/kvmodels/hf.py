@@ -20,13 +20,15 @@ user's, unchanged. Models with sliding-window or hybrid layers are refused, as i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import AttentionInterface, Cache
 
 from kvmodels.generate import CacheLayout
 from kvpolicies.hf.models import UnsupportedModelError, attention_layers
@@ -85,8 +87,6 @@ class TransformersModel(torch.nn.Module):
 
     def __init__(self, hf: Any) -> None:  # a transformers PreTrainedModel
         super().__init__()
-        from transformers import AttentionInterface
-
         self.hf = hf
         self.config = hf.config.get_text_config(decoder=True)
         # the decoder layers and attention modules; refuses encoder-decoders and sliding / hybrid layers
@@ -184,3 +184,173 @@ class TransformersModel(torch.nn.Module):
 def wrap_transformers(model: Any) -> TransformersModel:
     """``model``, a ``transformers`` decoder-only causal LM, as a kvmodels model on the paged cache."""
     return TransformersModel(model)
+
+
+# --- model.generate on the paged cache ------------------------------------------------------------------
+
+def _generate_hooks(hf: Any) -> None:
+    """Install, once per model, the forward hooks through which a :class:`PagedCache` drives ``generate``'s
+    forwards; inert for a forward without one."""
+    if getattr(hf, "_kvmodels_generate_hooks", False):
+        return
+
+    running: list[PagedCache | None] = []  # per forward in progress (the decoder's own forwards nest)
+
+    def pre(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # 5.24's name, and the earlier one
+        if not isinstance(cache, PagedCache) or cache.wrapped.hf is not module:  # not ours: update refuses
+            running.append(None)  # a cache built for another model
+            return None
+        if args:
+            raise TypeError("call the model with keyword arguments (input_ids=...) when it runs a PagedCache")
+        kwargs = cache.before_forward(kwargs)  # (raising, the forward and its hook do not run)
+        running.append(cache)
+        return args, kwargs
+
+    def post(module: Any, args: tuple, output: Any) -> Any:
+        cache = running.pop()
+        return output if cache is None else cache.after_forward(output)
+
+    hf.register_forward_pre_hook(pre, with_kwargs=True)
+    hf.register_forward_hook(post, always_call=True)  # also after a forward that raised (output None)
+    hf._kvmodels_generate_hooks = True
+
+
+class PagedCache(Cache):
+    """A ``transformers`` cache whose tokens live in kvmodels' paged cache: ``model.generate(**inputs,
+    past_key_values=cache)`` (``cache=`` from transformers 5.24 on) runs the policy through a
+    :class:`kvmodels.Decoder` over the wrapped model. Built by :func:`paged_cache`.
+
+    A prompt, and a later call's new tokens (a follow-up question), go to ``Decoder.extend``, one sequence at
+    a time without its left padding; the forward transformers runs for them is cut to each row's last token
+    and its logits replaced by the decoder's. Each decode step is transformers' own forward, its attention
+    through the paged cache. A row that stops early keeps running, as in ``generate``'s own batches.
+    """
+
+    def __init__(self, model: Any, policy: Any, *, max_new_tokens: int | None = None, seed: int = 0,
+                 probe_prefix: Sequence[int] = ()) -> None:
+        from kvmodels.decoder import Decoder
+
+        super().__init__(layers=[])
+        self.wrapped = model if isinstance(model, TransformersModel) else wrap_transformers(model)
+        self.decoder = Decoder(self.wrapped, policy, seed=seed, probe_prefix=probe_prefix)
+        self.max_new_tokens = max_new_tokens
+        self._width = 0  # columns of generate's input_ids consumed (left padding included)
+        self._step: int | None = None  # the decode step within the current generation; None: none yet
+        self._logits: Tensor | None = None  # [B, 1, V]: what a cut forward returns
+        self._decoding: Any = None  # the attention routing of the decode step running
+        self._failed = False  # a decode step raised part way through
+        _generate_hooks(self.wrapped.hf)
+
+    # --- what transformers asks ---------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._width
+
+    def get_mask_sizes(self, query_length: int | Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        if isinstance(query_length, Tensor):  # transformers before 5.24 passes cache_position
+            query_length = query_length.shape[0]
+        return self._width + int(query_length), 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_linear(self) -> list[bool]:  # an attention cache: generate slices a continuation's inputs by it
+        return [False]
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if self._decoding is None:  # a forward the hooks did not route: another model, or a direct call
+            raise RuntimeError("this PagedCache stores through the model it was built for, inside its "
+                               "forward (model.generate or model(...)); build one per model with "
+                               "paged_cache(model, policy)")
+        return key_states, value_states  # stored by the attention function (paged_attention)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        raise NotImplementedError("PagedCache does not support beam search; use greedy decoding or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PagedCache does not support num_return_sequences > 1 or beam search")
+
+    def report(self) -> Any:
+        """The paged cache's :class:`kvmodels.cache.CacheReport`."""
+        if self.decoder.cache is None:
+            raise RuntimeError("report() before the cache held a prompt: run model.generate with it first")
+        return self.decoder.cache.report()
+
+    # --- one forward of generate ---------------------------------------------------------------------
+    def before_forward(self, kwargs: dict) -> dict:
+        """The forward's keyword arguments as the model should run them (the pre-hook)."""
+        if self._failed:
+            raise RuntimeError("a decode step of this PagedCache raised part way through, leaving its layers "
+                               "out of step; start a new cache (paged_cache(model, policy))")
+        ids: Tensor = kwargs["input_ids"]
+        B, L = ids.shape
+        dec = self.decoder
+        if dec.cache is not None and B != dec.batch_size:
+            raise ValueError(f"input_ids has {B} rows; this PagedCache holds {dec.batch_size} sequences "
+                             "(num_return_sequences and beam search are not supported)")
+        if L == 1 and dec.cache is not None:  # a decode step: transformers' forward, attention paged
+            if self._step is None:
+                dec.cache.restart_decode(self._horizon([]))
+                self._step = 0
+            positions = torch.tensor(dec.lengths, dtype=torch.int64, device=ids.device)
+            dec.cache.prepare_decode(self._step)
+            self._decoding = self.wrapped._paged(dec.cache, "decode", positions, 0, None)
+            self._decoding.__enter__()
+            return {**kwargs, "position_ids": positions[:, None]}
+        # a prompt, or new tokens after a generation: the decoder takes each row's own tokens
+        mask = kwargs.get("attention_mask")
+        real = torch.ones(B, L, dtype=torch.bool) if mask is None else mask[:, -L:].bool().cpu()
+        rows = [ids[b][real[b].to(ids.device)].tolist() for b in range(B)]
+        if not all(rows):
+            raise ValueError(f"row {rows.index([])} of input_ids has no token that its attention_mask keeps")
+        logits = dec.extend(rows, max_new_tokens=self._horizon(rows))
+        self._logits = torch.stack([x for x in logits if x is not None])[:, None]
+        self._step, self._width = None, self._width + L
+        cut = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "cache_position")}
+        return {**cut, "input_ids": ids[:, -1:], "attention_mask": None, "use_cache": False,
+                "position_ids": torch.zeros(B, 1, dtype=torch.int64, device=ids.device)}
+
+    def after_forward(self, output: Any) -> Any:
+        """The forward's output as ``generate`` should see it (the forward hook); ``None`` after a forward
+        that raised: the model's attention is restored, nothing is counted."""
+        if self._decoding is not None:  # a decode step
+            routing, self._decoding = self._decoding, None
+            routing.__exit__(None, None, None)
+            if output is None:  # the step stopped part way: its layers hold different tokens
+                self._failed = True
+                return None
+            assert self._step is not None
+            self.decoder.cache.after_step(self._step)
+            self._step, self._width = self._step + 1, self._width + 1
+            self.decoder.lengths = [n + 1 for n in self.decoder.lengths]
+        elif output is None:
+            return None
+        else:
+            assert self._logits is not None
+            output.logits = self._logits.to(output.logits.dtype)
+        for f in dataclasses.fields(output):
+            if f.name in ("cache", "past_key_values"):
+                output[f.name] = self
+        return output
+
+    def _horizon(self, rows: list[list[int]]) -> int:
+        """The generation length the policy plans for: ``max_new_tokens`` when given, else what the model's
+        positions leave after the longest sequence (with ``rows`` added)."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        dec = self.decoder
+        held = [len(r) for r in rows] if dec.cache is None else \
+            [n + len(r) for n, r in zip(dec.lengths, rows or [[]] * dec.batch_size, strict=True)]
+        return max(0, self.wrapped.max_seq_len - max(held) - 1)
+
+
+def paged_cache(model: Any, policy: Any, *, max_new_tokens: int | None = None, seed: int = 0,
+                probe_prefix: Sequence[int] = ()) -> PagedCache:
+    """A ``transformers`` cache for ``model.generate`` that stores and attends through kvmodels' paged cache
+    under ``policy`` (see :class:`PagedCache`). ``max_new_tokens``: the generation length the policy plans
+    for (Keyformer's schedule, the layer-budget cap); pass ``generate``'s own for the same tokens as
+    ``kvmodels.generate``. ``seed`` and ``probe_prefix`` as :class:`kvmodels.Decoder`'s."""
+    return PagedCache(model, policy, max_new_tokens=max_new_tokens, seed=seed, probe_prefix=probe_prefix)

@@ -429,7 +429,9 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.
     ----------
     path : path, optional
         A directory with ``config.json`` + ``*.safetensors`` (+ tokenizer files), or a ``.gguf`` file
-        (converted once and cached, see :func:`cache_dir`).
+        (converted once and cached, see :func:`cache_dir`). Llama, GPT-J and MPT become kvmodels' own models;
+        a directory of another decoder is loaded by ``transformers`` and wrapped onto the paged cache
+        (:func:`kvmodels.hf.wrap_transformers`: every attention layer must call its attention interface).
     dtype : torch.dtype, optional
         Parameter dtype (default float32; None keeps the checkpoint's).
     device : str or torch.device
@@ -456,9 +458,9 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.
         raise CheckpointError(f"{p} has no config.json; pass a Hugging Face checkpoint directory or a "
                               ".gguf file")
     cfg = json.loads((p / "config.json").read_text())
-    tokenizer = Tokenizer(p) if (p / "tokenizer.json").exists() else None
     if cfg.get("model_type") not in _BUILDERS:  # another decoder: transformers runs it on the paged cache
         model = _wrapped_transformers(p, cfg, dtype=dtype, device=device)
+        tokenizer = Tokenizer(p) if (p / "tokenizer.json").exists() else None
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=cfg, directory=p, converted=converted)
     files = sorted(p.glob("*.safetensors"))
     if not files:
@@ -467,4 +469,5 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, *, dtype: torch.
     for f in files:
         sd.update(load_file(str(f)))
     model = _build(cfg, sd, dtype=dtype, device=device)
+    tokenizer = Tokenizer(p) if (p / "tokenizer.json").exists() else None
     return LoadedModel(model=model, tokenizer=tokenizer, hf_config=cfg, directory=p, converted=converted)
