@@ -280,6 +280,8 @@ def test_paged_cache_refusals_and_a_failed_step() -> None:
     cache = paged_cache(model, compose("h2o", budget=0.5))
     with pytest.raises(RuntimeError, match="report\\(\\) before the cache held a prompt"):
         cache.report()
+    with pytest.raises(ValueError, match="not return_dict=False"), torch.no_grad():
+        model(input_ids=torch.tensor([[3]], device=DEVICE), past_key_values=cache, return_dict=False)
     hf_generate(model, batch, cache, new=2)
     attend = cache.decoder.cache.attend
 

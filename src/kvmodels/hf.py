@@ -285,6 +285,9 @@ class PagedCache(Cache):
         if self._failed:
             raise RuntimeError("a decode step of this PagedCache raised part way through, leaving its layers "
                                "out of step; start a new cache (paged_cache(model, policy))")
+        if kwargs.get("return_dict") is False or "input_ids" not in kwargs:
+            raise ValueError("a PagedCache runs forwards called with input_ids=... that return a ModelOutput "
+                             "(not return_dict=False, not inputs_embeds), as generate calls them")
         ids: Tensor = kwargs["input_ids"]
         B, L = ids.shape
         dec = self.decoder
