@@ -305,3 +305,23 @@ def test_paged_cache_refusals_and_a_failed_step() -> None:
             paged_cache(another, compose("full"))
             with pytest.raises(RuntimeError, match="stores through the model it was built for"):
                 another(input_ids=ids, past_key_values=cache)  # not routed through the wrong model
+
+
+def test_a_row_that_stops_early_leaves_the_others_as_kvmodels() -> None:
+    """``generate`` stops a row at its eos and feeds it pad tokens after; the other rows, attending only to
+    their own tokens in the paged cache, generate what kvmodels' decoder with the same eos generates."""
+    model = model_of("smollm2")
+    batch = prompts([30, 12, 20], seed=5)
+    policy = compose("h2o", budget=0.5)
+    own = Decoder(wrap_transformers(model), policy)
+    own.extend(batch, max_new_tokens=NEW)
+    plain = own.generate(NEW).tokens
+    eos = plain[1][2]  # row 1's third token: it stops there (and any row that makes it earlier)
+    cache = paged_cache(model, policy, max_new_tokens=NEW)
+    got = hf_generate(model, batch, cache, eos_token_id=eos)
+    own = Decoder(wrap_transformers(model), policy)
+    own.extend(batch, max_new_tokens=NEW)
+    want = own.generate(NEW, eos_ids=eos).tokens
+    assert any(len(w) < NEW for w in want)
+    for g, w in zip(got, want, strict=True):
+        assert g[:len(w)] == w and all(t == 0 for t in g[len(w):])  # then generate's pad tokens
