@@ -252,7 +252,7 @@ def test_a_follow_up_generate_continues_the_cache(spec: str, budget: float) -> N
     model = model_of("smollm2")
     batch, question = prompts([30, 12], seed=5), prompts([6, 6], seed=6)
     policy = policy_of(spec, budget)
-    cache = paged_cache(model, policy, max_new_tokens=NEW)
+    cache = paged_cache(model, policy, max_new_tokens=NEW, max_tokens=64)  # room for the follow-up
     ids, mask = left_pad(batch)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
@@ -262,7 +262,7 @@ def test_a_follow_up_generate_continues_the_cache(spec: str, budget: float) -> N
         mask2 = torch.cat([mask, torch.ones_like(ids2[:, mask.shape[1]:])], dim=1)
         out2 = model.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=NEW, do_sample=False,
                               past_key_values=cache, pad_token_id=0)
-    own = Decoder(wrap_transformers(model), policy)
+    own = Decoder(wrap_transformers(model), policy, max_tokens=64)
     own.extend(batch, max_new_tokens=NEW)
     first = own.generate(NEW)
     own.extend(question, max_new_tokens=NEW)
@@ -275,9 +275,16 @@ def test_a_follow_up_generate_continues_the_cache(spec: str, budget: float) -> N
 def test_paged_cache_refusals_and_a_failed_step() -> None:
     model = model_of("smollm2")
     batch = prompts([9, 4], seed=2)
+    policy = compose("h2o", budget=0.5)
     with pytest.raises(NotImplementedError, match="beam search"):
-        hf_generate(model, batch, paged_cache(model, compose("h2o", budget=0.5)), num_beams=2)
-    cache = paged_cache(model, compose("h2o", budget=0.5))
+        hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=4), num_beams=2)
+    with pytest.raises(ValueError, match="runs more steps than max_new_tokens=2"):
+        hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=2), new=4)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        paged_cache(model, policy, max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens=9"):  # the decoder's own check, naming the fix
+        hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=4, max_tokens=9))
+    cache = paged_cache(model, policy, max_new_tokens=4)
     with pytest.raises(RuntimeError, match="report\\(\\) before the cache held a prompt"):
         cache.report()
     with pytest.raises(ValueError, match="not return_dict=False"), torch.no_grad():
@@ -298,11 +305,11 @@ def test_paged_cache_refusals_and_a_failed_step() -> None:
         with pytest.raises(RuntimeError, match="raised part way through"):  # its layers are out of step
             model(input_ids=ids, past_key_values=cache)
         assert model(input_ids=ids).logits.shape[:2] == (2, 1)  # the model itself runs on
-        cache = paged_cache(model, compose("h2o", budget=0.5))
+        cache = paged_cache(model, policy, max_new_tokens=4)
         hf_generate(model, batch, cache, new=2)
         assert model(input_ids=ids, past_key_values=cache).logits.shape[:2] == (2, 1)  # one more step
         for another in (model_of("llama"), other("qwen2")):  # the hooks of a model with a PagedCache too
-            paged_cache(another, compose("full"))
+            paged_cache(another, compose("full"), max_new_tokens=1)
             with pytest.raises(RuntimeError, match="stores through the model it was built for"):
                 another(input_ids=ids, past_key_values=cache)  # not routed through the wrong model
 

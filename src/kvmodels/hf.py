@@ -227,14 +227,18 @@ class PagedCache(Cache):
     through the paged cache. A row that stops early keeps running, as in ``generate``'s own batches.
     """
 
-    def __init__(self, model: Any, policy: Any, *, max_new_tokens: int | None = None, seed: int = 0,
-                 probe_prefix: Sequence[int] = ()) -> None:
+    def __init__(self, model: Any, policy: Any, *, max_new_tokens: int, max_tokens: int | None = None,
+                 seed: int = 0, probe_prefix: Sequence[int] = ()) -> None:
         from kvmodels.decoder import Decoder
 
         super().__init__(layers=[])
+        for name, value in (("max_new_tokens", max_new_tokens), ("max_tokens", max_tokens or 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.wrapped = model if isinstance(model, TransformersModel) else wrap_transformers(model)
+        self.max_new_tokens, self.max_tokens = max_new_tokens, max_tokens
+        # checks the policy and probe prefix now; its pool is sized by the first prompts (before_forward)
         self.decoder = Decoder(self.wrapped, policy, seed=seed, probe_prefix=probe_prefix)
-        self.max_new_tokens = max_new_tokens
         self._width = 0  # columns of generate's input_ids consumed (left padding included)
         self._step: int | None = None  # the decode step within the current generation; None: none yet
         self._logits: Tensor | None = None  # [B, 1, V]: what a cut forward returns
@@ -296,8 +300,12 @@ class PagedCache(Cache):
                              "(num_return_sequences and beam search are not supported)")
         if L == 1 and dec.cache is not None:  # a decode step: transformers' forward, attention paged
             if self._step is None:
-                dec.cache.restart_decode(self._horizon([]))
+                dec.cache.restart_decode(self.max_new_tokens)
                 self._step = 0
+            if self._step >= self.max_new_tokens:
+                raise ValueError(f"generate runs more steps than max_new_tokens={self.max_new_tokens}, the "
+                                 "generation this PagedCache plans and holds room for; build it with "
+                                 "generate's max_new_tokens")
             positions = torch.tensor(dec.lengths, dtype=torch.int64, device=ids.device)
             dec.cache.prepare_decode(self._step)
             self._decoding = self.wrapped._paged(dec.cache, "decode", positions, 0, None)
@@ -309,7 +317,9 @@ class PagedCache(Cache):
         rows = [ids[b][real[b].to(ids.device)].tolist() for b in range(B)]
         if not all(rows):
             raise ValueError(f"row {rows.index([])} of input_ids has no token that its attention_mask keeps")
-        logits = dec.extend(rows, max_new_tokens=self._horizon(rows))
+        if dec.cache is None:  # the prompts size the pool: the longest plus the generation, or max_tokens
+            dec.max_tokens = self.max_tokens or max(map(len, rows)) + self.max_new_tokens
+        logits = dec.extend(rows, max_new_tokens=self.max_new_tokens)
         self._logits = torch.stack([x for x in logits if x is not None])[:, None]
         self._step, self._width = None, self._width + L
         cut = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "cache_position")}
@@ -339,21 +349,15 @@ class PagedCache(Cache):
                 output[f.name] = self
         return output
 
-    def _horizon(self, rows: list[list[int]]) -> int:
-        """The generation length the policy plans for: ``max_new_tokens`` when given, else what the model's
-        positions leave after the longest sequence (with ``rows`` added)."""
-        if self.max_new_tokens is not None:
-            return self.max_new_tokens
-        dec = self.decoder
-        held = [len(r) for r in rows] if dec.cache is None else \
-            [n + len(r) for n, r in zip(dec.lengths, rows or [[]] * dec.batch_size, strict=True)]
-        return max(0, self.wrapped.max_seq_len - max(held) - 1)
 
-
-def paged_cache(model: Any, policy: Any, *, max_new_tokens: int | None = None, seed: int = 0,
-                probe_prefix: Sequence[int] = ()) -> PagedCache:
+def paged_cache(model: Any, policy: Any, *, max_new_tokens: int, max_tokens: int | None = None,
+                seed: int = 0, probe_prefix: Sequence[int] = ()) -> PagedCache:
     """A ``transformers`` cache for ``model.generate`` that stores and attends through kvmodels' paged cache
-    under ``policy`` (see :class:`PagedCache`). ``max_new_tokens``: the generation length the policy plans
-    for (Keyformer's schedule, the layer-budget cap); pass ``generate``'s own for the same tokens as
-    ``kvmodels.generate``. ``seed`` and ``probe_prefix`` as :class:`kvmodels.Decoder`'s."""
-    return PagedCache(model, policy, max_new_tokens=max_new_tokens, seed=seed, probe_prefix=probe_prefix)
+    under ``policy`` (see :class:`PagedCache`).
+
+    ``max_new_tokens``: the generation ``generate`` will run (at most), which the policy plans for
+    (Keyformer's schedule, the layer-budget cap) and the pool holds room for. ``max_tokens``: the most tokens
+    one layer of one sequence may hold (default: the longest prompt plus ``max_new_tokens``; raise it for
+    follow-up questions on the same cache). ``seed`` and ``probe_prefix`` as :class:`kvmodels.Decoder`'s."""
+    return PagedCache(model, policy, max_new_tokens=max_new_tokens, max_tokens=max_tokens, seed=seed,
+                      probe_prefix=probe_prefix)
