@@ -203,8 +203,9 @@ def _generate_hooks(hf: Any) -> None:
             return None
         if args:
             raise TypeError("call the model with keyword arguments (input_ids=...) when it runs a PagedCache")
-        kwargs = cache.before_forward(kwargs)  # (raising, the forward and its hook do not run)
-        running.append(cache)
+        running.append(None)  # what the forward hook pops, also when before_forward raises (always_call)
+        kwargs = cache.before_forward(kwargs)
+        running[-1] = cache
         return args, kwargs
 
     def post(module: Any, args: tuple, output: Any) -> Any:
