@@ -139,10 +139,17 @@ def test_quantized_gguf_loads_to_matching_logits(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "convert_gguf", no_convert)
     again = load_checkpoint(tmp_path / "q.gguf")
     assert again.directory == loaded.directory and not again.converted
-    st = os.stat(tmp_path / "q.gguf")
-    os.utime(tmp_path / "q.gguf", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file
+    # The key is the file's contents: the same bytes at another path and mtime (another virtual
+    # environment's copy of the bundled model) reuse the conversion; other bytes convert again.
+    (tmp_path / "elsewhere").mkdir()
+    copy = tmp_path / "elsewhere" / "q.gguf"
+    copy.write_bytes((tmp_path / "q.gguf").read_bytes())
+    st = os.stat(copy)
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert load_checkpoint(copy).directory == loaded.directory
+    write_gguf(copy, tiny_hf(tie=False, seed=2), quantize=True)  # a changed file
     with pytest.raises(AssertionError, match="converted again"):
-        load_checkpoint(tmp_path / "q.gguf")
+        load_checkpoint(copy)
 
 
 def test_hf_directory_and_model_object(tmp_path):

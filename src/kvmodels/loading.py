@@ -5,7 +5,8 @@ Hugging Face tensor names — and then converted to the in-house model by one fu
 architecture. GGUF files are read with the ``gguf`` package (:func:`read_gguf`, a pure function);
 because dequantising and building the tokenizer takes seconds, :func:`load_checkpoint` keeps a converted
 copy (``config.json`` + ``model.safetensors`` + tokenizer files, i.e. a Hugging Face directory) under
-``$KVPOLICIES_CACHE`` (default ``~/.cache/kvpolicies``), keyed by the file's path, size and mtime.
+``$KVPOLICIES_CACHE`` (default ``~/.cache/kvpolicies``), keyed by the file's contents (a copy of the same file
+in another virtual environment reuses it; each conversion of the bundled model takes about 0.5 GB).
 
 This module and :mod:`kvmodels.hf` (a checkpoint of another architecture runs through it) are the ones of
 ``kvmodels`` that touch ``transformers``/``gguf``/``tokenizers``; they are imported inside the functions that
@@ -404,11 +405,20 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
     return out
 
 
+def _content_key(path: Path) -> str:
+    """A key for the GGUF ``path`` from its bytes, not its path or mtime: every virtual environment installs
+    its own copy of the bundled model, and a key per path left one 0.5 GB conversion behind per environment.
+    (SHA-256 reads about 1.5 GB/s here: 0.06 s for the bundled model.)"""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def _cached_conversion(path: Path) -> tuple[Path, bool]:
     """The converted copy of the GGUF ``path`` under :func:`cache_dir`, and whether this call wrote it."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_dir() / f"{path.stem}-{key}"
+    out = cache_dir() / f"{path.stem}-{_content_key(path)}"
     if (out / "config.json").exists():
         return out, False
     out.parent.mkdir(parents=True, exist_ok=True)
