@@ -9,8 +9,10 @@ interface: the model computes projections, norms and rotary embeddings, the cach
   sequence, KV head); so does a follow-up question on a ``Decoder`` (an extension);
 * on Qwen2 and Qwen3, with policies that compress, the tokens of the transformers bridge (``kvpolicies.hf``,
   an independent implementation that rebuilds the queries itself);
+* MPT (ALiBi) and GPT-J before transformers 5.24, whose attention does not call the interface, through their
+  own attention methods: the tokens and positions of kvmodels' own MPT and GPT-J, and the same refusals;
 * the model is the user's again between calls (its attention implementation restored), and a model whose
-  attention does not go through the interface (MPT) is refused, naming ``from_transformers``.
+  attention neither calls the interface nor is one of those is refused, naming ``from_transformers``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 from devices import DEVICE  # noqa: E402
 from kvmodels import Decoder, generate  # noqa: E402
-from kvmodels.hf import ATTENTION, paged_cache, wrap_transformers  # noqa: E402
+from kvmodels.hf import ATTENTION, compressed, paged_cache, wrap_transformers  # noqa: E402
 from kvpolicies import compose  # noqa: E402
 from kvpolicies.hf import UnsupportedModelError  # noqa: E402
 from test_hf_bridge import V, left_pad, model_of, prompts, run  # noqa: E402
@@ -70,19 +72,52 @@ def plain_generate(model: torch.nn.Module, prompt: list[int], new: int = NEW) ->
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "gptj"])
+def model_for(kind: str) -> torch.nn.Module:
+    return model_of(kind) if kind == "llama" else model_of(kind, "eager") if kind == "mpt" else other(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "gptj", "mpt"])
 def test_full_policy_is_the_models_own_generate(kind: str) -> None:
-    model = model_of("llama") if kind == "llama" else other(kind)
+    model = model_for(kind)
     batch = prompts([23, 1, 40], seed=3)
-    try:
-        got = generate(wrap_transformers(model), batch, NEW, compose("full"))
-    except UnsupportedModelError as e:  # GPT-J's attention calls the interface from transformers 5.24 on
-        if kind != "gptj" or "attention interface" not in str(e):
-            raise
-        pytest.skip(f"transformers {transformers.__version__}: {e}")
+    implementation = model.config._attn_implementation
+    got = generate(wrap_transformers(model), batch, NEW, compose("full"))
     assert got.tokens == [plain_generate(model, p) for p in batch]
-    assert model.config._attn_implementation == "sdpa"  # the user's model again
+    assert model.config._attn_implementation == implementation  # the user's model again
     assert plain_generate(model, batch[0]) == got.tokens[0]
+
+
+# MPT's attention (ALiBi) and GPT-J's before transformers 5.24 do not call the attention interface: the
+# wrapped model routes their own attention methods. Each keeps what kvmodels' own MPT / GPT-J on the same
+# weights keeps, and refuses what it refuses, with the same words.
+FAMILY_SPECS = ["h2o", "snapkv(window=3)", "squeeze+keyformer", "snapkv(window=3)+minicache(start=1)",
+                "snapkv(window=3)+kivi(bits=4, group=8, residual=2)", "snapkv(window=3)+zipcache(group=8)",
+                "kvzip(skip=0)"]
+
+
+@pytest.mark.parametrize("kind", ["gptj", "mpt"])
+@pytest.mark.parametrize("spec", FAMILY_SPECS)
+def test_mpt_and_gptj_keep_what_kvmodels_own_models_keep(kind: str, spec: str) -> None:
+    model = model_for(kind)
+    batch = prompts([30, 1, 17], seed=5)
+    policy, probe = policy_of(spec, 0.5), [5, 6, 7] if spec.startswith("kvzip") else []
+    decoders = []
+    outcomes: list[object] = []
+    for m in (in_house(model), wrap_transformers(model)):
+        try:
+            dec = Decoder(m, policy, seed=2, probe_prefix=probe)
+            dec.extend(batch, max_new_tokens=NEW)
+            outcomes.append(dec.generate(NEW).tokens)
+            decoders.append(dec)
+        except (ValueError, NotImplementedError) as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    assert outcomes[1] == outcomes[0]
+    if isinstance(outcomes[0], str):
+        return
+    for s in range(len(batch)):
+        assert kept(decoders[1].cache, s) == kept(decoders[0].cache, s)
+    cache = paged_cache(model, policy, seed=2, probe_prefix=probe)  # and inside model.generate
+    assert hf_generate(model, batch, cache) == outcomes[0]
 
 
 # (spec, budget, probe prefix): every role and storage the paged cache holds
@@ -182,10 +217,17 @@ def test_prefill_alone_and_last_only() -> None:
         model.prefill(tokens, None, 0, start=3)
 
 
+class OwnAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """An attention class from a module without transformers' attention functions (as a model's remote code
+    may define one)."""
+
+
 def test_refusals_name_the_fix() -> None:
-    mpt = model_of("mpt", "eager")
-    with pytest.raises(UnsupportedModelError, match="MptAttention does not call .*from_transformers"):
-        wrap_transformers(mpt)
+    own = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    own.model.layers[0].self_attn.__class__ = OwnAttention
+    with pytest.raises(UnsupportedModelError, match="OwnAttention does not call .*from_transformers"):
+        wrap_transformers(own)
     sliding = transformers.MistralForCausalLM(transformers.MistralConfig(  # refused before it runs: no device
         vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, sliding_window=16, pad_token_id=0))
@@ -332,3 +374,46 @@ def test_a_row_that_stops_early_leaves_the_others_as_kvmodels() -> None:
     assert any(len(w) < NEW for w in want)
     for g, w in zip(got, want, strict=True):
         assert g[:len(w)] == w and all(t == 0 for t in g[len(w):])  # then generate's pad tokens
+
+
+@pytest.mark.parametrize("spec,budget", [("squeeze+keyformer", 0.4), ("snapkv(window=3)", 0.3)])
+def test_generate_tells_the_cache_its_length(spec: str, budget: float) -> None:
+    """Without ``max_new_tokens``, each ``generate`` call sets it as transformers resolves it (the keyword,
+    or ``max_length`` less the prompt's width): Keyformer's schedule and the squeeze cap plan for it, so the
+    tokens are those of a cache told the length; driving the model by hand needs it, by name."""
+    model = model_of("smollm2")
+    batch = prompts([30, 1, 17], seed=5)
+    policy = policy_of(spec, budget)
+    told = hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=NEW, seed=4))
+    learned = paged_cache(model, policy, seed=4)
+    assert hf_generate(model, batch, learned) == told and learned.max_new_tokens == NEW
+    by_length = paged_cache(model, policy, seed=4)
+    ids, mask = left_pad(batch)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_length=ids.shape[1] + NEW,
+                             do_sample=False, past_key_values=by_length, pad_token_id=0)
+    assert out[:, ids.shape[1]:].tolist() == told and by_length.max_new_tokens == NEW
+    with pytest.raises(ValueError, match="built without max_new_tokens"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=paged_cache(model, policy))
+
+
+def test_compressed_gives_each_generate_a_fresh_paged_cache() -> None:
+    """``with compressed(model, policy)``: each ``generate`` given no cache gets a fresh one, equal to an
+    explicit ``paged_cache``; a call given a cache keeps it; ``generate`` is the model's again on exit."""
+    model = model_of("smollm2")
+    batch, policy = prompts([30, 12], seed=5), compose("snapkv(window=3)", budget=0.3)
+    want = hf_generate(model, batch, paged_cache(model, policy, seed=3))
+    before = model.generate
+    mine = paged_cache(model, compose("full"))
+    with compressed(model, policy, seed=3) as caches:
+        ids, mask = left_pad(batch)
+        for _ in range(2):
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                     pad_token_id=0)
+            assert out[:, ids.shape[1]:].tolist() == want
+        hf_generate(model, batch, mine)
+    assert len(caches) == 2 and caches[0] is not caches[1]
+    assert all(kept(c.decoder.cache, 0) == kept(caches[0].decoder.cache, 0) for c in caches)
+    assert caches[1].report().total_bytes < mine.report().total_bytes
+    assert model.generate == before

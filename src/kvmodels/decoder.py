@@ -87,13 +87,17 @@ class Decoder:
     Attributes
     ----------
     cache : PagedKVCache or None
-        Built by the first :meth:`extend` (its batch is the number of sequences given there).
+        Built by the first :meth:`extend` (its batch is the number of sequences given there), its page
+        tables ``max_tokens`` wide (which may be set until then).
     lengths : list of int
         Tokens each sequence has in its context (cached, kept or evicted): the next token's position.
     pending : list of int or None
         Each sequence's last generated token, not yet fed to the model (the next extend feeds it first).
     closed : list of bool
         Sequences whose pages went back to the pool (``generate(final=True)``).
+    step : int
+        The decode step within the current generation (:meth:`start_decode`, :meth:`begin_step`,
+        :meth:`end_step`: how :meth:`generate` and ``kvmodels.hf.PagedCache`` drive one).
     """
 
     def __init__(self, model: CausalLM, policy: Any = None, *, max_tokens: int | None = None,
@@ -122,6 +126,8 @@ class Decoder:
         self._step_fn = compile_decode_step(model) if compile else model.decode_step
         self.probe_prefix = policy.checked_probe_prefix(probe_prefix)
         self._prefill_tokens, self._prefill_s = 0, 0.0  # since the last generate
+        self.step = 0
+        self._positions: Tensor | None = None  # [B] on the device: each sequence's next position
 
     @property
     def batch_size(self) -> int:
@@ -364,6 +370,34 @@ class Decoder:
             self.closed[b], self._logits[b] = True, None
 
     # ------------------------------------------------------------------ generate
+    # ------------------------------------------------------------------ decode steps
+    def start_decode(self, max_new_tokens: int) -> None:
+        """Start a generation of up to ``max_new_tokens`` tokens: the policy's decode schedule restarts
+        (Keyformer's temperature, the layer-budget cap) and :attr:`step` is 0."""
+        self.cache.restart_decode(max_new_tokens)
+        self.step = 0
+        # a closed row's position stays 0, so its (ignored) step never indexes past the RoPE table
+        self._positions = torch.tensor([0 if c else n for n, c in zip(self.lengths, self.closed)],
+                                       dtype=torch.int64, device=self.device)
+
+    def begin_step(self) -> Tensor:
+        """Ready the cache for decode step :attr:`step` (the policy's eviction and scores before it);
+        returns each sequence's position ``[B]`` on the device, for the model's ``decode_step``."""
+        if self._positions is None:
+            raise RuntimeError("begin_step() before start_decode()")
+        self.cache.prepare_decode(self.step)
+        return self._positions
+
+    def end_step(self, stepped: Sequence[int]) -> None:
+        """After the model ran decode step :attr:`step`: the cache's bookkeeping (scores, appended lengths),
+        and the token each sequence in ``stepped`` fed is counted in its context."""
+        assert self._positions is not None
+        self.cache.after_step(self.step)
+        self.step += 1
+        for b in stepped:
+            self.lengths[b] += 1
+        self._positions = self._positions + 1
+
     def generate(self, max_new_tokens: int, *, temperature: float = 0.0,
                  eos_ids: int | Sequence[int] | None = None, stream: Callable[[int, int], None] | None = None,
                  final: bool = False) -> GenerationResult:
@@ -442,7 +476,7 @@ class Decoder:
 
         with torch.no_grad():
             t0 = time.perf_counter()
-            cache.restart_decode(max_new_tokens)
+            self.start_decode(max_new_tokens)
             first = []  # one draw per sequence, in order (a closed row gets a placeholder and no draw)
             for b in range(B):
                 logits = self._logits[b]
@@ -455,9 +489,6 @@ class Decoder:
             self._logits = [None] * B
             emit(next_tokens)
 
-            # [B]; a closed row's position stays 0, so its (ignored) step never indexes past the RoPE table
-            positions = torch.tensor([self.lengths[b] if live[b] else 0 for b in range(B)], dtype=torch.int64,
-                                     device=self.device)
             step_fn, on_cuda = self._step_fn, self.compile and self.device.type == "cuda"
             decode_tokens = 0
             first_step_s = math.nan
@@ -466,18 +497,15 @@ class Decoder:
                 if not any(active):
                     break
                 stepping = [b for b in range(B) if active[b]]
-                cache.prepare_decode(step)
+                positions = self.begin_step()
                 if on_cuda:
                     torch.compiler.cudagraph_mark_step_begin()
                 logits = step_fn(tokens, positions, cache)  # [B, V]
                 tokens = _sample(logits, temperature, self._generator)
-                cache.after_step(step)
+                self.end_step(stepping)  # the token fed this step is cached now
                 next_tokens = tokens.tolist()
                 decode_tokens += len(stepping)
-                for b in stepping:  # the token fed this step is cached now
-                    self.lengths[b] += 1
                 emit(next_tokens)
-                positions = positions + 1
                 if step == 0:
                     first_step_s = time.perf_counter() - t0
             decode_s = time.perf_counter() - t0

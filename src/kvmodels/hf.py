@@ -12,15 +12,21 @@ through :func:`kvmodels.generate` and :class:`kvmodels.Decoder`:
     >>> model = wrap_transformers(AutoModelForCausalLM.from_pretrained(path))
     >>> generate(model, [ids], 64, compose("snapkv", "zipcache", budget=0.2))
 
+MPT (ALiBi), and GPT-J before transformers 5.24, attend in code of their own instead of calling the
+interface: the wrapped model routes their attention methods (:func:`mpt_attention`,
+:func:`gptj_attention`).
+
 The attention implementation is switched for the duration of each call only: between calls the model is the
-user's, unchanged. Models with sliding-window or hybrid layers are refused, as in the transformers bridge
-(``kvpolicies.hf``), whose model discovery this module shares.
+user's, unchanged (the routed methods call the model's own outside a call). Models with sliding-window
+or hybrid layers are refused, as in the transformers bridge (``kvpolicies.hf``), whose model discovery this
+module shares. :func:`paged_cache` and :func:`compressed` run the same inside ``model.generate``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +37,8 @@ from torch import Tensor
 from transformers import AttentionInterface, Cache
 
 from kvmodels.generate import CacheLayout
+from kvmodels.mpt import alibi_causal_attention, alibi_slopes
+from kvpolicies.hf.hooks import cache_kwarg, generation_length
 from kvpolicies.hf.models import UnsupportedModelError, attention_layers
 
 #: The name the attention function is registered under with ``transformers.AttentionInterface``.
@@ -76,6 +84,58 @@ def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     return attend(l, call.b, q, k, v, call.positions, scale=scale)[None], None
 
 
+def mpt_attention(module: Any, original: Callable[..., Any], hidden_states: Tensor, *args: Any,
+                  **kwargs: Any) -> tuple[Tensor, None]:
+    """``MptAttention.forward`` on the paged cache (MPT's attention computes ALiBi itself instead of calling
+    the attention interface): its ``Wqkv`` projection, clipped as MPT clips it, and the cache's ALiBi
+    attention from each kept token's original position, at the calls :class:`kvmodels.mpt.MPT` makes.
+    Outside a wrapped model's call, the model's own forward (``original``)."""
+    call: _Call | None = getattr(module, "_kvmodels_call", None)
+    if call is None or not call.mode:
+        return original(hidden_states, *args, **kwargs)
+    B, L, _ = hidden_states.shape
+    H, D = module.n_heads, module.head_dim
+    qkv = module.Wqkv(hidden_states)
+    if module.clip_qkv:
+        qkv = qkv.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    q, k, v = (x.reshape(B, L, H, D).contiguous() for x in qkv.chunk(3, dim=2))
+    l: int = module._kvmodels_layer  # type: ignore[assignment]
+    scale, slopes = float(module.softmax_scale), alibi_slopes(H).to(q.device)  # transformers' MPT: bias max 8
+    call.layers_seen += 1
+    if call.mode == "decode":
+        call.cache.append(l, k[:, 0], v[:, 0], call.positions, q=q[:, 0])
+        out = call.cache.attend(l, q[:, 0], call.positions, scale=scale, alibi_slopes=slopes)  # [B, H, D]
+    elif call.mode == "extend":
+        out = call.cache.extend_attend(l, call.b, q[0], k[0], v[0], call.positions, scale=scale,
+                                       alibi_slopes=slopes)
+    else:
+        call.cache.prefill_layer(l, call.b, q[0], k[0], v[0], call.positions, scale=scale,
+                                 alibi_slopes=slopes)
+        out = alibi_causal_attention(q[0], k[0], v[0], slopes, scale=scale)
+    return module.out_proj(out.reshape(B, L, H * D)), None
+
+
+def gptj_attention(module: Any, original: Callable[..., Any], query: Tensor, key: Tensor,
+                   value: Tensor, attention_mask: Any = None, *args: Any,
+                   **kwargs: Any) -> tuple[Tensor, None]:
+    """``GPTJAttention._attn`` before transformers 5.24 (whose GPT-J does not call the attention interface):
+    the rotated ``query``/``key`` and ``value [B, H, L, D]`` it is handed go to :func:`paged_attention`, at
+    its softmax scale; outside a wrapped model's call, the model's own ``_attn`` (``original``)."""
+    call: _Call | None = getattr(module, "_kvmodels_call", None)
+    if call is None or not call.mode:
+        return original(query, key, value, attention_mask, *args, **kwargs)
+    out, _ = paged_attention(module, query, key, value, None, scaling=1.0 / float(module.scale_attn))
+    return out.transpose(1, 2), None  # [B, H, L, D], as _attn returns it
+
+
+def _route(attns: list[Any], name: str, fn: Callable[..., Any]) -> None:
+    """Each attention module's method ``name`` becomes ``fn`` over it and the original, once per module (a
+    stable function: a compiled decode step keeps its guards)."""
+    for attn in attns:
+        if name not in attn.__dict__:
+            setattr(attn, name, functools.partial(fn, attn, getattr(attn, name)))
+
+
 class TransformersModel(torch.nn.Module):
     """A ``transformers`` causal LM as a :class:`kvmodels.generate.CausalLM`; ``.hf`` is the model.
 
@@ -92,10 +152,17 @@ class TransformersModel(torch.nn.Module):
         # the decoder layers and attention modules; refuses encoder-decoders and sliding / hybrid layers
         _, self._layers, self._attns, positions = attention_layers(hf)
         modeling = sys.modules[type(self._attns[0]).__module__]
-        if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):  # MPT; GPT-J before transformers 5.24
+        # MPT, and GPT-J before transformers 5.24, attend in code of their own: routed at their own methods
+        self._own_attention = not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS")
+        cls = type(self._attns[0]).__name__
+        if cls == "MptAttention":
+            _route(self._attns, "forward", mpt_attention)
+        elif cls == "GPTJAttention" and self._own_attention:
+            _route(self._attns, "_attn", gptj_attention)
+        elif self._own_attention:
             raise UnsupportedModelError(
-                f"{type(self._attns[0]).__name__} does not call transformers' attention interface, which "
-                f"wrap_transformers needs; {NATIVE}")
+                f"{cls} does not call transformers' attention interface, which wrap_transformers needs; "
+                f"{NATIVE}")
         c, hq = self.config, self.config.num_attention_heads
         self._layout = CacheLayout(n_layers=len(self._attns), n_q_heads=hq,
                                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // hq,
@@ -154,7 +221,8 @@ class TransformersModel(torch.nn.Module):
         for attn in self._attns:  # this wrapper's, even when the same model is wrapped twice
             attn._kvmodels_call = call
         call.cache, call.mode, call.positions, call.b, call.layers_seen = cache, mode, positions, b, 0
-        config._attn_implementation = ATTENTION
+        if not self._own_attention:  # (MPT's, old GPT-J's mask code runs as it is: their routing ignores it)
+            config._attn_implementation = ATTENTION
         try:
             yield
         finally:
@@ -214,6 +282,25 @@ def _generate_hooks(hf: Any) -> None:
 
     hf.register_forward_pre_hook(pre, with_kwargs=True)
     hf.register_forward_hook(post, always_call=True)  # also after a forward that raised (output None)
+    generate = hf.generate
+
+    @functools.wraps(generate)
+    def length_aware(*args: Any, **kwargs: Any) -> Any:
+        """``generate`` that tells a PagedCache built without ``max_new_tokens`` the length it resolves."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, PagedCache):
+            if kwargs.setdefault("use_cache", True) is False:  # MPT's config defaults to False
+                raise ValueError("use_cache=False with a PagedCache: generate would feed the whole sequence "
+                                 "at every step; leave use_cache at True")
+            if cache.learns_length:
+                n = generation_length(hf, args, kwargs)
+                if n is None or n < 1:
+                    raise ValueError(f"generate resolves no positive max_new_tokens ({n}); pass "
+                                     "max_new_tokens=")
+                cache.max_new_tokens = n
+        return generate(*args, **kwargs)
+
+    hf.generate = length_aware
     hf._kvmodels_generate_hooks = True
 
 
@@ -228,20 +315,21 @@ class PagedCache(Cache):
     through the paged cache. A row that stops early keeps running, as in ``generate``'s own batches.
     """
 
-    def __init__(self, model: Any, policy: Any, *, max_new_tokens: int, max_tokens: int | None = None,
-                 seed: int = 0, probe_prefix: Sequence[int] = ()) -> None:
+    def __init__(self, model: Any, policy: Any, *, max_new_tokens: int | None = None,
+                 max_tokens: int | None = None, seed: int = 0, probe_prefix: Sequence[int] = ()) -> None:
         from kvmodels.decoder import Decoder
 
         super().__init__(layers=[])
-        for name, value in (("max_new_tokens", max_new_tokens), ("max_tokens", max_tokens or 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        for name, value in (("max_new_tokens", max_new_tokens), ("max_tokens", max_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.wrapped = model if isinstance(model, TransformersModel) else wrap_transformers(model)
         self.max_new_tokens, self.max_tokens = max_new_tokens, max_tokens
+        self.learns_length = max_new_tokens is None  # each model.generate call sets max_new_tokens
         # checks the policy and probe prefix now; its pool is sized by the first prompts (before_forward)
         self.decoder = Decoder(self.wrapped, policy, seed=seed, probe_prefix=probe_prefix)
         self._width = 0  # columns of generate's input_ids consumed (left padding included)
-        self._step: int | None = None  # the decode step within the current generation; None: none yet
+        self._decoding_started = False  # the decoder's decode steps started since the last new tokens
         self._logits: Tensor | None = None  # [B, 1, V]: what a cut forward returns
         self._decoding: Any = None  # the attention routing of the decode step running
         self._failed = False  # a decode step raised part way through
@@ -293,6 +381,9 @@ class PagedCache(Cache):
         if kwargs.get("return_dict") is False or "input_ids" not in kwargs:
             raise ValueError("a PagedCache runs forwards called with input_ids=... that return a ModelOutput "
                              "(not return_dict=False, not inputs_embeds), as generate calls them")
+        if self.max_new_tokens is None:
+            raise ValueError("this PagedCache was built without max_new_tokens, which model.generate tells "
+                             "it; driving the model by hand, pass paged_cache(..., max_new_tokens=)")
         ids: Tensor = kwargs["input_ids"]
         B, L = ids.shape
         dec = self.decoder
@@ -300,15 +391,14 @@ class PagedCache(Cache):
             raise ValueError(f"input_ids has {B} rows; this PagedCache holds {dec.batch_size} sequences "
                              "(num_return_sequences and beam search are not supported)")
         if L == 1 and dec.cache is not None:  # a decode step: transformers' forward, attention paged
-            if self._step is None:
-                dec.cache.restart_decode(self.max_new_tokens)
-                self._step = 0
-            if self._step >= self.max_new_tokens:
+            if not self._decoding_started:
+                dec.start_decode(self.max_new_tokens)
+                self._decoding_started = True
+            if dec.step >= self.max_new_tokens:
                 raise ValueError(f"generate runs more steps than max_new_tokens={self.max_new_tokens}, the "
                                  "generation this PagedCache plans and holds room for; build it with "
                                  "generate's max_new_tokens")
-            positions = torch.tensor(dec.lengths, dtype=torch.int64, device=ids.device)
-            dec.cache.prepare_decode(self._step)
+            positions = dec.begin_step()
             self._decoding = self.wrapped._paged(dec.cache, "decode", positions, 0, None)
             self._decoding.__enter__()
             return {**kwargs, "position_ids": positions[:, None]}
@@ -322,7 +412,7 @@ class PagedCache(Cache):
             dec.max_tokens = self.max_tokens or max(map(len, rows)) + self.max_new_tokens
         logits = dec.extend(rows, max_new_tokens=self.max_new_tokens)
         self._logits = torch.stack([x for x in logits if x is not None])[:, None]
-        self._step, self._width = None, self._width + L
+        self._decoding_started, self._width = False, self._width + L
         cut = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "cache_position")}
         return {**cut, "input_ids": ids[:, -1:], "attention_mask": None, "use_cache": False,
                 "position_ids": torch.zeros(B, 1, dtype=torch.int64, device=ids.device)}
@@ -336,10 +426,8 @@ class PagedCache(Cache):
             if output is None:  # the step stopped part way: its layers hold different tokens
                 self._failed = True
                 return None
-            assert self._step is not None
-            self.decoder.cache.after_step(self._step)
-            self._step, self._width = self._step + 1, self._width + 1
-            self.decoder.lengths = [n + 1 for n in self.decoder.lengths]
+            self.decoder.end_step(range(self.decoder.batch_size))
+            self._width += 1
         elif output is None:
             return None
         else:
@@ -351,14 +439,47 @@ class PagedCache(Cache):
         return output
 
 
-def paged_cache(model: Any, policy: Any, *, max_new_tokens: int, max_tokens: int | None = None,
+def paged_cache(model: Any, policy: Any, *, max_new_tokens: int | None = None, max_tokens: int | None = None,
                 seed: int = 0, probe_prefix: Sequence[int] = ()) -> PagedCache:
     """A ``transformers`` cache for ``model.generate`` that stores and attends through kvmodels' paged cache
     under ``policy`` (see :class:`PagedCache`).
 
-    ``max_new_tokens``: the generation ``generate`` will run (at most), which the policy plans for
-    (Keyformer's schedule, the layer-budget cap) and the pool holds room for. ``max_tokens``: the most tokens
-    one layer of one sequence may hold (default: the longest prompt plus ``max_new_tokens``; raise it for
-    follow-up questions on the same cache). ``seed`` and ``probe_prefix`` as :class:`kvmodels.Decoder`'s."""
+    ``max_new_tokens``: the generation the policy plans for (Keyformer's schedule, the layer-budget cap) and
+    the pool holds room for; ``model.generate`` tells it the length it resolves, so it is needed only to drive
+    the model by hand. ``max_tokens``: the most tokens one layer of one sequence may hold (default: the
+    longest prompt plus the first generation; raise it for follow-up questions on the same cache). ``seed``
+    and ``probe_prefix`` as :class:`kvmodels.Decoder`'s."""
     return PagedCache(model, policy, max_new_tokens=max_new_tokens, max_tokens=max_tokens, seed=seed,
                       probe_prefix=probe_prefix)
+
+
+@contextlib.contextmanager
+def compressed(model: Any, policy: Any, *, max_tokens: int | None = None, seed: int = 0,
+               probe_prefix: Sequence[int] = ()) -> Iterator[list[PagedCache]]:
+    """Within the block, each ``model.generate`` call given no cache runs a fresh :func:`paged_cache` under
+    ``policy`` (keywords as there). Yields the list of caches built so far (the latest call's last), for
+    ``report()``; ``model.generate`` is restored on exit.
+
+        >>> with compressed(model, compose("snapkv", budget=0.2)) as caches:
+        ...     out = model.generate(**inputs, max_new_tokens=64)
+        >>> caches[-1].report()
+    """
+    wrapped = model if isinstance(model, TransformersModel) else wrap_transformers(model)
+    hf = wrapped.hf
+    _generate_hooks(hf)
+    caches: list[PagedCache] = []
+    original, name = hf.generate, cache_kwarg(hf)
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+            kwargs[name] = paged_cache(wrapped, policy, max_tokens=max_tokens, seed=seed,
+                                       probe_prefix=probe_prefix)
+            caches.append(kwargs[name])
+        return original(*args, **kwargs)
+
+    hf.generate = generate
+    try:
+        yield caches
+    finally:
+        hf.generate = original

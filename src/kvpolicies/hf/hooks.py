@@ -170,13 +170,13 @@ class Hooks:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             cache = self.cache_in(kwargs)
             if cache is not None and cache.max_new_tokens is None:
-                cache.max_new_tokens = _new_tokens(self.model, args, kwargs)
+                cache.max_new_tokens = generation_length(self.model, args, kwargs)
             return generate(*args, **kwargs)
 
         return wrapped
 
 
-def _new_tokens(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> int | None:
+def generation_length(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> int | None:
     """How many tokens this ``generate`` call may produce, as transformers resolves it: ``max_new_tokens``
     (keyword, then the ``generation_config`` given, then the model's), else ``max_length`` minus the
     prompt width."""
