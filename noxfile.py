@@ -49,7 +49,7 @@ def compile(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def oldest(session: nox.Session) -> None:
-    """The oldest supported Triton (compile check + interpreter kernel tests) and transformers (bridge)."""
+    """The oldest supported Triton (compile check + interpreter kernel tests) and transformers."""
     _install(session, "test")
     session.run("bash", ".ci/oldest-triton", external=True)
     session.run("bash", ".ci/oldest-transformers", external=True)

@@ -11,7 +11,7 @@ Needs only the project's tree and the machine's own packages (torch, triton, tra
 box, so a crash, a CUDA error or a hang in one loses nothing measured before it:
 
 ``env``         device, versions, device-to-device copy bandwidth
-``correctness`` the GPU-only tests, then the kernel, cache, compile and bridge tests on CUDA (bf16 included),
+``correctness`` the GPU-only tests, then the kernel, cache, compile and transformers tests on CUDA (bf16 in),
                 one JSON line per test as it finishes (per-test timeout where pytest-timeout is installed)
 ``kernels``     paged decode attention at B8/4k, B64/4k and B1/32k (Hq 32, Hkv 8, D 128, bf16) against SDPA on
                 the dense gather and against the copy bandwidth, the fused score update's cost, a sweep of
@@ -86,8 +86,8 @@ RUNS_ENV = "KVPOLICIES_GPU_RUNS"  # --runs, handed to the generation stage's pro
 KILL_GRACE_S = 10  # a stage still running this long after its box is killed
 SAVE_EVERY_S = 30  # results (and the --pack) rewritten this often while a stage runs
 
-# The kernel, cache, compile and bridge tests that run on CUDA, most telling first (the time box may cut the
-# tail; every test that finished is recorded).
+# The kernel, cache, compile and transformers tests that run on CUDA, most telling first (the time box may cut
+# the tail; every test that finished is recorded).
 TEST_FILES = (
     "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference",  # issue 36: never run on a GPU
     "tests/test_gpu.py::test_quantized_cache_on_cuda_keeps_quantized_rows_and_matches_cpu",
@@ -110,9 +110,7 @@ TEST_FILES = (
     "tests/test_head_cache.py",
     "tests/test_cache_policies.py", "tests/test_cache_minicache.py", "tests/test_cache_compress_each.py",
     "tests/test_cache_prefill_attend.py", "tests/test_cache_compile.py", "tests/test_generate.py",
-    "tests/test_hf_bridge.py", "tests/test_hf_merge.py",
-    "tests/test_hf_quant.py", "tests/test_hf_two_parts.py",  # the bridge's packed rows: never on a GPU
-    "tests/test_hf_wrap.py",  # transformers models on the paged cache (kvmodels.hf): never on a GPU
+    "tests/test_hf_generate.py", "tests/test_hf_wrap.py",  # transformers models on the paged cache
 )
 SMOKE_TEST_FILES = ("tests/test_gpu.py", "tests/test_layering.py")
 

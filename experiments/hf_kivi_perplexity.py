@@ -1,11 +1,14 @@
-"""4096-token perplexity through the transformers bridge with quantized rows (issue 36): ``kivi`` with KIVI's
-residual against every token quantized and the unquantized cache, on SmolLM2-135M-Instruct (CPU, float32).
+"""4096-token perplexity of a ``transformers`` model with quantized rows in its cache (issue 36): ``kivi``
+with KIVI's residual against every token quantized and the unquantized cache, on SmolLM2-135M-Instruct (CPU,
+float32).
 
 The protocol of ``evals.tasks.run_perplexity`` (the kvmodels table in docs/results.md), driven through
-``transformers``' ``LlamaForCausalLM`` with a ``kvpolicies.hf`` cache: the first ``--prefill`` tokens in one
-forward (their own attention exact), then one forward per token, teacher-forced, each reading the cache as
-stored (packed rows dequantized); the mean negative log-likelihood of the ``T - 1`` next-token predictions.
-Nothing is evicted (``full``): quantization alone.
+``transformers``' ``LlamaForCausalLM`` with a ``kvmodels.hf.paged_cache``: the first ``--prefill`` tokens in
+one forward (their own attention exact: a plain forward gives their predictions, a second stores them), then
+one forward per token, teacher-forced, each reading the cache as stored (the paged cache's packed rows, read
+by its decode attention); the mean negative log-likelihood of the ``T - 1`` next-token predictions. Nothing is
+evicted (``full``): quantization alone. (The records before 2026-11-28's retirement of ``kvpolicies.hf`` ran
+the same protocol through that bridge's cache: keys without ``|paged``.)
 
 Run: ``python -m experiments.hf_kivi_perplexity --out experiments/results/hf-kivi-perplexity.jsonl``.
 """
@@ -24,23 +27,22 @@ CONFIGS = ["full", "full+kivi", "full+kivi(residual=0)", "full+kivi(bits=2)"]
 
 
 def perplexity(hf_model, tokens: list[int], spec: str, prefill: int) -> dict:
+    from kvmodels.hf import paged_cache
     from kvpolicies import compose
 
     first, *rest = spec.split("+")
     policy = compose(first, *rest, budget=1.0)
     T = len(tokens)
     ids = torch.tensor([tokens])
-    cache = policy.hf_cache(hf_model, max_new_tokens=T - prefill)
+    cache = paged_cache(hf_model, policy, max_new_tokens=T - prefill)
     nll = 0.0
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = hf_model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True,
-                       position_ids=torch.arange(prefill)[None])
-        logp = out.logits[0].float().log_softmax(-1)  # [prefill, V]
+        logp = hf_model(input_ids=ids[:, :prefill]).logits[0].float().log_softmax(-1)  # [prefill, V]
         nll -= float(logp[torch.arange(prefill), ids[0, 1:prefill + 1]].sum())
-        for t in range(prefill, T - 1):
-            out = hf_model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
-                           position_ids=torch.tensor([[t]]))
+        hf_model(input_ids=ids[:, :prefill], past_key_values=cache)  # the prompt, stored
+        for t in range(prefill, T - 1):  # the cache gives each step its position
+            out = hf_model(input_ids=ids[:, t:t + 1], past_key_values=cache)
             nll -= float(out.logits[0, -1].float().log_softmax(-1)[ids[0, t + 1]])
     seconds = time.perf_counter() - t0
     rep = cache.report()
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     done = {r["key"] for r in read_records(out)}
     for spec in CONFIGS if not args.only else args.only.split("|"):
-        key = f"hf-kivi-ppl|{runner.model_name}|{args.tokens}|prefill={args.prefill}|{spec}"
+        key = f"hf-kivi-ppl|paged|{runner.model_name}|{args.tokens}|prefill={args.prefill}|{spec}"
         if key in done:
             continue
         res = perplexity(hf_model, tokens, spec, args.prefill)

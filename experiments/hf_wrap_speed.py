@@ -1,7 +1,8 @@
-"""One transformers model, four routes to a compressed cache (SmolLM2-135M-Instruct, CPU, float32): kvmodels'
+"""One transformers model, three routes to a compressed cache (SmolLM2-135M-Instruct, CPU, float32): kvmodels'
 own Llama (``load_checkpoint``), the same ``transformers`` ``LlamaForCausalLM`` wrapped onto the paged cache
-(``kvmodels.hf.wrap_transformers``) through ``kvmodels.generate``, that model's ``generate`` with the paged
-cache (``kvmodels.hf.paged_cache``), and its ``generate`` with the transformers bridge (``kvpolicies.hf``).
+(``kvmodels.hf.wrap_transformers``) through ``kvmodels.generate``, and that model's ``generate`` with the
+paged cache (``kvmodels.hf.paged_cache``). (The records of 2026-11-28 have a fourth: its ``generate`` with the
+transformers bridge ``kvpolicies.hf``, retired since.)
 The question about ``docs/examples/lighthouse.txt`` inside the prompt, a batch of ``--batch`` copies, greedy,
 ``--new`` tokens; each route's wall time for the whole generation (prefill and compression included), its
 answer and whether its tokens equal kvmodels'.
@@ -59,9 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_model.generation_config.eos_token_id = None  # every route generates --new tokens
     wrapped = wrap_transformers(hf_model)
 
-    def bridge(policy, paged: bool = False) -> list[list[int]]:
-        cache = paged_cache(wrapped, policy, max_new_tokens=args.new) if paged else \
-            policy.hf_cache(hf_model, max_new_tokens=args.new)
+    def hf_generate(policy) -> list[list[int]]:
+        cache = paged_cache(wrapped, policy, max_new_tokens=args.new)
         inputs = torch.tensor(batch)
         out = hf_model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs),
                                 past_key_values=cache, max_new_tokens=args.new, do_sample=False,
@@ -73,13 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         policy = compose(first, *rest, budget=1.0 if spec == "full" else args.budget)
         routes = {"kvmodels": lambda p=policy: generate(loaded.model, batch, args.new, p).tokens,
                   "wrap_transformers": lambda p=policy: generate(wrapped, batch, args.new, p).tokens,
-                  "paged_cache": lambda p=policy: bridge(p, paged=True),
-                  "kvpolicies.hf": lambda p=policy: bridge(p)}
+                  "paged_cache": lambda p=policy: hf_generate(p)}
         reference = None
         for route, fn in routes.items():
             try:
                 tokens, seconds = timed(fn)
-            except (NotImplementedError, ValueError) as e:  # what the bridge refuses, by name
+            except (NotImplementedError, ValueError) as e:  # what a route refuses, by name
                 print(f"{spec} / {route}: refused: {e}", file=sys.stderr, flush=True)
                 append_record(Path(args.out), {"policy": spec, "route": route, "refused": str(e)})
                 continue

@@ -1,7 +1,7 @@
 """The device the suite runs on, and tolerances that follow the device and dtype.
 
 ``KVPOLICIES_TEST_DEVICE=cuda TRITON_INTERPRET=0`` (``nox -s gpu``) runs every kernel, cache, model,
-compile and bridge test on CUDA tensors, with the Triton kernels compiled; the default runs them on CPU,
+compile and transformers test on CUDA tensors, with the Triton kernels compiled; the default runs them on CPU,
 the Triton launchers through the interpreter. Test data is drawn on the CPU (seeded ``torch.Generator``s
 give the same data on every device) and moved to :data:`DEVICE` where a kernel, cache or model reads it.
 """

@@ -197,8 +197,8 @@ def test_budget_tokens_examples():
 
 
 def test_the_decode_schedule_and_ranking_both_caches_ask():
-    """``evicts_after`` and ``eviction_scores`` are the decisions kvmodels and the bridge both take from
-    the policy (docs/contract.md §6)."""
+    """``evicts_after`` and ``eviction_scores`` are the decisions every cache takes from the policy
+    (docs/contract.md §6)."""
     assert [compose("h2o", evict_every=3).evicts_after(s) for s in range(6)] == [False, False, True] * 2
     assert all(compose("h2o").evicts_after(s) for s in range(4))
     assert not any(compose("snapkv").evicts_after(s) for s in range(4))  # prompt-only selection

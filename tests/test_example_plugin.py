@@ -2,7 +2,8 @@
 ``kvpolicies.policies`` entry point and defines its rule only through the open score hook
 (``EvictionPolicy.token_scores``). Installed as a distribution would be (a ``*.dist-info`` on ``sys.path``
 declaring the package's own entry point), it runs through kvmodels' paged cache, where it keeps exactly what a
-dense reference keeps, and through the transformers bridge, which keeps what kvmodels keeps."""
+dense reference keeps, and through a transformers model's ``generate`` on the paged cache (``kvmodels.hf``),
+which keeps what kvmodels' own model keeps."""
 
 from __future__ import annotations
 
@@ -93,11 +94,11 @@ def test_vnorm_in_the_paged_cache_keeps_what_the_reference_keeps(vnorm):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gptj"])
-def test_vnorm_through_the_bridge_keeps_what_kvmodels_keeps(vnorm, kind, monkeypatch):
-    from test_hf_bridge import assert_bridge_keeps_what_kvmodels_keeps
+def test_vnorm_through_transformers_keeps_what_kvmodels_keeps(vnorm, kind):
+    from hf_models import assert_transformers_keeps_what_kvmodels_keeps
 
     policy = compose("squeeze", "vnorm", budget=0.5, vnorm={"recent": 0.25})
-    assert_bridge_keeps_what_kvmodels_keeps(kind, policy, monkeypatch)
+    assert_transformers_keeps_what_kvmodels_keeps(kind, policy)
 
 
 def test_knorm_and_vnorm_compile_in_the_decode_step(vnorm):

@@ -1,6 +1,6 @@
-"""``EvictionPolicy.extension_scores``: the one place where kvmodels' ``extend_attend`` and the transformers
-bridge turn an extension's attention into scores (the two caches' equivalence tests cannot see a mistake
-they share). Checked against what the scores mean, not against the same code:
+"""``EvictionPolicy.extension_scores``: the one place where kvmodels' ``extend_attend`` turns an extension's
+attention into scores (equivalence tests between two routes through it cannot see a mistake in it). Checked
+against what the scores mean, not against the same code:
 
 * a prompt cut in two, its first part scored as a prompt (``prompt_scores``) and its second fed as an
   extension over all of the first, scores every token as the whole prompt does (the rows the policy scores,

@@ -7,8 +7,6 @@ interface: the model computes projections, norms and rotary embeddings, the cach
   Keyformer's noise, MiniCache, KIVI, ZipCache, MiKV, kvzip's reconstruction pass), a ragged batch generates
   the tokens kvmodels' own Llama on the same weights generates and keeps the same positions per (layer,
   sequence, KV head); so does a follow-up question on a ``Decoder`` (an extension);
-* on Qwen2 and Qwen3, with policies that compress, the tokens of the transformers bridge (``kvpolicies.hf``,
-  an independent implementation that rebuilds the queries itself);
 * MPT (ALiBi) and GPT-J before transformers 5.24, whose attention does not call the interface, through their
   own attention methods: the tokens and positions of kvmodels' own MPT and GPT-J, and the same refusals;
 * the model is the user's again between calls (its attention implementation restored), and a model whose
@@ -25,12 +23,10 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 from devices import DEVICE  # noqa: E402
+from hf_models import V, in_house, kept, left_pad, model_of, prompts  # noqa: E402
 from kvmodels import Decoder, generate  # noqa: E402
-from kvmodels.hf import ATTENTION, compressed, paged_cache, wrap_transformers  # noqa: E402
+from kvmodels.hf import ATTENTION, UnsupportedModelError, compressed, paged_cache, wrap_transformers  # noqa: E402
 from kvpolicies import compose  # noqa: E402
-from kvpolicies.hf import UnsupportedModelError  # noqa: E402
-from test_hf_bridge import V, left_pad, model_of, prompts, run  # noqa: E402
-from test_hf_kvzip import in_house, kept  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,15 +181,6 @@ def test_ragged_batches_keep_what_kvmodels_keeps(lens, budget, spec, kind, seed)
     assert a.tokens == b.tokens
     for s in range(len(batch)):
         assert kept(wrapped.cache, s) == kept(own.cache, s)
-
-
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("spec,budget", [("h2o", 0.5), ("snapkv(window=3)", 0.3), ("tova", 0.4)])
-def test_other_architectures_as_the_transformers_bridge(kind: str, spec: str, budget: float) -> None:
-    model = other(kind)
-    for prompt in prompts([25, 12], seed=8):
-        bridge, _ = run(model, [prompt], policy_of(spec, budget), new=NEW)
-        assert generate(wrap_transformers(model), [prompt], NEW, policy_of(spec, budget)).tokens == bridge
 
 
 def test_compiled_decode_step() -> None:
@@ -393,8 +380,11 @@ def test_generate_tells_the_cache_its_length(spec: str, budget: float) -> None:
         out = model.generate(input_ids=ids, attention_mask=mask, max_length=ids.shape[1] + NEW,
                              do_sample=False, past_key_values=by_length, pad_token_id=0)
     assert out[:, ids.shape[1]:].tolist() == told and by_length.max_new_tokens == NEW
-    with pytest.raises(ValueError, match="built without max_new_tokens"), torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=paged_cache(model, policy))
+    by_hand = paged_cache(model, policy)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=by_hand)  # a prompt: Decoder.extend's plan
+        with pytest.raises(ValueError, match="a decode step on a PagedCache built without max_new_tokens"):
+            model(input_ids=ids[:, -1:], past_key_values=by_hand)
 
 
 def test_compressed_gives_each_generate_a_fresh_paged_cache() -> None:

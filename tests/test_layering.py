@@ -1,5 +1,5 @@
-"""The packages import downward only: ``kvkernels`` at the bottom, ``kvpolicies`` above it, ``kvmodels`` (and
-the transformers bridge, which reaches the caches only through ``kvkernels``) on top. No package imports a
+"""The packages import downward only: ``kvkernels`` at the bottom, ``kvpolicies`` above it, ``kvmodels`` (with
+its transformers route ``kvmodels.hf``) on top. No package imports a
 private module or name of another, and no model imports ``kvpolicies`` (models offer ``cache.observe``).
 Above the library, outside ``src/`` and the wheel, sit the research folders: the evaluation harness
 ``evals`` and the studies in ``experiments`` (which use the harness). They import the library; the library
@@ -85,8 +85,8 @@ def test_the_check_reads_the_library_and_the_research_folders():
 
 
 @pytest.mark.parametrize("source, module, expected", [
-    ("from kvmodels.cache import PagedKVCache\n", "kvpolicies.hf", "upward"),
-    ("from kvkernels._modes import update_scores_ref\n", "kvpolicies.hf", "private"),
+    ("from kvmodels.cache import PagedKVCache\n", "kvpolicies.compose", "upward"),
+    ("from kvkernels._modes import update_scores_ref\n", "kvpolicies.compose", "private"),
     ("from kvkernels.merge import _retained_mask\n", "kvmodels.cache", "private"),
     ("from kvpolicies.budget.squeeze import residual_cos_sim\n", "kvmodels.llama", "particular policy"),
     ("from kvpolicies.base import residual_cos_sim\n", "kvmodels.gptj", "particular policy"),

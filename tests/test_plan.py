@@ -210,19 +210,21 @@ def test_both_paged_caches_take_the_same_plan(lens, seed, spec):
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("spec", [dict(p="squeeze+h2o+minicache", budget=0.5, evict_every=2),
                                   dict(p="pyramid+snapkv", budget=6)], ids=lambda s: s["p"])
-def test_bridge_and_paged_cache_take_the_same_plan(spec, monkeypatch):
-    """The transformers bridge and kvmodels' cache, on the same weights and prompts, act on equal plans."""
+def test_a_transformers_model_and_kvmodels_own_take_the_same_plan(spec, monkeypatch):
+    """The transformers model on the paged cache (``kvmodels.hf``, its layers observed through forward hooks)
+    and kvmodels' own Llama on the same weights and prompts: the cache acts on equal plans (SqueezeAttention's
+    cos-sim read at either observation point)."""
     pytest.importorskip("transformers")
     import kvmodels.cache as kcache
+    from hf_models import model_of, prompts
     from kvmodels.generate import generate
+    from kvmodels.hf import wrap_transformers
     from kvmodels.loading import from_transformers
-    from test_hf_bridge import model_of, prompts, run
 
     spec = dict(spec)
     policy = compose(spec.pop("p"), **spec)
     model = model_of("llama", "sdpa", 4)
     batch = prompts([14, 9], seed=7)
-    _, bridge = run(model, batch, policy)
     plans = []
 
     class Recording(kcache.PagedKVCache):
@@ -231,11 +233,11 @@ def test_bridge_and_paged_cache_take_the_same_plan(spec, monkeypatch):
             plans.append(self.plan)
 
     monkeypatch.setattr(kcache, "PagedKVCache", Recording)
+    wrapped = generate(wrap_transformers(model), batch, 8, policy)
     generate(from_transformers(model), batch, 8, policy)
-    (want,) = plans
-    got = bridge.plan
+    got, want = plans
     assert got.layout == want.layout
     for part in ("layers", "storage", "joint"):
         for x, y in zip(getattr(got, part), getattr(want, part)):
             assert torch.equal(x, y), part
-    assert torch.equal(bridge.report().layer_budgets, want.storage.budgets)
+    assert wrapped.report.layer_budgets == tuple(tuple(row) for row in want.storage.budgets.tolist())

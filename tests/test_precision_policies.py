@@ -126,28 +126,6 @@ def test_zipcache_needs_scores_at_assign():
         ZipCache().assign(torch.ones(1, 4, dtype=torch.bool), None)
 
 
-def test_the_transformers_bridge_holds_kivi_and_refuses_two_packed_formats_by_name():
-    """The bridge stores ``kivi``'s packed rows (tests/test_hf_quant.py), beside tokens in the cache's dtype
-    too (KIVI's residual, ``mikv(high=16)``: tests/test_hf_two_parts.py); two packed formats in one cache
-    (ZipCache, MiKV with ``high`` < 16) and two parts under Keyformer's per-slot noise (as kvmodels) are
-    refused, naming the policy and the fix."""
-    pytest.importorskip("transformers")
-    from kvpolicies.hf import PolicyCache
-    from test_hf_bridge import model_of  # the bridge tests' tiny models (head dim 16)
-
-    model = model_of("llama")
-    assert PolicyCache(compose("snapkv", "kivi(residual=0, group=8)", budget=0.2), model).layers[0].rows
-    assert PolicyCache(compose("snapkv", "kivi(group=8)", budget=0.2), model).layers[0].tiered
-    assert PolicyCache(compose("h2o", "mikv(group=8)", budget=0.2), model).layers[0].tiered
-    for precision in ("zipcache(group=8)", "mikv(high=4, group=8)"):
-        name = precision.split("(")[0]
-        with pytest.raises(ValueError, match=f"precision '{name}'.*two packed formats.*use kivi\\("):
-            PolicyCache(compose("h2o", precision, budget=0.2), model)
-    assert PolicyCache(compose("h2o", "kivi(group=8)", budget=0.2), model).layers[0].tiered
-    with pytest.raises(ValueError, match="'kivi'.*'keyformer' scores with Gumbel noise.*residual=0"):
-        PolicyCache(compose("keyformer", "kivi(group=8)", budget=0.2), model)
-
-
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
     """The paged cache stores one format (kivi, residual 0) with any eviction policy, those that update
     scores while decoding too (the quantized decode kernel fuses the update), and two formats (kivi's

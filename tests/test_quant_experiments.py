@@ -1,7 +1,7 @@
 """The two quantization studies of experiments/ at tiny settings: ``kivi_channel_keys`` (per-channel keys
 simulated) rounds each channel's group of consecutive tokens to one scale and zero point and touches only
-KIVI's quantized slots; ``hf_kivi_perplexity`` (perplexity through the transformers bridge) gives, for the
-full cache, the perplexity of one plain forward over the same tokens."""
+KIVI's quantized slots; ``hf_kivi_perplexity`` (perplexity of a transformers model on the paged cache) gives,
+for the full cache, the perplexity of one plain forward over the same tokens."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_bytes_share_counts_codes_parameters_and_residual():
     assert kc.bytes_share(16, 32, 0, "none", 20, 64) == 1.0
 
 
-def test_bridge_perplexity_of_the_full_cache_is_one_forwards():
+def test_transformers_perplexity_of_the_full_cache_is_one_forwards():
     transformers = pytest.importorskip("transformers")
     from experiments.hf_kivi_perplexity import perplexity
 

@@ -1,7 +1,8 @@
 """The open score hook with everything a step provides: a rule that reads each token's own queries and
 position (``EvictionPolicy.reads_queries``) runs through kvmodels' paged cache, where it keeps what a dense
-reference keeps, through the transformers bridge, which keeps what kvmodels keeps, and inside the compiled
-decode step. (``knorm`` and the example package's ``vnorm`` cover rules of keys and values alone.)"""
+reference keeps, through a transformers model's ``generate`` (``kvmodels.hf``), which keeps what kvmodels' own
+model keeps, and inside the compiled decode step. (``knorm`` and the example package's ``vnorm`` cover rules
+of keys and values alone.)"""
 
 from __future__ import annotations
 
@@ -113,10 +114,10 @@ def test_reads_queries_without_a_rule_is_refused_when_defined():
 
 
 @pytest.mark.parametrize("kind", ["llama", "gptj", "mpt"])
-def test_the_bridge_hands_the_rule_what_kvmodels_hands_it(qksign, kind, monkeypatch):
-    from test_hf_bridge import assert_bridge_keeps_what_kvmodels_keeps
+def test_a_transformers_model_hands_the_rule_what_kvmodels_hands_it(qksign, kind):
+    from hf_models import assert_transformers_keeps_what_kvmodels_keeps
 
-    assert_bridge_keeps_what_kvmodels_keeps(kind, compose("qksign", budget=0.5), monkeypatch)
+    assert_transformers_keeps_what_kvmodels_keeps(kind, compose("qksign", budget=0.5))
 
 
 def test_the_rule_compiles_in_the_decode_step(qksign):

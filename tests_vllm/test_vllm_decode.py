@@ -1,5 +1,5 @@
 """Decode-time eviction under vLLM (``streaming``, ``window``, ``knorm``) on the tiny random Llama: greedy
-outputs equal the transformers bridge's with the same policy (which evicts every ``evict_every`` decode
+outputs equal the transformers reference's with the same policy (which evicts every ``evict_every`` decode
 steps, as kvmodels does), over generations long enough for many evictions; blocks held follow the kept
 lengths, and blocks emptied while decoding go back to the pool; a request preempted after several evictions
 and recomputed (in one step, or in chunks) generates what the uninterrupted run generates."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_blocks_follow_kept_lengths, prompts, run_bridge, run_vllm
+from conftest import assert_blocks_follow_kept_lengths, prompts, run_transformers, run_vllm
 from kvpolicies import compose
 
 NEW = 40
@@ -25,16 +25,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_decode_eviction_equals_bridge(case, model_dir, hf_model, tmp_path):
+def test_decode_eviction_equals_transformers(case, model_dir, hf_model, tmp_path):
     name, budget, every, engine = CASES[case]
     policy = compose(name, budget=budget, evict_every=every)
     batch = prompts(LENS)
     ours = run_vllm(tmp_path, model_dir, batch, NEW, policy.to_json(), engine)
     assert [len(t) for t in ours["tokens"]] == [NEW] * len(batch)
-    want = [run_bridge(hf_model, p, NEW, policy)[0] for p in batch]
+    want = [run_transformers(hf_model, p, NEW, policy)[0] for p in batch]
     assert ours["tokens"] == want
     prompt_only = compose(name, budget=budget, evict_every=NEVER)
-    assert want != [run_bridge(hf_model, p, NEW, prompt_only)[0] for p in batch]  # evictions mattered
+    assert want != [run_transformers(hf_model, p, NEW, prompt_only)[0] for p in batch]  # evictions mattered
     shrank = assert_blocks_follow_kept_lengths(ours, policy)
     if case.startswith("streaming-0.2-every8"):
         assert shrank >= 3, shrank  # blocks came back to the pool while decoding
@@ -45,11 +45,11 @@ def test_preempted_after_evictions_recomputes_the_same(engine, model_dir, hf_mod
     """Requests 1 (130 tokens) and 3 (96) are preempted after 27 and 30 decode steps (3 evictions at every
     8 steps behind them) and recomputed: in one step (the compaction, then 3 pieces of generated tokens
     between evictions, each attending again to the held slots), or in 32-token chunks (pieces in chunks
-    past the prompt too). Their outputs equal the bridge's, as do the others'."""
+    past the prompt too). Their outputs equal the reference's, as do the others'."""
     policy = compose("streaming", budget=0.2, evict_every=8)
     batch = prompts(LENS)
     ours = run_vllm(tmp_path, model_dir, batch, NEW, policy.to_json(), engine,
                     preempt={1: LENS[1] + 27, 3: LENS[3] + 30})
     assert set(r.split("-")[0] for r in ours["preempted"]) == {"1", "3"}, ours["preempted"]
-    assert ours["tokens"] == [run_bridge(hf_model, p, NEW, policy)[0] for p in batch]
+    assert ours["tokens"] == [run_transformers(hf_model, p, NEW, policy)[0] for p in batch]
     assert_blocks_follow_kept_lengths(ours, policy)

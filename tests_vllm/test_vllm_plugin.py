@@ -2,10 +2,10 @@
 
 * ``full`` generates what plain vLLM generates, with the same blocks;
 * ``streaming`` and ``knorm`` (selections that do not depend on attention numerics) generate what the
-  transformers bridge generates with the same policy (prompt compression and eviction at every decode step;
-  longer generations and other schedules: test_vllm_decode.py), for several concurrent requests of
-  different lengths, with chunked prefill on and off;
-* ``snapkv`` keeps the bridge's tokens per (layer, KV head), up to ties, with chunked prefill on and off;
+  transformers model generates on kvmodels' paged cache with the same policy (prompt compression and
+  eviction at every decode step; longer generations and other schedules: test_vllm_decode.py), for several
+  concurrent requests of different lengths, with chunked prefill on and off;
+* ``snapkv`` keeps the reference's tokens per (layer, KV head), up to ties, with chunked prefill on and off;
 * after its prompt is compressed, each request holds the blocks of its kept tokens (the rest
   went back to the pool), so the pool's free count after prefill is higher than plain vLLM's, and in a pool
   too small for plain vLLM to run all requests at once the freed blocks admit the queued ones;
@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from conftest import VllmFailed, assert_blocks_follow_kept_lengths, prompts, run_bridge, run_vllm
+from conftest import VllmFailed, assert_blocks_follow_kept_lengths, prompts, run_transformers, run_vllm
 from kvpolicies import compose
 from kvpolicies.vllm import prompt_budget
 
@@ -47,7 +47,7 @@ def test_full_equals_plain_vllm(plain, model_dir, tmp_path):
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
 @pytest.mark.parametrize("name", ["streaming", "knorm"])
-def test_equals_bridge(name, chunked, plain, model_dir, hf_model, tmp_path):
+def test_equals_transformers(name, chunked, plain, model_dir, hf_model, tmp_path):
     """Concurrent requests of different lengths; with chunked prefill the 32-token step budget splits
     the longer prompts over several steps (the compaction then reads earlier chunks back from the cache)."""
     batch = prompts(LENS)
@@ -55,7 +55,7 @@ def test_equals_bridge(name, chunked, plain, model_dir, hf_model, tmp_path):
     ours = run_vllm(tmp_path, model_dir, batch, NEW, spec(name), engine)
     policy = compose(name, budget=0.2)
     for b, p in enumerate(batch):
-        tokens, _ = run_bridge(hf_model, p, NEW, policy)
+        tokens, _ = run_transformers(hf_model, p, NEW, policy)
         assert ours["tokens"][b] == tokens, (name, b, len(p))
     assert ours["tokens"] != plain["tokens"]  # compression changed something
     assert_blocks_follow_kept_lengths(ours, policy)
@@ -66,7 +66,8 @@ def test_equals_bridge(name, chunked, plain, model_dir, hf_model, tmp_path):
 def test_freed_blocks_serve_queued_requests(model_dir, hf_model, tmp_path):
     """A pool of 8 blocks of 32 slots (one is vLLM's null block): plain vLLM runs at most 3 of the 5
     requests at once; with streaming at 0.2, each compressed prompt returns its blocks at the next step and
-    the queued requests are admitted into them, all 5 run together, and every output is still the bridge's."""
+    the queued requests are admitted into them, all 5 run together, and every output is still the
+    reference's."""
     batch = prompts(LENS)
     engine = {"num_gpu_blocks_override": 8, "max_model_len": 224}
 
@@ -76,14 +77,14 @@ def test_freed_blocks_serve_queued_requests(model_dir, hf_model, tmp_path):
     ours = run_vllm(tmp_path / "ours", model_dir, batch, NEW, spec("streaming"), engine)
     plain = run_vllm(tmp_path / "plain", model_dir, batch, NEW, None, engine)
     policy = compose("streaming", budget=0.2)
-    assert ours["tokens"] == [run_bridge(hf_model, p, NEW, policy)[0] for p in batch]
+    assert ours["tokens"] == [run_transformers(hf_model, p, NEW, policy)[0] for p in batch]
     assert most_running(plain) <= 3 and most_running(ours) == len(batch), (most_running(plain),
                                                                              most_running(ours))
     assert_blocks_follow_kept_lengths(ours, compose("streaming", budget=0.2))
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
-def test_snapkv_keeps_the_bridges_tokens(chunked, model_dir, hf_model, tmp_path):
+def test_snapkv_keeps_the_transformers_tokens(chunked, model_dir, hf_model, tmp_path):
     """With chunked prefill (32-token steps) a 16-query observation window spans two chunks: its earlier
     queries are kept from the chunk that computed them."""
     batch = prompts([70, 150], seed=1)
@@ -95,13 +96,13 @@ def test_snapkv_keeps_the_bridges_tokens(chunked, model_dir, hf_model, tmp_path)
         rid, layer = key.split("|")
         kept[int(rid.split("-")[0]), int(layer.split(".layers.")[1].split(".")[0])] = pos
     for b, p in enumerate(batch):
-        _, cache = run_bridge(hf_model, p, 4, policy)  # snapkv does not evict while decoding
+        _, cache = run_transformers(hf_model, p, 4, policy)  # snapkv does not evict while decoding
         for layer in range(2):
-            theirs = cache.kept_positions(layer, 0).tolist()
+            theirs = [d["pos"].sort().values.tolist() for d in cache.decoder.cache.head_contents(layer, 0)]
             mine = kept[b, layer]
             for h, (x, y) in enumerate(zip(mine, theirs)):
                 # Up to ties: the scores come from two attention implementations; allow one swap per head.
-                y = [t for t in y if t < len(p)]  # the bridge's cache holds the decoded tokens too
+                y = [t for t in y if t < len(p)]  # the reference's cache holds the decoded tokens too
                 assert len(x) == len(y) == prompt_budget(policy, len(p))[0]
                 assert len(set(x) ^ set(y)) <= 2, (b, layer, h)
     assert_blocks_follow_kept_lengths(ours, policy)

@@ -16,7 +16,7 @@ Before the fix the engine died with an ``IndexError`` in the builder's slot rema
 silently). A recomputed request's generated tokens also used to attend to the whole prompt in the step that
 recompressed it, so its later tokens could differ from an uninterrupted run's; now they attend to the kept
 tokens only, as in the uninterrupted decode, so every output equals the unpressured engine's and the
-transformers bridge's.
+transformers reference's (the model under ``generate`` on kvmodels' paged cache).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 
 import pytest
 
-from conftest import prompts, run_bridge, run_vllm
+from conftest import prompts, run_transformers, run_vllm
 from kvpolicies import compose
 from kvpolicies.vllm import prompt_budget
 
@@ -98,6 +98,6 @@ def test_requests_at_max_model_len_survive_preemption(mode, unpressured, model_d
             assert columns > width
     assert [len(t) for t in ours["tokens"]] == [NEW] * len(batch)
     assert ours["tokens"] == unpressured["tokens"]
-    assert ours["tokens"] == [run_bridge(hf_model, p, NEW, policy)[0] for p in batch]
+    assert ours["tokens"] == [run_transformers(hf_model, p, NEW, policy)[0] for p in batch]
     assert_blocks_follow_kept_lengths(ours, policy)
     assert_blocks_follow_kept_lengths(unpressured, policy)

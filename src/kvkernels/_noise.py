@@ -203,8 +203,8 @@ def compile_variants(full: bool = False):
 def noise_seed(policy_seed: int, seed: int) -> int:
     """Seed of a cache's Gumbel noise from the policy's seed and the cache's (e.g. a generation's) seed.
 
-    Both caches (``kvmodels.cache.PagedKVCache`` and ``kvpolicies.hf``) seed their decode generator with it
-    and derive the prompt-scoring seeds from it (:func:`prefill_seed`), so they draw identical noise.
+    The paged cache (``kvmodels.cache.PagedKVCache``) seeds its decode generator with it and derives the
+    prompt-scoring seeds from it (:func:`prefill_seed`), so a run with the same seeds draws identical noise.
     """
     return (int(policy_seed) * 1_000_003 + int(seed)) % 2**62
 

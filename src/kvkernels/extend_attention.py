@@ -1,6 +1,6 @@
 """Attention of new tokens over a sequence's kept (possibly compressed) cache plus themselves, and their
 eviction scores from the same probabilities: the torch math behind ``kvmodels``'
-``PagedKVCache.extend_attend`` and the transformers bridge's reconstruction pass (kvzip's probe scores,
+``PagedKVCache.extend_attend``, kvzip's reconstruction pass among its calls (its probe scores,
 ``mode="max"``).
 
 A sequence that already holds tokens in the cache takes ``n`` more (a follow-up question, the next chunk of

@@ -234,7 +234,7 @@ def merge_region(ka, kb, va, vb, pos, sa, sb, t: float, retain_ratio: float) -> 
     """A merged pair's region (docs/contract.md §5.1) from two layers' kept tokens ``[N, Hkv, D]`` (positions
     and own scores ``[N, Hkv]``): one shared slot per merged token, ``a``-then-``b`` private slots for each
     retained one. Returns ``[n_slots, Hkv, ...]`` tensors ``k v pos score k_mag_a k_mag_b v_mag_a v_mag_b
-    mask``; used by ``kvmodels.cache.PagedKVCache`` and the transformers bridge (``kvpolicies.hf``)."""
+    mask``; used by ``kvmodels.cache.PagedKVCache``."""
     N, H = pos.shape
     dk, mka, mkb, _ = magnitude_direction_merge(ka.contiguous(), kb.contiguous(), t=t, retain_ratio=0.0)
     dv, mva, mvb, _ = magnitude_direction_merge(va.contiguous(), vb.contiguous(), t=t, retain_ratio=0.0)

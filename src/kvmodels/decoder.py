@@ -103,10 +103,13 @@ class Decoder:
     def __init__(self, model: CausalLM, policy: Any = None, *, max_tokens: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, seed: int = 0,
                  compile: bool = False, probe_prefix: Sequence[int] = ()) -> None:
-        if policy is None:
-            from kvpolicies import compose
+        from kvpolicies import ComposedPolicy, compose
 
+        if policy is None:
             policy = compose("full")
+        if not isinstance(policy, ComposedPolicy):
+            raise TypeError("policy must be a kvpolicies.ComposedPolicy (build one with "
+                            f"kvpolicies.compose(...)), got {type(policy).__name__}")
         self.model, self.policy = model, policy
         param = next(iter(model.parameters()))
         self.device, self.dtype = param.device, param.dtype

@@ -8,8 +8,8 @@
 Four roles: eviction (which tokens a layer keeps), budget (how many each layer keeps), heads (how a
 layer's budget is split among its KV heads: ``adakv``), merge (which layers share storage).
 ``available()`` lists the registered policies; third-party packages add their own through the
-``kvpolicies.policies`` entry-point group. ``kvpolicies.hf`` (the ``transformers`` bridge) is
-imported on first use, so ``transformers`` stays an optional extra.
+``kvpolicies.policies`` entry-point group. ``kvmodels.hf`` runs a composed policy inside a
+``transformers`` model's ``generate`` (``paged_cache(model, policy)``).
 """
 
 from __future__ import annotations
@@ -28,16 +28,6 @@ from .base import (
 from .compose import ComposedPolicy, compose
 from .plan import CompressionPlan, EvictionSchedule, LayerBudgets, MergeLayout
 from .registry import PolicyInfo, UnknownPolicyError, available, get_policy, register_policy
-
-
-def __getattr__(name: str):
-    """``kvpolicies.hf`` on first access (it imports ``transformers``, an optional extra)."""
-    if name == "hf":
-        import importlib
-
-        return importlib.import_module(".hf", __name__)
-    raise AttributeError(f"module 'kvpolicies' has no attribute {name!r}")
-
 
 __all__ = [
     "BudgetPolicy",

@@ -165,8 +165,7 @@ def residual_cos_sim(h_in: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor
     """SqueezeAttention's per-token statistic: cosine similarity (float32) between the hidden state before
     an attention block ``h_in [..., dim]`` and after its residual add ``h_in + attn_out``; ``[...]``.
 
-    ``squeeze``'s :meth:`BudgetPolicy.layer_statistic`; caches average it over the prompt's tokens (the
-    transformers bridge over the non-padding ones).
+    ``squeeze``'s :meth:`BudgetPolicy.layer_statistic`; caches average it over the prompt's tokens.
     """
     return torch.nn.functional.cosine_similarity(h_in.float(), (h_in + attn_out).float(), dim=-1)
 
@@ -194,8 +193,7 @@ class ModelProbe(Protocol):
 class NewTokens:
     """What a step provides about the tokens it caches, for an open score rule
     (:meth:`EvictionPolicy.token_scores`). ``...`` are the tokens' leading dimensions: ``[L]`` for one
-    sequence's prompt, ``[B]`` for a decode step of kvmodels, ``[B, q]`` for a forward of the transformers
-    bridge.
+    sequence's prompt, ``[B]`` for a decode step of kvmodels.
 
     k, v:
         ``[..., Hkv, D]`` the tokens' keys (after RoPE where the model rotates them) and values.
@@ -203,7 +201,7 @@ class NewTokens:
         ``[...]`` int64 absolute positions.
     q:
         ``[..., Hq, D]`` the tokens' own queries (after RoPE; query head ``h`` reads KV head ``h // G``), only
-        for a rule that sets ``reads_queries = True`` (the bridge rebuilds queries for it); else ``None``.
+        for a rule that sets ``reads_queries = True``; else ``None``.
     """
 
     k: torch.Tensor
@@ -246,7 +244,7 @@ class EvictionPolicy(Policy):
         """A reconstruction's passes over a context of ``n`` tokens: ``(start, stop, scored)`` each copies
         context tokens ``[start, stop)`` and takes the scores of the kept tokens from position ``scored``
         on (up to ``stop``, except in the last pass). One pass here, from :attr:`probe_skip`'s end; every
-        cache that runs the probe (``kvmodels.Decoder``, the transformers bridge) asks this."""
+        cache that runs the probe (``kvmodels.Decoder``) asks this."""
         skip = self.probe_skip
         return [(0 if skip is None else skip[1], n, 0)]
 
@@ -284,7 +282,7 @@ class EvictionPolicy(Policy):
         """``[Hkv, L]`` scores of a prompt's keys ``k [L, Hkv, D]`` by its rotated queries ``q [L, Hq, D]``:
         ``kvkernels.prefill_scores`` with this policy's ``prefill_mode``, ``prefill_window(L)`` and
         ``prefill_kwargs(L)`` (which may override ``seed``), then :meth:`postprocess_prefill_scores`. Every
-        cache (kvmodels' paged cache, the transformers bridge, the vLLM plugin) scores a prompt through it."""
+        cache (kvmodels' paged cache, the vLLM plugin) scores a prompt through it."""
         if self.prefill_mode is None:
             raise ValueError(f"eviction policy {self.name!r} scores no prompt (prefill_mode is None)")
         L = q.shape[0]
@@ -314,8 +312,8 @@ class EvictionPolicy(Policy):
         * else every row scores: the kept tokens continue theirs (``decay``: times ``decay ** n``) and the
           new ones start from theirs, as decode steps would have scored them.
 
-        Every cache that takes tokens after the prompt (``kvmodels``' ``extend_attend``, the transformers
-        bridge) scores them through it."""
+        Every cache that takes tokens after the prompt (``kvmodels``' ``extend_attend``) scores them through
+        it."""
         n, m = q.shape[0], kept_k.shape[0]
         mode = self.probe_mode if probe is not None else self.prefill_mode if scoring else None
         window = self.prefill_window(n) if mode is not None and probe is None else 0

@@ -208,14 +208,10 @@ class ComposedPolicy:
         return f"{self.label} @ budget={self.budget!r}, evict_every={self.evict_every}, seed={self.seed}"
 
     def hf_cache(self, model: Any, **kw: Any) -> Any:
-        """A ``transformers`` cache driven by this policy, for ``model.generate(..., past_key_values=...)``.
-
-        Delegates to ``kvpolicies.hf.hf_cache(self, model, **kw)`` (keywords ``max_new_tokens``, ``seed``,
-        ``probe_prefix``); imported here, on use, because ``transformers`` is an optional extra (docs/hf.md).
-        """
-        from kvpolicies.hf import hf_cache
-
-        return hf_cache(self, model, **kw)
+        """Retired with the transformers bridge: ``kvmodels.hf.paged_cache(model, policy)`` (docs/hf.md)."""
+        raise AttributeError("policy.hf_cache(model) was retired with kvpolicies.hf: use "
+                             "kvmodels.hf.paged_cache(model, policy) (same keywords: max_new_tokens, seed, "
+                             "probe_prefix), or kvmodels.hf.compressed(model, policy)")
 
     # -- budgets ------------------------------------------------------------------------------------------
     @property

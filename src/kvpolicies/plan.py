@@ -14,7 +14,7 @@ generation length, layer statistics, the heads' prompt scores) into one frozen :
 * per-head budgets ``[Lc, B, Hkv]`` of a head-budget policy (``head_budgets``);
 * :class:`EvictionSchedule` -- whether the prompt is compressed and after which decode steps the cache evicts.
 
-A cache (``kvmodels.cache.PagedKVCache``, ``HeadPagedKVCache``, the transformers bridge) reads these and
+A cache (``kvmodels.cache.PagedKVCache``, ``HeadPagedKVCache``, the vLLM plugin) reads these and
 derives none of them (docs/contract.md, "The plan").
 """
 

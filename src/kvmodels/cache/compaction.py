@@ -141,7 +141,7 @@ class Compactor:
         ``in_place`` (decode-time eviction): plain layers evict with ``topk_evict``, which keeps the same
         tokens but moves only the kept slots past the budget, not every kept token after an evicted one.
         ``keep_order`` (Keyformer) stays on ``topk_compact``: its decode noise is indexed by slot, and kept
-        slot order is what the bridge and the reference policies index it by. Merged regions stay in order
+        slot order is what the reference policies index it by. Merged regions stay in order
         too.
         """
         budgets, n_sink, n_recent = (x.numpy() for x in plan.rows)  # [Lc, n] each

@@ -32,8 +32,9 @@ Measured (SmolLM2-135M, 24 ~1k passkey prompts, the question asked after compres
 docs/results.md): ``kvzip(skip=24)+pooled`` with the instruction answers 21 at 0.2 and 20 at 0.5 (a second
 set of 24: 22 and 22), as kvpress's KVzip (21 and 20; 21 and 22); without ``skip`` 19 and 22;
 ``kvzip+adakv`` (heads within a layer only) 9 and 23; ``kvzip`` alone 0 and 13. Cost: one more forward
-over the context at prefill time. kvmodels' Decoder and the transformers bridge (``hf_cache(policy, model,
-probe_prefix=...)``, docs/hf.md) run the probe; the vLLM plugin refuses this policy.
+over the context at prefill time. kvmodels' Decoder (also under a transformers model's ``generate``:
+``kvmodels.hf.paged_cache(model, policy, probe_prefix=...)``, docs/hf.md) runs the probe; the vLLM plugin
+refuses this policy.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class Kivi(PrecisionPolicy):
         """How many of a row's ``n`` newest tokens, waiting in the cache's dtype, are quantized now (an int,
         or per row of a numpy array / tensor): all but the newest ``residual`` once more than ``residual +
         group`` wait, else none, so tokens age a group or more at a time. Every cache that holds the residual
-        (kvmodels' ``SideRegion``, the transformers bridge) asks this."""
+        (kvmodels' ``SideRegion``) asks this."""
         return (n > self.residual + self.group) * (n - self.residual)
 
     def group_size(self) -> int:

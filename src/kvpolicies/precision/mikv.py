@@ -53,8 +53,8 @@ class MiKV(PrecisionPolicy):
         """While decoding: which of a row's ``total`` kept tokens (``rank [total, Hkv]``, the eviction's
         ranking in position order) move to the low bits so that ``keep`` stay: ``[total - keep, Hkv]`` slot
         indices, ascending, each KV head's lowest-ranked, the first ``n_sink`` and last ``n_recent`` excepted,
-        ties to the older. Every cache that holds MiKV's low bits (kvmodels' ``SideRegion.demote``, the
-        transformers bridge) asks this."""
+        ties to the older. Every cache that holds MiKV's low bits (kvmodels' ``SideRegion.demote``) asks
+        this."""
         total = rank.shape[0]
         slot = torch.arange(total, device=rank.device)
         forced = (slot < n_sink) | (slot >= total - n_recent)

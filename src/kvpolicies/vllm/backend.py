@@ -12,7 +12,7 @@ run:
    through ``kvkernels.prefill_scores`` (``snapkv``, ``chunkkv``: the last ``window`` queries, then
    ``postprocess_prefill_scores``), or none (``streaming``, ``window``: forced slots only);
 3. selects and compacts with ``kvkernels.topk_compact``, the op every cache of the library compacts with
-   (each KV head a one-page sequence, as the transformers bridge lays a layer out): per KV head the forced
+   (each KV head a one-page sequence, as the head-paged cache lays a layer out): per KV head the forced
    sinks and recent tokens plus the top scores, ``kept`` tokens in original order, bit-identical;
 4. writes them to slots ``[0, kept)``; any tokens after the prompt in the same step (a preempted request
    recomputing its generated tokens) follow at ``kept``, and their attention is run again over the

@@ -1,0 +1,273 @@
+"""A ``transformers`` model as a kvmodels model (:class:`TransformersModel`, :func:`wrap_transformers`): its
+attention routed to the paged cache through transformers' attention interface (:func:`paged_attention`), or
+through MPT's and old GPT-J's own attention methods (:func:`mpt_attention`, :func:`gptj_attention`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+
+from kvmodels.generate import CacheLayout
+from kvmodels.mpt import alibi_causal_attention, alibi_slopes
+
+ATTENTION = "kvmodels_paged"
+NATIVE = "Llama, GPT-J and MPT models: kvmodels.from_transformers converts them to kvmodels' own"
+
+
+class UnsupportedModelError(ValueError):
+    """A model this module cannot run on the paged cache; the message says why and what to do."""
+
+# --- the model's parts ----------------------------------------------------------------------------------
+
+def attention_layers(model: Any) -> tuple[Any, list[Any], list[Any], int | None]:
+    """A decoder-only model's base module, decoder layers, their attention modules and the positions it was
+    built for; :class:`UnsupportedModelError` for an encoder-decoder model or sliding / hybrid layers (a
+    compressed cache needs full attention in every layer)."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model; the paged cache "
+                                    "runs decoder-only causal LMs (AutoModelForCausalLM)")
+    layer_types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None)
+    if (layer_types and any(t != "full_attention" for t in layer_types)) or (
+            sliding is not None and getattr(config, "use_sliding_window", True)):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} uses sliding-window / hybrid attention layers "
+            f"(layer_types={layer_types}, sliding_window={sliding}); a compressed cache needs full attention "
+            "in every layer. Set config.sliding_window=None if the model allows it")
+    base, n = getattr(model, "base_model", model), config.num_hidden_layers
+    layers = next((m for m in (getattr(base, name, None) for name in ("layers", "h", "blocks"))
+                   if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
+    if layers is None:
+        raise UnsupportedModelError(f"{type(model).__name__}: could not find its {n} decoder layers (looked "
+                                    "for base_model.layers / .h / .blocks)")
+    attns = []
+    for layer in layers:
+        attn = next((getattr(layer, a) for a in ("self_attn", "attn", "attention") if hasattr(layer, a)),
+                    None)
+        if attn is None:
+            raise UnsupportedModelError(f"{type(layer).__name__} has no self_attn / attn module")
+        attns.append(attn)
+    names = ("max_position_embeddings", "n_positions", "max_seq_len")
+    positions = next((int(getattr(config, a)) for a in names if getattr(config, a, None) is not None), None)
+    return base, list(layers), attns, positions
+
+# --- the attention, routed to the paged cache -----------------------------------------------------------
+
+@dataclass
+class _Call:
+    """What the attention function does in the current forward of one wrapped model."""
+
+    cache: Any = None
+    mode: str = ""  # "prefill", "extend" or "decode"; "" outside a call
+    b: int = 0  # the sequence of a prefill or extension
+    positions: Tensor | None = None  # [L] (prefill, extension) or [B] (decode)
+    layers_seen: int = 0
+    h_in: Tensor | None = None  # the current layer's input hidden state, for cache.observe
+
+
+def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+    """The attention function registered as :data:`ATTENTION`: ``query [B, Hq, L, D]`` and this forward's
+    ``key``/``value [B, Hkv, L, D]`` (rotated) -> ``[B, L, Hq, D]``, stored, scored and attended by the cache.
+    ``attention_mask`` is unused: the cache knows every sequence's kept tokens."""
+    call: _Call | None = getattr(module, "_kvmodels_call", None)
+    if call is None or not call.mode:
+        raise RuntimeError(f"attention implementation {ATTENTION!r} runs only inside a wrap_transformers "
+                           "model's prefill or decode_step; use attn_implementation='sdpa' for other calls")
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} passes {name}={kwargs[name]!r} to its attention; the paged cache "
+                "attends over every kept token with a plain softmax")
+    l: int = module._kvmodels_layer  # type: ignore[assignment]
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    call.layers_seen += 1
+    if call.mode == "decode":
+        q = query[:, :, 0]  # [B, Hq, D]
+        call.cache.append(l, key[:, :, 0], value[:, :, 0], call.positions, q=q)
+        return call.cache.attend(l, q, call.positions, scale=scale)[:, None], None
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, H, D]
+    attend = call.cache.prefill_attend if call.mode == "prefill" else call.cache.extend_attend
+    return attend(l, call.b, q, k, v, call.positions, scale=scale)[None], None
+
+
+def mpt_attention(module: Any, original: Callable[..., Any], hidden_states: Tensor, *args: Any,
+                  **kwargs: Any) -> tuple[Tensor, None]:
+    """``MptAttention.forward`` on the paged cache (MPT's attention computes ALiBi itself instead of calling
+    the attention interface): its ``Wqkv`` projection, clipped as MPT clips it, and the cache's ALiBi
+    attention from each kept token's original position, at the calls :class:`kvmodels.mpt.MPT` makes.
+    Outside a wrapped model's call, the model's own forward (``original``)."""
+    call: _Call | None = getattr(module, "_kvmodels_call", None)
+    if call is None or not call.mode:
+        return original(hidden_states, *args, **kwargs)
+    B, L, _ = hidden_states.shape
+    H, D = module.n_heads, module.head_dim
+    qkv = module.Wqkv(hidden_states)
+    if module.clip_qkv:
+        qkv = qkv.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    q, k, v = (x.reshape(B, L, H, D).contiguous() for x in qkv.chunk(3, dim=2))
+    l: int = module._kvmodels_layer  # type: ignore[assignment]
+    slopes = module.__dict__.get("_kvmodels_slopes")
+    if slopes is None or slopes.device != q.device:  # built once per device (transformers' MPT: bias max 8)
+        slopes = module._kvmodels_slopes = alibi_slopes(H).to(q.device)
+    scale = float(module.softmax_scale)
+    call.layers_seen += 1
+    if call.mode == "decode":
+        call.cache.append(l, k[:, 0], v[:, 0], call.positions, q=q[:, 0])
+        out = call.cache.attend(l, q[:, 0], call.positions, scale=scale, alibi_slopes=slopes)  # [B, H, D]
+    elif call.mode == "extend":
+        out = call.cache.extend_attend(l, call.b, q[0], k[0], v[0], call.positions, scale=scale,
+                                       alibi_slopes=slopes)
+    else:
+        call.cache.prefill_layer(l, call.b, q[0], k[0], v[0], call.positions, scale=scale,
+                                 alibi_slopes=slopes)
+        out = alibi_causal_attention(q[0], k[0], v[0], slopes, scale=scale)
+    return module.out_proj(out.reshape(B, L, H * D)), None
+
+
+def gptj_attention(module: Any, original: Callable[..., Any], query: Tensor, key: Tensor,
+                   value: Tensor, attention_mask: Any = None, *args: Any,
+                   **kwargs: Any) -> tuple[Tensor, None]:
+    """``GPTJAttention._attn`` before transformers 5.24 (whose GPT-J does not call the attention interface):
+    the rotated ``query``/``key`` and ``value [B, H, L, D]`` it is handed go to :func:`paged_attention`, at
+    its softmax scale; outside a wrapped model's call, the model's own ``_attn`` (``original``)."""
+    call: _Call | None = getattr(module, "_kvmodels_call", None)
+    if call is None or not call.mode:
+        return original(query, key, value, attention_mask, *args, **kwargs)
+    out, _ = paged_attention(module, query, key, value, None, scaling=1.0 / float(module.scale_attn))
+    return out.transpose(1, 2), None  # [B, H, L, D], as _attn returns it
+
+
+def _route(attns: list[Any], name: str, fn: Callable[..., Any]) -> None:
+    """Each attention module's method ``name`` becomes ``fn`` over it and the original, once per module (a
+    stable function: a compiled decode step keeps its guards)."""
+    for attn in attns:
+        if name not in attn.__dict__:
+            setattr(attn, name, functools.partial(fn, attn, getattr(attn, name)))
+
+
+class TransformersModel(torch.nn.Module):
+    """A ``transformers`` causal LM as a :class:`kvmodels.generate.CausalLM`; ``.hf`` is the model.
+
+    Built by :func:`wrap_transformers` (see the module docstring).
+    """
+
+    #: ``prefill(..., start > 0)`` continues a cached sequence (``kvmodels.Decoder.extend``).
+    can_extend = True
+
+    def __init__(self, hf: Any) -> None:  # a transformers PreTrainedModel
+        super().__init__()
+        self.hf = hf
+        self.config = hf.config.get_text_config(decoder=True)
+        # the decoder layers and attention modules; refuses encoder-decoders and sliding / hybrid layers
+        _, self._layers, self._attns, positions = attention_layers(hf)
+        modeling = sys.modules[type(self._attns[0]).__module__]
+        # MPT, and GPT-J before transformers 5.24, attend in code of their own: routed at their own methods
+        self._own_attention = not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS")
+        cls = type(self._attns[0]).__name__
+        if cls == "MptAttention":
+            _route(self._attns, "forward", mpt_attention)
+        elif cls == "GPTJAttention" and self._own_attention:
+            _route(self._attns, "_attn", gptj_attention)
+        elif self._own_attention:
+            raise UnsupportedModelError(
+                f"{cls} does not call transformers' attention interface, which wrap_transformers needs; "
+                f"{NATIVE}")
+        c, hq = self.config, self.config.num_attention_heads
+        self._layout = CacheLayout(n_layers=len(self._attns), n_q_heads=hq,
+                                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // hq,
+                                   n_kv_heads=getattr(c, "num_key_value_heads", None) or hq)
+        self._max_positions = positions or 2048
+        self._call = _Call()
+        for l, attn in enumerate(self._attns):
+            attn._kvmodels_layer = l
+        AttentionInterface.register(ATTENTION, paged_attention)
+
+    # --- the model protocol ---------------------------------------------------------------------------
+    @property
+    def n_cache_layers(self) -> int:
+        return self._layout.n_layers
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_positions
+
+    def cache_layout(self) -> CacheLayout:
+        return self._layout
+
+    def prefill(self, tokens: Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
+                on_layer: Callable[[int], None] | None = None) -> Tensor:
+        """One sequence's prompt (``start == 0``) or extension, as :meth:`kvmodels.llama.Llama.prefill`;
+        ``cache=None`` is the model's own forward pass."""
+        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+        if cache is None:
+            if start:
+                raise ValueError(f"start={start} continues a cached sequence; pass its cache")
+            logits = self.hf(input_ids=tokens[None], position_ids=positions[None], use_cache=False).logits[0]
+            return logits[-1:] if last_only else logits
+        with self.paged(cache, "extend" if start else "prefill", positions, b, on_layer):
+            out = self.hf(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
+                          logits_to_keep=1 if last_only else 0)
+        return out.logits[0]
+
+    def decode_step(self, tokens: Tensor, positions: Tensor, cache: Any) -> Tensor:
+        """One token for every sequence of the batch, as :meth:`kvmodels.llama.Llama.decode_step`."""
+        with self.paged(cache, "decode", positions, 0, None):
+            out = self.hf(input_ids=tokens[:, None], position_ids=positions[:, None], use_cache=False)
+        return out.logits[:, -1]
+
+    # --- one forward on the paged cache ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def paged(self, cache: Any, mode: str, positions: Tensor, b: int,
+              on_layer: Callable[[int], None] | None) -> Iterator[None]:
+        """The model's attention goes to ``cache`` for one forward; its observation point, outside decoding,
+        hands the policy each layer's input and attention output (``cache.observe``)."""
+        call, config, saved = self._call, self.config, self.config._attn_implementation
+        hooks = []
+        if mode != "decode":
+            for l, (layer, attn) in enumerate(zip(self._layers, self._attns, strict=True)):
+                hooks.append(layer.register_forward_pre_hook(self._save_input, with_kwargs=True))
+                hooks.append(attn.register_forward_hook(self._observer(l, on_layer)))
+        for attn in self._attns:  # this wrapper's, even when the same model is wrapped twice
+            attn._kvmodels_call = call
+        call.cache, call.mode, call.positions, call.b, call.layers_seen = cache, mode, positions, b, 0
+        if not self._own_attention:  # (MPT's, old GPT-J's mask code runs as it is: their routing ignores it)
+            config._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = saved
+            call.cache, call.mode, call.positions, call.h_in = None, "", None, None
+            for h in hooks:
+                h.remove()
+        if mode != "decode" and call.layers_seen != self._layout.n_layers:  # (a compiled step: no count)
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__}: {call.layers_seen} of its {self._layout.n_layers} attention "
+                f"layers called transformers' attention interface; wrap_transformers needs all; {NATIVE}")
+
+    def _save_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._call.h_in = args[0] if args else kwargs["hidden_states"]
+
+    def _observer(self, l: int, on_layer: Callable[[int], None] | None) -> Callable[..., None]:
+        def observe(module: torch.nn.Module, args: Any, output: Any) -> None:
+            call = self._call
+            attn_out = output[0] if isinstance(output, tuple) else output  # after the output projection
+            assert call.h_in is not None
+            call.cache.observe(l, call.b, call.h_in[0], attn_out[0])
+            if on_layer is not None:
+                on_layer(l)
+        return observe
+
+
+def wrap_transformers(model: Any) -> TransformersModel:
+    """``model``, a ``transformers`` decoder-only causal LM, as a kvmodels model on the paged cache."""
+    return TransformersModel(model)
