@@ -183,9 +183,11 @@ def test_ragged_batches_keep_what_kvmodels_keeps(lens, budget, spec, kind, seed)
         assert kept(wrapped.cache, s) == kept(own.cache, s)
 
 
-def test_compiled_decode_step() -> None:
-    """``compile=True`` compiles the wrapped model's decode step (``fullgraph``) once: the same tokens."""
-    model, batch = wrap_transformers(other("qwen3")), prompts([19, 4], seed=9)
+@pytest.mark.parametrize("kind", ["qwen3", "mpt", "gptj"])
+def test_compiled_decode_step(kind: str) -> None:
+    """``compile=True`` compiles the wrapped model's decode step (``fullgraph``) once: the same tokens; MPT's
+    routed attention method too, and GPT-J's (routed before transformers 5.24: .ci/oldest-transformers)."""
+    model, batch = wrap_transformers(model_for(kind)), prompts([19, 4], seed=9)
     policy = compose("h2o", budget=0.5)
     assert generate(model, batch, 6, policy, compile=True).tokens == generate(model, batch, 6, policy).tokens
 
