@@ -372,7 +372,6 @@ class Decoder:
             self.cache.finish_sequence(b)
             self.closed[b], self._logits[b] = True, None
 
-    # ------------------------------------------------------------------ generate
     # ------------------------------------------------------------------ decode steps
     def start_decode(self, max_new_tokens: int) -> None:
         """Start a generation of up to ``max_new_tokens`` tokens: the policy's decode schedule restarts
@@ -401,6 +400,7 @@ class Decoder:
             self.lengths[b] += 1
         self._positions = self._positions + 1
 
+    # ------------------------------------------------------------------ generate
     def generate(self, max_new_tokens: int, *, temperature: float = 0.0,
                  eos_ids: int | Sequence[int] | None = None, stream: Callable[[int, int], None] | None = None,
                  final: bool = False) -> GenerationResult:
