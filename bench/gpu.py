@@ -969,7 +969,9 @@ def stage_hf_static(st: Stage) -> None:
                     logits_processor=transformers.LogitsProcessorList([clock]))
     st.emit("hf_static", batch=batch, new_tokens=new, prompt_len=sh.prompt_len, prefill_s=clock.times[0] - t0,
             **decode_rates(clock.times, batch), transformers=transformers.__version__)
-    _hf_wrap_run(st, hf, ids.tolist(), min(new, WRAP_NEW))
+    prompts, wrap_new = ids.tolist(), min(new, WRAP_NEW)
+    _hf_wrap_run(st, hf, prompts, wrap_new)
+    _hf_paged_cache_run(st, hf, prompts, wrap_new)
 
 
 def _hf_wrap_run(st: Stage, hf: Any, prompts: list[list[int]], new: int) -> None:
@@ -986,7 +988,6 @@ def _hf_wrap_run(st: Stage, hf: Any, prompts: list[list[int]], new: int) -> None
             prompt_len=len(prompts[0]), compiled=False, prefill_s=res.prefill_s,
             **decode_rates(stamps, len(prompts)),
             kv_kept=res.report.total_bytes / res.report.full_cache_bytes)
-    _hf_paged_cache_run(st, hf, prompts, new)
 
 
 def _hf_paged_cache_run(st: Stage, hf: Any, prompts: list[list[int]], new: int) -> None:

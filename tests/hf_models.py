@@ -78,18 +78,25 @@ def left_pad(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
-def run(model: torch.nn.Module, batch: list[list[int]], policy: Any = None, new: int = NEW,
-        **cache_kw: Any) -> tuple[list[list[int]], Any]:
-    """Greedy ``model.generate`` on the left-padded batch, with a ``kvmodels.hf.paged_cache`` under
-    ``policy`` (none: the model's own dense cache); returns (new tokens per sequence, the cache)."""
-    from kvmodels.hf import paged_cache
-
+def hf_generate(model: torch.nn.Module, batch: list[list[int]], cache: Any = None, new: int = NEW,
+                **kw: Any) -> list[list[int]]:
+    """Greedy ``model.generate`` on the left-padded batch with ``cache`` (none: the model's own dense one);
+    each row's new tokens."""
     ids, mask = left_pad(batch)
-    cache = None if policy is None else paged_cache(model, policy, **cache_kw)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                             past_key_values=cache, pad_token_id=0, use_cache=True)
-    return out[:, ids.shape[1]:].tolist(), cache
+                             past_key_values=cache, pad_token_id=0, **kw)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def run(model: torch.nn.Module, batch: list[list[int]], policy: Any = None, new: int = NEW,
+        **cache_kw: Any) -> tuple[list[list[int]], Any]:
+    """:func:`hf_generate` with a ``kvmodels.hf.paged_cache`` under ``policy`` (none: the model's own dense
+    cache); returns (new tokens per sequence, the cache)."""
+    from kvmodels.hf import paged_cache
+
+    cache = None if policy is None else paged_cache(model, policy, **cache_kw)
+    return hf_generate(model, batch, cache, new, use_cache=True), cache
 
 
 def in_house(hf_model: torch.nn.Module) -> torch.nn.Module:

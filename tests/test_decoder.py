@@ -74,6 +74,27 @@ def test_generate_after_generate_feeds_the_last_token_first():
     assert dec.pending == [b[-1]] and dec.lengths == [5 + 6]
 
 
+def test_decode_steps_by_hand_are_generate_and_an_extension_ends_them():
+    """``start_decode`` / ``begin_step`` / ``end_step`` (what ``kvmodels.hf.PagedCache`` drives) give
+    ``generate``'s greedy tokens; an ``extend`` ends the generation (its positions are stale after it)."""
+    prompt = [3, 1, 4, 1, 5]
+    dec = Decoder(MODEL)
+    tokens = [int(dec.extend([prompt])[0].argmax())]
+    dec.start_decode(4)
+    assert dec.decoding and dec.step == 0
+    for _ in range(3):
+        positions = dec.begin_step()
+        assert positions.tolist() == dec.lengths
+        logits = MODEL.decode_step(torch.tensor(tokens[-1:], device=DEVICE), positions, dec.cache)
+        dec.end_step([0])
+        tokens.append(int(logits[0].argmax()))
+    assert tokens == greedy_oracle(MODEL, prompt, 4) and dec.step == 3 and dec.lengths == [5 + 3]
+    dec.extend([[2]])
+    assert not dec.decoding
+    with pytest.raises(RuntimeError, match="begin_step\\(\\) before start_decode"):
+        dec.begin_step()
+
+
 @given(prompts=st.lists(tokens_strategy(1, 30), min_size=1, max_size=3), n_new=st.integers(1, 4),
        chunk=st.sampled_from([1, 2, 3, 4, 5, 16]), page_size=st.sampled_from([1, 3, 4]))
 def test_full_policy_chunked_prefill_equals_unchunked(prompts, n_new, chunk, page_size):

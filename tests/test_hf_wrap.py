@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 from devices import DEVICE  # noqa: E402
-from hf_models import V, in_house, kept, left_pad, model_of, prompts  # noqa: E402
+from hf_models import V, hf_generate, in_house, kept, left_pad, model_of, prompts  # noqa: E402
 from kvmodels import Decoder, generate  # noqa: E402
 from kvmodels.hf import ATTENTION, UnsupportedModelError, compressed, paged_cache, wrap_transformers  # noqa: E402
 from kvpolicies import compose  # noqa: E402
@@ -113,7 +113,7 @@ def test_mpt_and_gptj_keep_what_kvmodels_own_models_keep(kind: str, spec: str) -
     for s in range(len(batch)):
         assert kept(decoders[1].cache, s) == kept(decoders[0].cache, s)
     cache = paged_cache(model, policy, seed=2, probe_prefix=probe)  # and inside model.generate
-    assert hf_generate(model, batch, cache) == outcomes[0]
+    assert hf_generate(model, batch, cache, NEW) == outcomes[0]
 
 
 # (spec, budget, probe prefix): every role and storage the paged cache holds
@@ -247,15 +247,6 @@ GENERATE_SPECS = [
 ]
 
 
-def hf_generate(model, batch: list[list[int]], cache, new: int = NEW, **kw) -> list[list[int]]:
-    """``model.generate`` on a left-padded batch with ``cache``; each row's new tokens."""
-    ids, mask = left_pad(batch)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                             past_key_values=cache, pad_token_id=0, **kw)
-    return out[:, ids.shape[1]:].tolist()
-
-
 @pytest.mark.parametrize("kind", ["smollm2", "qwen3", "phi3"])
 @pytest.mark.parametrize("spec,budget,probe", GENERATE_SPECS, ids=[s for s, _, _ in GENERATE_SPECS])
 def test_model_generate_with_a_paged_cache_is_kvmodels_generate(kind: str, spec: str, budget: float,
@@ -264,7 +255,7 @@ def test_model_generate_with_a_paged_cache_is_kvmodels_generate(kind: str, spec:
     batch = prompts([30, 1, 17], seed=5)
     policy = policy_of(spec, budget)
     cache = paged_cache(model, policy, max_new_tokens=NEW, seed=4, probe_prefix=list(probe))
-    got = hf_generate(model, batch, cache)
+    got = hf_generate(model, batch, cache, NEW)
     own = Decoder(wrap_transformers(model), policy, seed=4, probe_prefix=list(probe))
     own.extend(batch, max_new_tokens=NEW)
     assert got == own.generate(NEW).tokens
@@ -308,13 +299,13 @@ def test_paged_cache_refusals_and_a_failed_step() -> None:
     batch = prompts([9, 4], seed=2)
     policy = compose("h2o", budget=0.5)
     with pytest.raises(NotImplementedError, match="beam search"):
-        hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=4), num_beams=2)
+        hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=4), NEW, num_beams=2)
     with pytest.raises(ValueError, match="runs more steps than max_new_tokens=2"):
         hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=2), new=4)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
         paged_cache(model, policy, max_new_tokens=0)
     with pytest.raises(ValueError, match="max_tokens=9"):  # the decoder's own check, naming the fix
-        hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=4, max_tokens=9))
+        hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=4, max_tokens=9), NEW)
     cache = paged_cache(model, policy, max_new_tokens=4)
     with pytest.raises(RuntimeError, match="report\\(\\) before the cache held a prompt"):
         cache.report()
@@ -356,7 +347,7 @@ def test_a_row_that_stops_early_leaves_the_others_as_kvmodels() -> None:
     plain = own.generate(NEW).tokens
     eos = plain[1][2]  # row 1's third token: it stops there (and any row that makes it earlier)
     cache = paged_cache(model, policy, max_new_tokens=NEW)
-    got = hf_generate(model, batch, cache, eos_token_id=eos)
+    got = hf_generate(model, batch, cache, NEW, eos_token_id=eos)
     own = Decoder(wrap_transformers(model), policy)
     own.extend(batch, max_new_tokens=NEW)
     want = own.generate(NEW, eos_ids=eos).tokens
@@ -373,9 +364,9 @@ def test_generate_tells_the_cache_its_length(spec: str, budget: float) -> None:
     model = model_of("smollm2")
     batch = prompts([30, 1, 17], seed=5)
     policy = policy_of(spec, budget)
-    told = hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=NEW, seed=4))
+    told = hf_generate(model, batch, paged_cache(model, policy, max_new_tokens=NEW, seed=4), NEW)
     learned = paged_cache(model, policy, seed=4)
-    assert hf_generate(model, batch, learned) == told and learned.max_new_tokens == NEW
+    assert hf_generate(model, batch, learned, NEW) == told and learned.max_new_tokens == NEW
     by_length = paged_cache(model, policy, seed=4)
     ids, mask = left_pad(batch)
     with torch.no_grad():
@@ -394,7 +385,7 @@ def test_compressed_gives_each_generate_a_fresh_paged_cache() -> None:
     explicit ``paged_cache``; a call given a cache keeps it; ``generate`` is the model's again on exit."""
     model = model_of("smollm2")
     batch, policy = prompts([30, 12], seed=5), compose("snapkv(window=3)", budget=0.3)
-    want = hf_generate(model, batch, paged_cache(model, policy, seed=3))
+    want = hf_generate(model, batch, paged_cache(model, policy, seed=3), NEW)
     before = model.generate
     mine = paged_cache(model, compose("full"))
     with compressed(model, policy, seed=3) as caches:
@@ -404,7 +395,7 @@ def test_compressed_gives_each_generate_a_fresh_paged_cache() -> None:
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                      pad_token_id=0)
             assert out[:, ids.shape[1]:].tolist() == want
-        hf_generate(model, batch, mine)
+        hf_generate(model, batch, mine, NEW)
     assert len(caches) == 2 and caches[0] is not caches[1]
     assert all(kept(c.decoder.cache, 0) == kept(caches[0].decoder.cache, 0) for c in caches)
     assert caches[1].report().total_bytes < mine.report().total_bytes

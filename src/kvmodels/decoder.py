@@ -168,6 +168,7 @@ class Decoder:
         self._check_extension(new, chunk, max_new_tokens, first_call)
         if first_call:
             self._build_cache(len(new))
+        self._positions = None  # the contexts grow: a generation in progress ends (start_decode again)
         t0 = time.perf_counter()
         with torch.no_grad():
             if first_call:
@@ -373,6 +374,11 @@ class Decoder:
             self.closed[b], self._logits[b] = True, None
 
     # ------------------------------------------------------------------ decode steps
+    @property
+    def decoding(self) -> bool:
+        """Whether a generation is in progress: :meth:`start_decode` ran since the last :meth:`extend`."""
+        return self._positions is not None
+
     def start_decode(self, max_new_tokens: int) -> None:
         """Start a generation of up to ``max_new_tokens`` tokens: the policy's decode schedule restarts
         (Keyformer's temperature, the layer-budget cap) and :attr:`step` is 0."""
@@ -386,7 +392,7 @@ class Decoder:
         """Ready the cache for decode step :attr:`step` (the policy's eviction and scores before it);
         returns each sequence's position ``[B]`` on the device, for the model's ``decode_step``."""
         if self._positions is None:
-            raise RuntimeError("begin_step() before start_decode()")
+            raise RuntimeError("begin_step() before start_decode() (which every extend() ends)")
         self.cache.prepare_decode(self.step)
         return self._positions
 

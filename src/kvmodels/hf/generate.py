@@ -38,6 +38,13 @@ def generation_length(model: Any, args: tuple, kwargs: dict[str, Any]) -> int | 
     return None if n is None else int(n)
 
 
+def _given_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache a forward or ``generate`` call was given: ``cache=`` from transformers 5.24 on,
+    ``past_key_values=`` before (and still accepted there)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
 def _generate_hooks(hf: Any) -> None:
     """Install, once per model, the forward hooks through which a :class:`PagedCache` drives ``generate``'s
     forwards; inert for a forward without one."""
@@ -47,7 +54,7 @@ def _generate_hooks(hf: Any) -> None:
     running: list[PagedCache | None] = []  # per forward in progress (the decoder's own forwards nest)
 
     def pre(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # 5.24's name, and the earlier one
+        cache = _given_cache(kwargs)
         if not isinstance(cache, PagedCache) or cache.wrapped.hf is not module:  # not ours: update refuses
             running.append(None)  # a cache built for another model
             return None
@@ -69,7 +76,7 @@ def _generate_hooks(hf: Any) -> None:
     @functools.wraps(generate)
     def length_aware(*args: Any, **kwargs: Any) -> Any:
         """``generate`` that tells a PagedCache built without ``max_new_tokens`` the length it resolves."""
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = _given_cache(kwargs)
         if isinstance(cache, PagedCache):
             if kwargs.setdefault("use_cache", True) is False:  # MPT's config defaults to False
                 raise ValueError("use_cache=False with a PagedCache: generate would feed the whole sequence "
@@ -111,7 +118,6 @@ class PagedCache(Cache):
         # checks the policy and probe prefix now; its pool is sized by the first prompts (before_forward)
         self.decoder = Decoder(self.wrapped, policy, seed=seed, probe_prefix=probe_prefix)
         self._width = 0  # columns of generate's input_ids consumed (left padding included)
-        self._decoding_started = False  # the decoder's decode steps started since the last new tokens
         self._logits: Tensor | None = None  # [B, 1, V]: what a cut forward returns
         self._decoding: Any = None  # the attention routing of the decode step running
         self._failed = False  # a decode step raised part way through
@@ -174,9 +180,8 @@ class PagedCache(Cache):
                 raise ValueError("a decode step on a PagedCache built without max_new_tokens, which "
                                  "model.generate tells it; driving the model by hand, pass "
                                  "paged_cache(..., max_new_tokens=)")
-            if not self._decoding_started:
+            if not dec.decoding:
                 dec.start_decode(self.max_new_tokens)
-                self._decoding_started = True
             if dec.step >= self.max_new_tokens:
                 raise ValueError(f"generate runs more steps than max_new_tokens={self.max_new_tokens}, the "
                                  "generation this PagedCache plans and holds room for; build it with "
@@ -196,7 +201,7 @@ class PagedCache(Cache):
             dec.max_tokens = self.max_tokens or max(map(len, rows)) + planned
         logits = dec.extend(rows, max_new_tokens=planned)
         self._logits = torch.stack([x for x in logits if x is not None])[:, None]
-        self._decoding_started, self._width = False, self._width + L
+        self._width += L
         cut = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "cache_position")}
         return {**cut, "input_ids": ids[:, -1:], "attention_mask": None, "use_cache": False,
                 "position_ids": torch.zeros(B, 1, dtype=torch.int64, device=ids.device)}
@@ -256,7 +261,7 @@ def compressed(model: Any, policy: Any, *, max_tokens: int | None = None, seed: 
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+        if _given_cache(kwargs) is None:
             kwargs[name] = paged_cache(wrapped, policy, max_tokens=max_tokens, seed=seed,
                                        probe_prefix=probe_prefix)
             caches.append(kwargs[name])

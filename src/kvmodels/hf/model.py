@@ -74,13 +74,42 @@ class _Call:
     h_in: Tensor | None = None  # the current layer's input hidden state, for cache.observe
 
 
+def _active_call(module: Any) -> _Call | None:
+    """The wrapped model's call ``module`` is inside, or ``None`` outside one."""
+    call: _Call | None = getattr(module, "_kvmodels_call", None)
+    return call if call is not None and call.mode else None
+
+
+def _cached_attention(module: Any, call: _Call, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                      alibi_slopes: Tensor | None = None) -> Tensor:
+    """One layer's rotated ``q [B, L, Hq, D]`` and this forward's ``k``/``v [B, L, Hkv, D]`` stored, scored
+    and attended by the cache at the calls kvmodels' own models make -> ``[B, L, Hq, D]``: ``append`` +
+    ``attend`` per decode step, ``extend_attend`` for an extension, ``prefill_attend`` for a prompt (with
+    ALiBi ``prefill_layer`` and the model's own causal attention, as :class:`kvmodels.mpt.MPT`)."""
+    l: int = module._kvmodels_layer
+    call.layers_seen += 1
+    if call.mode == "decode":
+        call.cache.append(l, k[:, 0], v[:, 0], call.positions, q=q[:, 0])
+        return call.cache.attend(l, q[:, 0], call.positions, scale=scale, alibi_slopes=alibi_slopes)[:, None]
+    q, k, v = q[0], k[0], v[0]  # [L, H, D]: one sequence
+    if call.mode == "extend":
+        out = call.cache.extend_attend(l, call.b, q, k, v, call.positions, scale=scale,
+                                       alibi_slopes=alibi_slopes)
+    elif alibi_slopes is None:
+        out = call.cache.prefill_attend(l, call.b, q, k, v, call.positions, scale=scale)
+    else:
+        call.cache.prefill_layer(l, call.b, q, k, v, call.positions, scale=scale, alibi_slopes=alibi_slopes)
+        out = alibi_causal_attention(q, k, v, alibi_slopes, scale=scale)
+    return out[None]
+
+
 def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
     """The attention function registered as :data:`ATTENTION`: ``query [B, Hq, L, D]`` and this forward's
     ``key``/``value [B, Hkv, L, D]`` (rotated) -> ``[B, L, Hq, D]``, stored, scored and attended by the cache.
     ``attention_mask`` is unused: the cache knows every sequence's kept tokens."""
-    call: _Call | None = getattr(module, "_kvmodels_call", None)
-    if call is None or not call.mode:
+    call = _active_call(module)
+    if call is None:
         raise RuntimeError(f"attention implementation {ATTENTION!r} runs only inside a wrap_transformers "
                            "model's prefill or decode_step; use attn_implementation='sdpa' for other calls")
     for name in ("sliding_window", "softcap", "s_aux"):
@@ -88,26 +117,19 @@ def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
             raise UnsupportedModelError(
                 f"{type(module).__name__} passes {name}={kwargs[name]!r} to its attention; the paged cache "
                 "attends over every kept token with a plain softmax")
-    l: int = module._kvmodels_layer  # type: ignore[assignment]
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-    call.layers_seen += 1
-    if call.mode == "decode":
-        q = query[:, :, 0]  # [B, Hq, D]
-        call.cache.append(l, key[:, :, 0], value[:, :, 0], call.positions, q=q)
-        return call.cache.attend(l, q, call.positions, scale=scale)[:, None], None
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, H, D]
-    attend = call.cache.prefill_attend if call.mode == "prefill" else call.cache.extend_attend
-    return attend(l, call.b, q, k, v, call.positions, scale=scale)[None], None
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, L, H, D]
+    return _cached_attention(module, call, q, k, v, scale), None
 
 
 def mpt_attention(module: Any, original: Callable[..., Any], hidden_states: Tensor, *args: Any,
                   **kwargs: Any) -> tuple[Tensor, None]:
     """``MptAttention.forward`` on the paged cache (MPT's attention computes ALiBi itself instead of calling
     the attention interface): its ``Wqkv`` projection, clipped as MPT clips it, and the cache's ALiBi
-    attention from each kept token's original position, at the calls :class:`kvmodels.mpt.MPT` makes.
-    Outside a wrapped model's call, the model's own forward (``original``)."""
-    call: _Call | None = getattr(module, "_kvmodels_call", None)
-    if call is None or not call.mode:
+    attention from each kept token's original position (:func:`_cached_attention`). Outside a wrapped
+    model's call, the model's own forward (``original``)."""
+    call = _active_call(module)
+    if call is None:
         return original(hidden_states, *args, **kwargs)
     B, L, _ = hidden_states.shape
     H, D = module.n_heads, module.head_dim
@@ -115,22 +137,10 @@ def mpt_attention(module: Any, original: Callable[..., Any], hidden_states: Tens
     if module.clip_qkv:
         qkv = qkv.clamp(min=-module.clip_qkv, max=module.clip_qkv)
     q, k, v = (x.reshape(B, L, H, D).contiguous() for x in qkv.chunk(3, dim=2))
-    l: int = module._kvmodels_layer  # type: ignore[assignment]
     slopes = module.__dict__.get("_kvmodels_slopes")
     if slopes is None or slopes.device != q.device:  # built once per device (transformers' MPT: bias max 8)
         slopes = module._kvmodels_slopes = alibi_slopes(H).to(q.device)
-    scale = float(module.softmax_scale)
-    call.layers_seen += 1
-    if call.mode == "decode":
-        call.cache.append(l, k[:, 0], v[:, 0], call.positions, q=q[:, 0])
-        out = call.cache.attend(l, q[:, 0], call.positions, scale=scale, alibi_slopes=slopes)  # [B, H, D]
-    elif call.mode == "extend":
-        out = call.cache.extend_attend(l, call.b, q[0], k[0], v[0], call.positions, scale=scale,
-                                       alibi_slopes=slopes)
-    else:
-        call.cache.prefill_layer(l, call.b, q[0], k[0], v[0], call.positions, scale=scale,
-                                 alibi_slopes=slopes)
-        out = alibi_causal_attention(q[0], k[0], v[0], slopes, scale=scale)
+    out = _cached_attention(module, call, q, k, v, float(module.softmax_scale), slopes)
     return module.out_proj(out.reshape(B, L, H * D)), None
 
 
@@ -140,8 +150,7 @@ def gptj_attention(module: Any, original: Callable[..., Any], query: Tensor, key
     """``GPTJAttention._attn`` before transformers 5.24 (whose GPT-J does not call the attention interface):
     the rotated ``query``/``key`` and ``value [B, H, L, D]`` it is handed go to :func:`paged_attention`, at
     its softmax scale; outside a wrapped model's call, the model's own ``_attn`` (``original``)."""
-    call: _Call | None = getattr(module, "_kvmodels_call", None)
-    if call is None or not call.mode:
+    if _active_call(module) is None:
         return original(query, key, value, attention_mask, *args, **kwargs)
     out, _ = paged_attention(module, query, key, value, None, scaling=1.0 / float(module.scale_attn))
     return out.transpose(1, 2), None  # [B, H, L, D], as _attn returns it
