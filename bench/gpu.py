@@ -11,6 +11,10 @@ Needs only the project's tree and the machine's own packages (torch, triton, tra
 box, so a crash, a CUDA error or a hang in one loses nothing measured before it:
 
 ``env``         device, versions, device-to-device copy bandwidth
+``quant_probe`` the quantized decode kernel's GPU-only failure (run 1 of 2026-11-28: the loop without
+                prefetching, 2-bit keys at head dim 16, pages of one slot) rerun with one thing changed at a
+                time (prefetching, pipeline stages, page size, head dim, bits, GQA, query dtype, length,
+                the gathered rows of head dims 48 and 96): which part of the example the error needs
 ``correctness`` the GPU-only tests, then the kernel, cache, compile and transformers tests on CUDA (bf16 in),
                 one JSON line per test as it finishes (per-test timeout where pytest-timeout is installed)
 ``kernels``     paged decode attention at B8/4k, B64/4k and B1/32k (Hq 32, Hkv 8, D 128, bf16) against SDPA on
@@ -63,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-STAGES = ("env", "correctness", "kernels", "quant", "generation", "hf_static", "capacity")
+STAGES = ("env", "quant_probe", "correctness", "kernels", "quant", "generation", "hf_static", "capacity")
 # Each stage's default time box in seconds. --budget splits its seconds among the stages run in these
 # proportions; without it each stage gets its own box (with --only too). On the H200 (2026-11-26) generation
 # needed about 300 s for everything (each new batch compiles full's and h2o's decode step, ~40 s each) and
@@ -78,8 +82,11 @@ STAGES = ("env", "correctness", "kernels", "quant", "generation", "hf_static", "
 # Run 1 of 2026-11-28 (generation's box 20 s shorter for hf_static's two runs on the paged cache) cut batch 64
 # and batch 1's compressed runs: generation has its 240 s back; those two runs now make 64 tokens (~2 s each
 # eager on the H200, against ~8 s at 256), their 5 s from capacity (33 s of its box used in that run).
-SHARES = {"env": 10, "correctness": 135, "kernels": 35, "quant": 40, "generation": 240, "hf_static": 55,
-          "capacity": 45}
+# Run 1 of 2026-11-28 recorded the tracebacks of the quantized kernel's GPU-only failures (the loop without
+# prefetching): quant_probe's 25 s (each variant of the failing example once, to tell which part of it
+# matters) come from correctness (cut at its box every run: its tail is the least telling) and capacity.
+SHARES = {"env": 10, "quant_probe": 25, "correctness": 115, "kernels": 35, "quant": 40, "generation": 240,
+          "hf_static": 55, "capacity": 40}
 WRAP_NEW = 64  # new tokens of hf_static's runs on the paged cache (eager: ~30 steps/s at batch 16)
 DEFAULT_BUDGET = sum(SHARES.values())  # 560 s: about 8 minutes in practice (stages end before their boxes)
 RUNS_ENV = "KVPOLICIES_GPU_RUNS"  # --runs, handed to the generation stage's process
@@ -580,6 +587,95 @@ def stage_kernels(st: Stage) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Stage: quant (issue 36: decode attention over packed 4- and 8-bit pages against the same pages in bf16)
 # ----------------------------------------------------------------------------------------------------
+
+# The example the H200 found (tests/test_quant_attention.py's _GPU_FOUND): one KV head, one query head, head
+# dim 16, 2-bit keys and values in groups of 8 (float16 parameters), float16 queries, pages of one slot, one
+# sequence of 2 slots, three splits; the loop without prefetching was 0.22 off the reference there.
+PROBE_BASE: dict[str, Any] = dict(page=1, n_kv=1, gqa=1, d=16, k=(2, 8), v=(2, 8), lens=(2,), q="float16",
+                                  seed=0, prefetch=0, stages=None, splits=3)
+# (label, what changes): the most telling first, each one change from the base (the last two: the gathered
+# rows that head dims other than powers of two take, with the library's default prefetching, 8).
+PROBE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("base", {}),
+    ("prefetched", {"prefetch": 8}),
+    ("num_stages=1", {"stages": 1}),
+    ("num_stages=2", {"stages": 2}),
+    ("pages of 16", {"page": 16}),
+    ("head dim 64", {"d": 64}),
+    ("4-bit", {"k": (4, 8), "v": (4, 8)}),
+    ("8-bit", {"k": (8, 8), "v": (8, 8)}),
+    ("GQA 4", {"gqa": 4}),
+    ("float32 queries", {"q": "float32"}),
+    ("40 slots", {"lens": (40,)}),
+    ("one split", {"splits": 1}),
+    ("head dim 48, gathered", {"d": 48, "prefetch": 8}),
+    ("head dim 96, 4-bit g32, gathered", {"d": 96, "k": (4, 32), "v": (4, 32), "page": 16, "gqa": 4,
+                                          "lens": (300, 17), "prefetch": 8}),
+)
+
+
+def _probe_one(st: Stage, case: dict[str, Any]) -> dict[str, Any]:
+    """One launch of the quantized decode kernel (``quant_decode_attention_triton``) on ``case`` against the
+    reference on the dequantized pool rounded to the query dtype (as ``tests/test_quant_attention.py``)."""
+    import torch
+
+    from kvkernels import quant_attention
+    from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
+    from kvkernels.quant_attention import quant_decode_attention_ref, quant_decode_attention_triton
+    from kvkernels.tuning import LaunchConfig, launch_config, override
+
+    S, D, lens = case["page"], case["d"], list(case["lens"])
+    q_dtype = getattr(torch, case["q"])
+    k_fmt, v_fmt = (QuantFormat(b, g, torch.float16) for b, g in (case["k"], case["v"]))
+    g = torch.Generator().manual_seed(case["seed"])
+    per_seq = [math.ceil(n / S) for n in lens]
+    P = sum(per_seq) + 2
+    perm = torch.randperm(P, generator=g).to(torch.int32)
+    table = torch.full((len(lens), max(per_seq + [1]) + 1), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(per_seq):
+        table[b, :n] = perm[i:i + n]
+        i += n
+    kq = quantize_rows(torch.randn(P, S, case["n_kv"], D, generator=g) * 2, k_fmt)
+    vq = quantize_rows(torch.randn(P, S, case["n_kv"], D, generator=g), v_fmt)
+    q = torch.randn(len(lens), case["n_kv"] * case["gqa"], D, generator=g).to(q_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    seen = [dequantize_rows(x, D, f).to(q_dtype).float() for x, f in ((kq, k_fmt), (vq, v_fmt))]
+    want = quant_decode_attention_ref(q.float(), *seen, table, seq_lens, scale=D ** -0.5, k_format=None,
+                                      v_format=None)
+    cfg = launch_config("quant_decode", st.device)
+    if case["stages"] is not None:
+        cfg = LaunchConfig(block=cfg.block, num_warps=cfg.num_warps, num_stages=case["stages"])
+    dev = [x.to(st.device) for x in (q, kq, vq, table, seq_lens)]
+    with override(quant_decode=cfg), quant_attention.prefetch_tiles(case["prefetch"]):
+        took = quant_attention._prefetch(dev[1], dev[2], k_fmt, v_fmt, D)
+        got = quant_decode_attention_triton(*dev, scale=D ** -0.5, k_format=k_fmt, v_format=v_fmt,
+                                            num_splits=case["splits"]).float().cpu()
+    err = (got - want).abs()
+    tol = 2e-3 if q_dtype == torch.float16 else 2e-5
+    bad = err > tol + tol * want.abs()
+    return dict(loop="prefetched" if took else "without prefetching", config=cfg.__dict__,
+                max_abs_err=float(err.max()) if err.numel() else 0.0, tol=tol, ok=not bool(bad.any()),
+                bad_elements=int(bad.sum()), elements=err.numel())
+
+
+def stage_quant_probe(st: Stage) -> None:
+    """Each of :data:`PROBE_VARIANTS` once (a compile each), recorded as it finishes; a variant that raises is
+    recorded with its error, and the stage ends with its box."""
+    for i, (label, change) in enumerate(PROBE_VARIANTS):
+        if st.left() < 3:
+            st.skipped("quant_probe", f"time box: {i} of {len(PROBE_VARIANTS)} variants run")
+            return
+        case = {**PROBE_BASE, **change}
+        t0 = time.time()
+        try:
+            st.emit("quant_probe", variant=label, case=case, **_probe_one(st, case),
+                    seconds=round(time.time() - t0, 2))
+        except Exception:  # noqa: BLE001 -- recorded, and the next variant runs
+            tb = traceback.format_exc()
+            st.emit("quant_probe", variant=label, case=case, error=tb[-3000:],
+                    error_line=tb.strip().splitlines()[-1][:200], seconds=round(time.time() - t0, 2))
+
 
 QUANT_TARGET_SHAPE = "B64-L4096"  # issue 36: 4-bit pages decode faster than bf16 pages at batch 64 / 4k
 
@@ -1088,7 +1184,7 @@ def stage_capacity(st: Stage) -> None:
 
 
 STAGE_FNS: dict[str, Callable[[Stage], None]] = {
-    "env": stage_env, "correctness": stage_correctness, "kernels": stage_kernels, "quant": stage_quant,
+    "env": stage_env, "quant_probe": stage_quant_probe, "correctness": stage_correctness, "kernels": stage_kernels, "quant": stage_quant,
     "generation": stage_generation, "hf_static": stage_hf_static, "capacity": stage_capacity,
 }
 
@@ -1326,6 +1422,23 @@ def targets(records: list[dict[str, Any]]) -> list[Row]:
             + _hf_rows(kinds, gen) + _capacity_rows(kinds) + _prefill_rows(kinds))
 
 
+def prefetch_tiles_line(best_quant: dict[str, Any], kinds: dict[str, list[dict[str, Any]]]) -> str:
+    """The ``PREFETCH_TILES`` to commit: 0 where the 4-bit sweep's best ran without prefetching; else 4 where
+    8-bit pages were slower prefetched than without at the sweep's shape, else 8 (every width)."""
+    if not best_quant["prefetch"]:
+        return "PREFETCH_TILES = 0  # the 4-bit sweep's best config ran without prefetching"
+    shape = best_quant["shape"]
+    int8 = {r["impl"]: r["us"] for r in kinds.get("quant_decode", [])
+            if r.get("shape") == shape and r.get("bits") == 8 and "us" in r}
+    on = int8.get("int8 prefetch=on", int8.get("int8") if "int8 prefetch=off" in int8 else None)
+    off = int8.get("int8 prefetch=off", int8.get("int8") if "int8 prefetch=on" in int8 else None)
+    if on is None or off is None:
+        return "PREFETCH_TILES = 8  # 4-bit pages prefetched at the sweep's best; 8-bit not timed both ways"
+    if on > off:
+        return f"PREFETCH_TILES = 4  # 8-bit pages slower prefetched at {shape}: {on:.0f} vs {off:.0f} us"
+    return f"PREFETCH_TILES = 8  # every width prefetched; 8-bit at {shape}: {on:.0f} vs {off:.0f} us without"
+
+
 def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) -> str:
     records = load(out)
     kinds = _by_kind(records)
@@ -1359,6 +1472,11 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
         lines += _table([{**r, **{f"cfg.{k}": v for k, v in r["config"].items()}} for r in best.values()],
                         ["shape", "cfg.block", "cfg.num_warps", "cfg.num_stages", "num_splits", "us",
                          "pct_of_copy"])
+    probe = kinds.get("quant_probe", [])
+    if probe:
+        lines += ["", "## Quantized kernel's GPU-only failure, one change at a time (quant_probe)", ""]
+        lines += _table(probe, ["variant", "loop", "ok", "max_abs_err", "tol", "bad_elements", "elements",
+                                "config", "error_line"])
     lines += ["", "## Quantized pages (issue 36)", ""]
     lines += _table(kinds.get("quant_decode", []), ["shape", "impl", "us", "over_native", "gb_s",
                                                     "pct_of_copy", "row_bytes", "max_abs_diff_vs_native",
@@ -1400,8 +1518,7 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
                          f'num_warps={c["num_warps"]}, num_stages={c["num_stages"]})  # 4-bit, '
                          f'{best_quant["shape"]}')
             if best_quant.get("prefetch") is not None:
-                lines.append("# kvkernels/quant_attention.py: PREFETCH_TILES = "
-                             f"{4 if best_quant['prefetch'] else 0}  # 4-bit pages prefetched by hand or not")
+                lines.append(f"# kvkernels/quant_attention.py: {prefetch_tiles_line(best_quant, kinds)}")
         lines.append("```")
     lines += ["", "## Compaction and eviction", ""]
     lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",

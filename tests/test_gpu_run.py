@@ -58,13 +58,19 @@ def test_smoke_run_every_stage_ok(tmp_path):
     kinds = {r["kind"] for r in records}
     assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
             "prefill_sweep", "quant_decode", "quant_sweep", "prefill_policy", "gen", "hf_static", "hf_wrap",
-            "capacity"} <= kinds
+            "capacity", "quant_probe"} <= kinds
+    probe = [r for r in records if r["kind"] == "quant_probe"]
+    assert [r["variant"] for r in probe] == [label for label, _ in gpu.PROBE_VARIANTS]
+    assert all(r["ok"] for r in probe), probe  # the interpreter passes every variant (the GPU did not)
+    loops = {r["variant"]: r["loop"] for r in probe}
+    assert loops["base"] == "without prefetching" and loops["prefetched"] == "prefetched"
+    assert loops["head dim 48, gathered"] == "without prefetching"  # no prefetching for gathered rows
     for kind in ("hf_wrap", "hf_paged_cache"):  # the transformers model, compressed, both ways
         rec = next(r for r in records if r["kind"] == kind)
         assert rec["decode_tok_s"] > 0 and 0 < rec["kv_kept"] < 1, rec
     quant = {r["impl"]: r for r in records if r["kind"] == "quant_decode"}
-    # each width the other way round from its default (4 bits prefetched by default, 8 bits not)
-    flipped = ["int4 prefetch=off", "int8 prefetch=on"]
+    # each width the other way round from its default (every width prefetched by default)
+    flipped = ["int4 prefetch=off", "int8 prefetch=off"]
     fused = ["int4+h2o-score", "int4+rotate"]  # the score update fused; rotated rows' two rotations around it
     assert set(quant) == {"native", "native-1split", "int4", *fused, "int8", *flipped}
     assert all(quant[f]["bit_equal_to_default"] for f in flipped)  # the same results (the interpreter)
@@ -142,6 +148,25 @@ def test_summary_names_the_tuned_lines_to_commit(tmp_path):
     assert 'TUNED[("prefill_scores", 90)] = LaunchConfig(block=128, num_warps=8, num_stages=2)' in summary
     assert ('TUNED[("quant_decode", 90)] = LaunchConfig(block=64, num_warps=8, num_stages=2)  # 4-bit, '
             'B64-L4096' in summary)
+
+
+@pytest.mark.parametrize("best_prefetched,int8,want", [
+    (False, {"int8": 400.0, "int8 prefetch=off": 450.0}, "PREFETCH_TILES = 0"),
+    (True, {"int8": 446.0, "int8 prefetch=on": 415.0}, "PREFETCH_TILES = 8"),  # 2026-11-28 run 1 (default 4)
+    (True, {"int8": 415.0, "int8 prefetch=off": 446.0}, "PREFETCH_TILES = 8"),  # the default 8, no faster off
+    (True, {"int8": 554.0, "int8 prefetch=off": 415.0}, "PREFETCH_TILES = 4"),  # 8-bit slower prefetched
+    (True, {"int8": 554.0, "int8 prefetch=on": 600.0}, "PREFETCH_TILES = 4"),
+    (True, {"int8": 554.0}, "PREFETCH_TILES = 8"),  # not timed both ways: 4-bit's answer
+])
+def test_summary_names_the_prefetch_width_to_commit(best_prefetched, int8, want):
+    """PREFETCH_TILES from the 4-bit sweep's best and the 8-bit pages timed both ways at its shape (the
+    records name the flipped run by what it is, the default by its width alone)."""
+    gpu = _gpu_module()
+    best = {"shape": "B64-L4096", "prefetch": best_prefetched, "us": 360.0}
+    kinds = {"quant_decode": [{"shape": "B64-L4096", "bits": 8, "impl": impl, "us": us}
+                              for impl, us in int8.items()]
+             + [{"shape": "B8-L4096", "bits": 8, "impl": "int8 prefetch=on", "us": 1.0}]}  # another shape
+    assert gpu.prefetch_tiles_line(best, kinds).startswith(want)
 
 
 @given(st.integers(0, 80), st.integers(1, 8), st.integers(0, 56))

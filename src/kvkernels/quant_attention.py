@@ -29,11 +29,12 @@ per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages 
 The second (run 8) took 1.73x bf16 pages' time at B64/4k while reading 3.2x fewer bytes, and twice its
 time at half the tile: each loop step waited on its own loads. A variant runs its loads a tile ahead of the
 arithmetic by hand (``_attend_region``'s ``PREFETCH``; static counts in ``bench/sass.py``): run 10 timed it
-at 364 us (1.48x bf16 pages' 246 us) for 4-bit pages and slower for 8-bit ones, so it is on up to 4 bits
-(:data:`PREFETCH_TILES`; ``bench/gpu.py``'s quant stage times both ways). The same arithmetic in the same
-order: bit for bit the same results in the interpreter; on sm_90 the 4-bit outputs differ in the last bits
-(run 10; not yet traced, presumably the compiler's own choices for the two loops), the 8-bit ones are
-bit-identical.
+at 364 us (1.48x bf16 pages' 246 us) for 4-bit pages; the 2026-11-28 run found 8-bit pages faster
+prefetched too (415 against 446 us), and the loop without it failing GPU-only examples that the prefetched
+variants pass, so it is on for every width (:data:`PREFETCH_TILES`; ``bench/gpu.py``'s quant stage times
+both ways). The same arithmetic in the same order: bit for bit the same results in the interpreter; on
+sm_90 the 4-bit outputs differ in the last bits (run 10; not yet traced, presumably the compiler's own
+choices for the two loops), the 8-bit ones are bit-identical.
 """
 
 from __future__ import annotations
@@ -582,12 +583,16 @@ def _scored_two_torch(q: Tensor, first: Region, second: Region, scale: float, sc
 
 
 #: The largest bit width whose packed regions the launcher prefetches by hand (``PREFETCH``, see
-#: ``_attend_region``; :func:`_prefetch` says where it can): 4, from run 10 on an H200 (B64/4k, 4-bit keys
-#: and values): 364 us prefetched against 416 us at 32/4/3 and 384 against 386 us at 64/4/2, while 8-bit
-#: pages took 554 us prefetched against 415 us (64/4/2). 0 turns it off, 8 on for every width. Each value is
-#: its own compiled variant: set it before a call (a captured CUDA graph keeps its kernel), or with
-#: :func:`prefetch_tiles`.
-PREFETCH_TILES = 4
+#: ``_attend_region``; :func:`_prefetch` says where it can): 8, every width. On an H200 (B64/4k and B8/4k,
+#: ``bench/results/nvidia-h200-2026-11-28/run1``) prefetching decoded 4-bit pages in 367 us against 418 us
+#: without and 8-bit pages in 415 us against 446 us (B8: 63.6 / 73.2 us, 75.6 / 80.8 us), bit for bit the
+#: same 8-bit outputs; and on that GPU the loop without it failed the tests' reference (two Hypothesis
+#: examples: 2-bit keys at head dim 16, pinned in tests/test_quant_attention.py) where every prefetched
+#: variant passed, so only gathered rows (other head dims) and float rows still take it. (Run 10 had 8-bit pages slower prefetched, 554 us
+#: against 415 us at 64/4/2, before the tuned 32/4/3.) 0 turns it off, 4 limits it to 2- and 4-bit pages.
+#: Each value is its own compiled variant: set it before a call (a captured CUDA graph keeps its kernel),
+#: or with :func:`prefetch_tiles`.
+PREFETCH_TILES = 8
 
 
 @contextlib.contextmanager

@@ -71,8 +71,9 @@ TUNED: dict[tuple[str, int], LaunchConfig] = {
     # Decode over 4-bit pages, B64-L4096 (bench/results/nvidia-h200-2026-11-27/run10): 364 us with the loads
     # prefetched by hand (quant_attention.PREFETCH_TILES), against 416 us without at this config and 386 us at
     # run 8's best (64/4/2, 392 us in run 8; block 16 took twice block 32's time there: a per-tile cost
-    # bounds this kernel). Not yet timed at this config: B8-L4096 (58 us at 64/4/2) and 8-bit pages without
-    # prefetch (443 us at 32/4/3 in run 8, 415 us at 64/4/2 in run 10).
+    # bounds this kernel). Run 1 of 2026-11-28 again at this config, the best of the 24 swept (12 configs,
+    # prefetched or not): 4-bit 367 us prefetched (418 without), 8-bit 415 us prefetched (446 without);
+    # B8-L4096: 63.6 / 75.6 us.
     ("quant_decode", 90): LaunchConfig(block=32, num_warps=4, num_stages=3),
 }
 
