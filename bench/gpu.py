@@ -1184,7 +1184,8 @@ def stage_capacity(st: Stage) -> None:
 
 
 STAGE_FNS: dict[str, Callable[[Stage], None]] = {
-    "env": stage_env, "quant_probe": stage_quant_probe, "correctness": stage_correctness, "kernels": stage_kernels, "quant": stage_quant,
+    "env": stage_env, "quant_probe": stage_quant_probe, "correctness": stage_correctness,
+    "kernels": stage_kernels, "quant": stage_quant,
     "generation": stage_generation, "hf_static": stage_hf_static, "capacity": stage_capacity,
 }
 

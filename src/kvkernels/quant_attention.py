@@ -588,8 +588,9 @@ def _scored_two_torch(q: Tensor, first: Region, second: Region, scale: float, sc
 #: without and 8-bit pages in 415 us against 446 us (B8: 63.6 / 73.2 us, 75.6 / 80.8 us), bit for bit the
 #: same 8-bit outputs; and on that GPU the loop without it failed the tests' reference (two Hypothesis
 #: examples: 2-bit keys at head dim 16, pinned in tests/test_quant_attention.py) where every prefetched
-#: variant passed, so only gathered rows (other head dims) and float rows still take it. (Run 10 had 8-bit pages slower prefetched, 554 us
-#: against 415 us at 64/4/2, before the tuned 32/4/3.) 0 turns it off, 4 limits it to 2- and 4-bit pages.
+#: variant passed, so only gathered rows (other head dims) and float rows still take it. (Run 10 had 8-bit
+#: pages slower prefetched, 554 us against 415 us at 64/4/2, before the tuned 32/4/3.) 0 turns it off, 4
+#: limits it to 2- and 4-bit pages.
 #: Each value is its own compiled variant: set it before a call (a captured CUDA graph keeps its kernel),
 #: or with :func:`prefetch_tiles`.
 PREFETCH_TILES = 8
