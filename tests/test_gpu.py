@@ -321,3 +321,30 @@ def test_quantized_compiled_decode_step_is_captured_as_a_cuda_graph():
     eager = forced_logits(model, prompts, forced, policy)
     compiled = forced_logits(model, prompts, forced, policy, compile_decode_step(model))
     assert_within(compiled, truth, eager, torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads,dtype", [((32, 8), torch.bfloat16), ((8, 8), torch.float16)])
+def test_prefill_attention_returns_the_flash_kernels_lse(heads, dtype):
+    """On CUDA, ``prefill_attention(need_lse=True)`` runs torch's flash kernel, whose row log-sum-exp spares
+    the scorer its normaliser pass: the output is SDPA's within the dtype's rounding, the lse the float64
+    rows' within 1e-3, and H2O's prompt scores from it equal the scorer's own two passes' within 2e-3
+    (GQA 4 at the bench's head dim, and plain heads)."""
+    from kvkernels.score_update import prefill_attention, prefill_scores
+
+    Hq, Hkv = heads
+    L, D, scale = 300, 128, 128 ** -0.5
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(L, h, D, generator=gen).to(DEVICE, dtype) for h in (Hq, Hkv, Hkv))
+    out, lse = prefill_attention(q, k, v, scale=scale, need_lse=True)
+    assert lse is not None and lse.shape == (Hq, L) and lse.dtype == torch.float32
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=Hq != Hkv)
+    tol = 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), want[0].transpose(0, 1).float(), rtol=tol, atol=tol)
+    i, j = torch.arange(L, device=DEVICE)[:, None], torch.arange(L, device=DEVICE)[None, :]
+    logits = torch.einsum("ihd,jhd->hij", q.double(), k.double().repeat_interleave(Hq // Hkv, dim=1)) * scale
+    truth = torch.logsumexp(logits.masked_fill(j > i, float("-inf")), dim=-1).float()
+    torch.testing.assert_close(lse, truth, rtol=1e-3, atol=1e-3)
+    own = prefill_scores(q, k, scale=scale, mode="accumulate")
+    torch.testing.assert_close(prefill_scores(q, k, scale=scale, mode="accumulate", lse=lse), own, rtol=2e-3,
+                               atol=1e-3)

@@ -59,6 +59,11 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
             "prefill_sweep", "quant_decode", "quant_sweep", "prefill_policy", "gen", "hf_static", "hf_wrap",
             "capacity", "quant_probe"} <= kinds
+    prefill = {(r["impl"], r["mode"]) for r in records if r["kind"] == "prefill"}
+    assert {("attention", "none"), ("attention (need_lse)", "none"), ("attention+scorer", "accumulate"),
+            ("attention+scorer, no lse", "accumulate"), ("attention+scorer, heads inner", "accumulate"),
+            ("fused", "accumulate"), ("attention+scorer", "gumbel"),
+            ("attention+scorer, heads inner", "gumbel")} == prefill
     probe = [r for r in records if r["kind"] == "quant_probe"]
     assert [r["variant"] for r in probe] == [label for label, _ in gpu.PROBE_VARIANTS]
     assert all(r["ok"] for r in probe), probe  # the interpreter passes every variant (the GPU did not)

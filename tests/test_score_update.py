@@ -16,6 +16,7 @@ from kvkernels._noise import gumbel_noise_hash, gumbel_noise_hash_triton, hash_u
 from kvkernels._triton import HAS_TRITON, triton
 from kvkernels.score_update import (
     COLUMN_SUM_MODES,
+    LSE_MODES,
     _prefill_scores_op,
     prefill_attention,
     prefill_attention_scores,
@@ -269,9 +270,27 @@ def test_triton_multi_block_gqa(mode):
                         rtol=1e-4)
 
 
+@pytest.mark.interpret
+@OLD_INTERPRETER_NEW_NUMPY
+@pytest.mark.parametrize("mode", [m for m in SCORE_MODES if m != "none"])
+def test_column_pass_loop_orders_agree(mode):
+    """The column pass with the group's heads outside the query-block loop (the default) and inside it (the
+    earlier order, kept for the GPU bench; count_low always takes it) give the same scores up to float32
+    summation order: several key and query blocks, GQA 3, ALiBi, a window."""
+    L, Hkv, G, D = 45, 2, 3, 24
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(L, Hkv * G, D, generator=gen).to(DEVICE)
+    k = torch.randn(L, Hkv, D, generator=gen).to(DEVICE)
+    kwargs = dict(scale=D**-0.5, mode=mode, window=30, decay=0.85, seed=4, temperature=1.2,
+                  alibi_slopes=torch.rand(Hkv * G, generator=gen).to(DEVICE))
+    outer = prefill_scores_triton(q, k, **kwargs)
+    inner = prefill_scores_triton(q, k, heads_outer=False, **kwargs)
+    assert_scores_close(outer, inner, mode, rtol=1e-5)
+    assert_scores_close(outer, prefill_scores_ref(q, k, **kwargs), mode, rtol=1e-4)
+
+
 # --- a known row log-sum-exp (the model's attention returns it) ----------------------------------------
 
-LSE_MODES = ("accumulate", "decay", "replace")
 
 
 def true_lse(q, k, scale, alibi_slopes=None):
@@ -349,6 +368,17 @@ def test_prefill_attention_is_sdpa_with_its_lse(L, heads, dtype):
         torch.testing.assert_close(lse, true_lse(q, k, 0.3), rtol=1e-4, atol=1e-4)
     else:
         assert lse is None
+    # need_lse: on CUDA torch's flash kernel where it takes the inputs (float16 / bfloat16), which returns
+    # the lse; on CPU the same call as without.
+    out2, lse2 = prefill_attention(q, k, v, scale=0.3, need_lse=True)
+    if DEVICE.type == "cpu":
+        assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    elif dtype == torch.float32:
+        assert torch.equal(out2, out) and lse2 is None  # the flash kernel takes half precision only
+    else:
+        tol = 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(out2.float(), want[0].transpose(0, 1).float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(lse2, true_lse(q, k, 0.3), rtol=1e-3, atol=1e-3)
 
 
 @given(problems(), st.sampled_from(COLUMN_SUM_MODES), st.integers(1, 40),

@@ -92,8 +92,14 @@ if HAS_TRITON:
                               G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ALIBI: tl.constexpr,
                               GUMBEL: tl.constexpr, DECAY: tl.constexpr, COUNT_LOW: tl.constexpr,
-                              INPUT_PRECISION: tl.constexpr):
-        """Pass 2, one program per (key block, KV head): that block's scores, summed over query rows."""
+                              HEADS_OUTER: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """Pass 2, one program per (key block, KV head): that block's scores, summed over query rows.
+
+        ``HEADS_OUTER`` (every mode but ``count_low``, whose test needs each row's mean over the group before
+        it counts): one loop over the query blocks per head of the group, so the innermost loop, the one
+        Triton's pipeliner overlaps, is the long one (a query tile's load issued stages ahead). Otherwise
+        the heads of the group are the inner loop (``G`` steps: the pipeline fills and drains once per
+        query block), which ``count_low`` needs."""
         kb = tl.program_id(0)
         hkv = tl.program_id(1)
         keys = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -102,31 +108,55 @@ if HAS_TRITON:
                     mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0)
         acc = tl.zeros([BLOCK_K], tl.float32)
         # Rows before this key block see none of it. Query blocks need no alignment: m and l are per row.
-        for q_start in range(tl.maximum(first, kb * BLOCK_K), L, BLOCK_Q):
-            rows = q_start + tl.arange(0, BLOCK_Q)
-            row_ok = rows < L
-            c = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
+        row_start = tl.maximum(first, kb * BLOCK_K)
+        if HEADS_OUTER and not COUNT_LOW:
             for g in range(G):
                 hq = hkv * G + g
-                q = tl.load(q_ptr + rows[:, None] * stride_ql + hq * stride_qh + d[None, :] * stride_qd,
-                            mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-                x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
-                                HAS_ALIBI, GUMBEL, INPUT_PRECISION)
-                m = tl.load(m_ptr + hq * n_rows + (rows - first), mask=row_ok, other=0.0)
-                l = tl.load(l_ptr + hq * n_rows + (rows - first), mask=row_ok, other=1.0)
-                c += tl.exp(x - m[:, None]) / l[:, None]
-            c = c / G
-            if COUNT_LOW:
-                visible = (keys[None, :] <= rows[:, None]) & row_ok[:, None]
-                n_valid = (rows + 1).to(tl.float32)
-                threshold = tl.math.div_rn(tl.full([BLOCK_Q], 1.0, tl.float32), n_valid)  # IEEE, as torch
-                acc -= tl.sum((visible & (c < threshold[:, None])).to(tl.float32), 0)
-            elif DECAY:
-                weight = tl.exp2((L - 1 - rows).to(tl.float32) * log2_decay)
-                acc += tl.sum(c * weight[:, None], 0)
-            else:
-                acc += tl.sum(c, 0)
+                for q_start in range(row_start, L, BLOCK_Q):
+                    rows = q_start + tl.arange(0, BLOCK_Q)
+                    p = _probabilities(q_ptr, k, m_ptr, l_ptr, slopes_ptr, rows, keys, d, hq, L, first,
+                                       n_rows, scale, temperature, noise_key, stride_ql, stride_qh, stride_qd,
+                                       D, HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+                    if DECAY:
+                        p = p * tl.exp2((L - 1 - rows).to(tl.float32) * log2_decay)[:, None]
+                    acc += tl.sum(p, 0)
+            acc = acc / G
+        else:
+            for q_start in range(row_start, L, BLOCK_Q):
+                rows = q_start + tl.arange(0, BLOCK_Q)
+                row_ok = rows < L
+                c = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
+                for g in range(G):
+                    c += _probabilities(q_ptr, k, m_ptr, l_ptr, slopes_ptr, rows, keys, d, hkv * G + g, L,
+                                        first, n_rows, scale, temperature, noise_key, stride_ql, stride_qh,
+                                        stride_qd, D, HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+                c = c / G
+                if COUNT_LOW:
+                    visible = (keys[None, :] <= rows[:, None]) & row_ok[:, None]
+                    n_valid = (rows + 1).to(tl.float32)
+                    threshold = tl.math.div_rn(tl.full([BLOCK_Q], 1.0, tl.float32), n_valid)  # IEEE, as torch
+                    acc -= tl.sum((visible & (c < threshold[:, None])).to(tl.float32), 0)
+                elif DECAY:
+                    weight = tl.exp2((L - 1 - rows).to(tl.float32) * log2_decay)
+                    acc += tl.sum(c * weight[:, None], 0)
+                else:
+                    acc += tl.sum(c, 0)
         tl.store(out_ptr + hkv * L + keys, acc, mask=keys < L)
+
+    @triton.jit
+    def _probabilities(q_ptr, k, m_ptr, l_ptr, slopes_ptr, rows, keys, d, hq, L, first, n_rows, scale,
+                       temperature, noise_key, stride_ql, stride_qh, stride_qd, D: tl.constexpr,
+                       HAS_ALIBI: tl.constexpr, GUMBEL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """``[BLOCK_Q, BLOCK_K]`` softmax probabilities of query head ``hq``'s rows ``rows`` for the key
+        tile ``k`` (0 where not visible), from the rows' max ``m`` and normaliser ``l`` of pass 1."""
+        row_ok = rows < L
+        q = tl.load(q_ptr + rows[:, None] * stride_ql + hq * stride_qh + d[None, :] * stride_qd,
+                    mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
+                        HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+        m = tl.load(m_ptr + hq * n_rows + (rows - first), mask=row_ok, other=0.0)
+        l = tl.load(l_ptr + hq * n_rows + (rows - first), mask=row_ok, other=1.0)
+        return tl.exp(x - m[:, None]) / l[:, None]
 
 
 def _rows(L: int, mode: str, window: int) -> int:
@@ -137,20 +167,25 @@ def _rows(L: int, mode: str, window: int) -> int:
     return L - window if window else 0
 
 
+#: Score modes whose scorer takes the attention's row log-sum-exp for its normaliser: not ``gumbel`` (its
+#: logits carry noise the attention never saw) nor ``count_low`` (integer counts of ``p < 1/n``, where a
+#: last-bit difference in the normaliser could flip a near tie).
+LSE_MODES = ("accumulate", "decay", "replace")
+
+
 def _uses_lse(mode: str, lse: torch.Tensor | None) -> bool:
-    """Whether a given row log-sum-exp replaces the scorer's own normaliser: not for ``gumbel`` (its
-    logits carry noise the attention never saw) nor ``count_low`` (integer counts of ``p < 1/n``, where a
-    last-bit difference in the normaliser could flip a near tie)."""
-    return lse is not None and mode in ("accumulate", "decay", "replace")
+    """Whether a given row log-sum-exp replaces the scorer's own normaliser (:data:`LSE_MODES`)."""
+    return lse is not None and mode in LSE_MODES
 
 
 def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str, window: int = 0,
                           decay: float = 1.0, seed: int = 0, temperature: float = 1.0,
                           alibi_slopes: torch.Tensor | None = None, chunk: int = 256,
-                          lse: torch.Tensor | None = None) -> torch.Tensor:
+                          lse: torch.Tensor | None = None, heads_outer: bool = True) -> torch.Tensor:
     """Triton launcher of :func:`prefill_scores` (no input checks; ``chunk`` is unused: the kernels
     hold ``O(L)`` per head, never ``O(L^2)``). With ``lse`` the row-stats pass is skipped:
-    ``m = lse, l = 1``."""
+    ``m = lse, l = 1``. ``heads_outer=False``: the column pass's earlier loop order (the group's heads
+    inside the query-block loop; ``count_low`` always runs it), kept for the GPU bench to time both."""
     require_triton()
     L, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -184,7 +219,8 @@ def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mod
     launch(
         _column_scores_kernel, (triton.cdiv(L, block), Hkv),
         q, k, slopes, m, l, out, log2_decay=math.log2(decay), DECAY=mode == "decay",
-        COUNT_LOW=mode == "count_low", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+        COUNT_LOW=mode == "count_low", HEADS_OUTER=heads_outer, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **common)
     return out
 
 
@@ -434,8 +470,8 @@ def prefill_scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str,
                               alibi_slopes, chunk, lse)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                      need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of one prompt, and the row log-sum-exp :func:`prefill_scores` can reuse.
 
     Parameters
@@ -446,14 +482,21 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ``[L, Hkv, D]``, ``Hq % Hkv == 0`` (grouped-query attention without expanding K/V).
     scale : float
         Logit scale.
+    need_lse : bool
+        On CUDA, ask for the log-sum-exp (the caller scores the prompt from it): the attention then runs
+        torch's flash kernel itself (``aten._scaled_dot_product_flash_attention``, which returns it)
+        rather than ``F.scaled_dot_product_attention``'s choice of kernel, for float16 / bfloat16 inputs
+        it takes. Where it refuses the inputs (an error, remembered per device, dtype and head counts),
+        the lse is ``None`` as without ``need_lse``. Ignored on CPU, where it comes at no cost.
 
     Returns
     -------
     (Tensor, Tensor or None)
         ``[L, Hq, D]`` attention output in ``q``'s dtype; ``[Hq, L]`` float32 log-sum-exp of each row's
         scaled causal logits on CPU tensors (torch's CPU flash kernel computes it for its own softmax and
-        returns it at no cost), ``None`` elsewhere (``F.scaled_dot_product_attention`` does not return it;
-        the scorer then computes its normaliser itself).
+        returns it at no cost) and on CUDA with ``need_lse`` where the flash kernel takes the inputs,
+        ``None`` otherwise (``F.scaled_dot_product_attention`` does not return it; the scorer then
+        computes its normaliser itself, a second pass over the prompt's logits).
     """
     if q.shape[0] == 0:  # torch's CPU flash kernel divides by the length (SIGFPE on an empty prompt)
         lse0 = q.new_zeros((q.shape[1], 0), dtype=torch.float32) if q.device.type == "cpu" else None
@@ -464,9 +507,38 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, True,
                                                                               scale=scale)
         return out[0].transpose(0, 1), lse[0].float()
+    if need_lse:
+        flash = _flash_with_lse(qt, kt, vt, scale)
+        if flash is not None:
+            return flash[0][0].transpose(0, 1), flash[1][0]
     out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                                            enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1), None
+
+
+# (device, dtype, Hq, Hkv, D) the CUDA flash kernel refused: prefill_attention(need_lse=True) falls back to
+# F.scaled_dot_product_attention there without asking again.
+_FLASH_REFUSED: set[tuple[torch.device, torch.dtype, int, int, int]] = set()
+
+
+def _flash_with_lse(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``([1, Hq, L, D] output, [1, Hq, L] float32 lse)`` of the causal attention of ``[1, H, L, D]``
+    inputs from torch's CUDA flash kernel (grouped KV heads as they are: the kernel takes ``Hq % Hkv ==
+    0``), or ``None`` where it refuses them."""
+    key = (qt.device, qt.dtype, qt.shape[1], kt.shape[1], qt.shape[-1])
+    if qt.dtype not in (torch.float16, torch.bfloat16) or key in _FLASH_REFUSED:
+        return None
+    try:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False,
+                                                                          scale=scale)
+    except (RuntimeError, NotImplementedError):  # no flash kernel for these inputs (arch, head dim, ...)
+        _FLASH_REFUSED.add(key)
+        return None
+    if tuple(out.shape) != tuple(qt.shape) or tuple(lse.shape) != tuple(qt.shape[:3]):
+        _FLASH_REFUSED.add(key)  # not the layout this reads (another torch version's op): never again
+        return None
+    return out, lse.float()
 
 
 #: Score modes whose prompt score is a row-weighted column sum of the attention probabilities (the ones
@@ -507,7 +579,7 @@ def prefill_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Fused on CPU tensors only: there it costs ~1.2x the flash kernel alone against ~1.7x for flash plus
     the scorer (1 thread, L=4096, Hq=9, Hkv=3, D=64). On other devices it runs :func:`prefill_attention`
-    and the Triton scorer (no fused kernel yet).
+    (``need_lse=True``) and the Triton scorer's one pass from that lse (no fused kernel yet).
     """
     if mode not in COLUMN_SUM_MODES:
         raise ValueError(f"mode={mode!r} is not a column sum of the attention probabilities; "
@@ -518,7 +590,7 @@ def prefill_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
     check_shape("v", v, list(k.shape), "[L, Hkv, D] like k")
     if q.device.type != "cpu":
-        out, lse = prefill_attention(q, k, v, scale=scale)
+        out, lse = prefill_attention(q, k, v, scale=scale, need_lse=True)
         return out, prefill_scores(q, k, scale=scale, mode=mode, window=window, decay=decay, lse=lse)
     return _prefill_attention_scores_torch(q, k, v, scale=scale, mode=mode, window=window, decay=decay,
                                            chunk=chunk)
@@ -583,6 +655,7 @@ COMPILE_AXES: dict[str, tuple] = {
     "head_dim": (64, 128, 96),
     "length": (1, 50, 1024),
     "window": (0, 32),
+    "heads_outer": (True, False),  # the column pass's loop order (False: the bench's comparison)
 }
 
 
@@ -595,11 +668,11 @@ def compile_variants(full: bool = False):
 
 
 def _meta_launch(mode: str, alibi: bool, group: int, dtype: torch.dtype, head_dim: int, length: int,
-                 window: int) -> None:
+                 window: int, heads_outer: bool) -> None:
     Hkv = 2
     meta = torch.device("meta")
     q = torch.empty(length, Hkv * group, head_dim, dtype=dtype, device=meta)
     k = torch.empty(length, Hkv, head_dim, dtype=dtype, device=meta)
     slopes = torch.empty(Hkv * group, dtype=torch.float32, device=meta) if alibi else None
     prefill_scores_triton(q, k, scale=head_dim ** -0.5, mode=mode, window=min(window, length), decay=0.9,
-                          seed=3, temperature=1.5, alibi_slopes=slopes)
+                          seed=3, temperature=1.5, alibi_slopes=slopes, heads_outer=heads_outer)

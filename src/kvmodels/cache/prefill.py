@@ -15,6 +15,7 @@ from kvkernels import check_shape, check_tensor, prefill_seed
 from kvkernels.quant import key_channel_scale
 from kvkernels.score_update import (
     COLUMN_SUM_MODES,
+    LSE_MODES,
     prefill_attention,
     prefill_attention_scores,
 )
@@ -40,7 +41,7 @@ class PrefillSteps:
         """
         fused = self._fused_scoring(l, q.shape[0]) if q.device.type == "cpu" else None
         if fused is None:
-            attn, lse = prefill_attention(q, k, v, scale=scale)
+            attn, lse = prefill_attention(q, k, v, scale=scale, need_lse=self._lse_pays(l, q.shape[0]))
             self.prefill_layer(l, b, q, k, v, positions, scale=scale, lse=lse)
             return attn
         attn, scores = prefill_attention_scores(q, k, v, scale=scale, **fused)
@@ -68,6 +69,17 @@ class PrefillSteps:
         if window and 2 * window < L:
             return None
         return {"mode": mode, "window": window, **kwargs}
+
+    def _lse_pays(self, l: int, L: int) -> bool:
+        """Whether layer ``l`` scores its prompt of ``L`` tokens from the attention's log-sum-exp over at
+        least half of the rows (``prefill_attention(need_lse=True)``: on CUDA the flash kernel then returns
+        it and the scorer skips its normaliser pass, a pass over the scored rows' logits; for a 32-row
+        observation window that pass is small and the model's attention keeps its own kernel)."""
+        ev = self.eviction
+        if ev.prefill_mode not in LSE_MODES or ev.score_source_layer(l) != l:
+            return False
+        window = ev.prefill_window(L)
+        return not window or 2 * window >= L
 
     def prefill_layer(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,
