@@ -400,6 +400,30 @@ def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) ->
         gb_s = t["kv_bytes"] / s / 1e9
         st.emit("decode", shape=shape, impl=impl, us=s * 1e6, gb_s=gb_s, pct_of_copy=100 * gb_s / copy_gb_s,
                 timed_by=how, kv_bytes=t["kv_bytes"], config="default" if impl != "sdpa-dense" else None)
+    if shape != "B1-L32768":  # where the fused score update's cost goes: each kernel's share of a call
+        for impl in ("paged", "paged+h2o-score"):
+            try:
+                st.emit("decode_kernels", shape=shape, impl=impl, **_kernel_times(st, impls[impl]))
+            except Exception:  # noqa: BLE001 -- the profiler: recorded, the timings above stand
+                st.error(f"decode_kernels {shape} {impl}")
+
+
+def _kernel_times(st: Stage, fn: Callable[[], Any], reps: int = 20) -> dict[str, Any]:
+    """Microseconds per call of each kernel ``fn`` launches (``torch.profiler``: device time of the CUDA
+    kernels on the GPU, CPU time of the operators with --smoke), named by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    st.sync()
+    activity = ProfilerActivity.CUDA if st.cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(reps):
+            fn()
+        st.sync()
+    attr = "device_time_total" if st.cuda else "cpu_time_total"
+    per_call = {e.key: getattr(e, attr) / reps for e in prof.key_averages() if getattr(e, attr) > 0}
+    return dict(kernels_us={k: round(v, 2) for k, v in sorted(per_call.items(), key=lambda kv: -kv[1])},
+                total_us=round(sum(per_call.values()), 2), timed_by=f"profiler ({activity.name.lower()})")
 
 
 def _sweep_point(st: Stage, shape: str, t: dict[str, Any], cfg: Any, splits: int, copy_gb_s: float) -> None:
@@ -1482,6 +1506,8 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
             lines.append(f"- FAILED `{t['test']}` ({t['when']}): {first[-1][:200] if first else ''}")
     lines += ["", "## Decode attention", ""]
     lines += _table(kinds.get("decode", []), ["shape", "impl", "us", "gb_s", "pct_of_copy", "timed_by"])
+    lines += ["", "Each kernel's share of a decode call (torch.profiler, 20 calls):", ""]
+    lines += _table(kinds.get("decode_kernels", []), ["shape", "impl", "total_us", "kernels_us"])
     best = best_decode(records)
     if best:
         lines += ["", "Best of the sweep per shape:", ""]

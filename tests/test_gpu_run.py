@@ -59,6 +59,10 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert {"env", "copy", "test", "tests_done", "decode", "decode_sweep", "compaction", "prefill",
             "prefill_sweep", "quant_decode", "quant_sweep", "prefill_policy", "gen", "hf_static", "hf_wrap",
             "capacity", "quant_probe"} <= kinds
+    breakdown = [r for r in records if r["kind"] == "decode_kernels"]
+    assert {(r["shape"], r["impl"]) for r in breakdown} == {(f"B{b}-L{n}", impl) for b, n in gpu.SMOKE.decode
+                                                            for impl in ("paged", "paged+h2o-score")}
+    assert all(r["kernels_us"] and r["total_us"] > 0 for r in breakdown), breakdown
     prefill = {(r["impl"], r["mode"]) for r in records if r["kind"] == "prefill"}
     assert {("attention", "none"), ("attention (need_lse)", "none"), ("attention+scorer", "accumulate"),
             ("attention+scorer, no lse", "accumulate"), ("attention+scorer, heads inner", "accumulate"),
