@@ -408,20 +408,24 @@ def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) ->
                 st.error(f"decode_kernels {shape} {impl}")
 
 
-def _kernel_times(st: Stage, fn: Callable[[], Any], reps: int = 20) -> dict[str, Any]:
+def _kernel_times(st: Stage, fn: Callable[[], Any], reps: int = 20,
+                  calls: list[Callable[[], Any]] | None = None) -> dict[str, Any]:
     """Microseconds per call of each kernel ``fn`` launches (``torch.profiler``: device time of the CUDA
-    kernels on the GPU, CPU time of the operators with --smoke), named by kernel."""
+    kernels on the GPU, CPU time of the operators with --smoke), named by kernel. ``calls``: these calls
+    (each made once; a mutating op's calls on inputs prepared beforehand) in place of ``reps`` calls of
+    ``fn``, which warms up."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     st.sync()
+    calls = calls or [fn] * reps
     activity = ProfilerActivity.CUDA if st.cuda else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
-        for _ in range(reps):
-            fn()
+        for call in calls:
+            call()
         st.sync()
     attr = "device_time_total" if st.cuda else "cpu_time_total"
-    per_call = {e.key: getattr(e, attr) / reps for e in prof.key_averages() if getattr(e, attr) > 0}
+    per_call = {e.key: getattr(e, attr) / len(calls) for e in prof.key_averages() if getattr(e, attr) > 0}
     return dict(kernels_us={k: round(v, 2) for k, v in sorted(per_call.items(), key=lambda kv: -kv[1])},
                 total_us=round(sum(per_call.values()), 2), timed_by=f"profiler ({activity.name.lower()})")
 
@@ -508,6 +512,15 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
 
     # As the cache calls it every step: no eager value checks (each reads the device back).
     s_op = st.mutating_seconds(setup, lambda a: fn(*a, validate=False, **kw))
+    if op == "topk_compact":  # the op's device time by kernel (eager: the wall time above adds launches)
+        try:
+            inputs = [setup() for _ in range(5)]
+            st.emit("compaction_kernels", op=op, batch=batch, tokens=fill, keep=budget, **_kernel_times(
+                st, lambda: fn(*setup(), validate=False, **kw),
+                calls=[functools.partial(fn, *a, validate=False, **kw) for a in inputs]))
+            del inputs
+        except Exception:  # noqa: BLE001 -- the profiler: recorded, the timing above stands
+            st.error(f"compaction_kernels {op}")
     # Dense: the same tokens in logical order, [B, Hkv, fill, D]; keep `budget` per head.
     rows = table.long()
     dk = k[rows].reshape(batch, -1, hkv, d)[:, :fill].transpose(1, 2).contiguous()
@@ -1565,6 +1578,9 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     lines += ["", "## Compaction and eviction", ""]
     lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",
                                                   "op_over_topk_gather"])
+    lines += ["", "The compaction op's device time by kernel (torch.profiler, 5 calls):", ""]
+    lines += _table(kinds.get("compaction_kernels", []), ["op", "batch", "tokens", "keep", "total_us",
+                                                          "kernels_us"])
     lines += ["", "## Generation", ""]
     lines += _table(kinds.get("prefill_policy", []), ["policy", "budget", "prompt_len", "prefill_s"])
     lines += [""]
