@@ -272,16 +272,18 @@ def test_triton_multi_block_gqa(mode):
 
 @pytest.mark.interpret
 @OLD_INTERPRETER_NEW_NUMPY
+@pytest.mark.parametrize("temperature", [1.0, 1.2])
 @pytest.mark.parametrize("mode", [m for m in SCORE_MODES if m != "none"])
-def test_column_pass_loop_orders_agree(mode):
+def test_column_pass_loop_orders_agree(mode, temperature):
     """The column pass with the group's heads outside the query-block loop (the default) and inside it (the
     earlier order, kept for the GPU bench; count_low always takes it) give the same scores up to float32
-    summation order: several key and query blocks, GQA 3, ALiBi, a window."""
+    summation order, and the reference's: several key and query blocks, GQA 3, ALiBi, a window; gumbel at
+    temperature 1 (the noise as a factor exp(G) = 1 / E, one log per logit) and not."""
     L, Hkv, G, D = 45, 2, 3, 24
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(L, Hkv * G, D, generator=gen).to(DEVICE)
     k = torch.randn(L, Hkv, D, generator=gen).to(DEVICE)
-    kwargs = dict(scale=D**-0.5, mode=mode, window=30, decay=0.85, seed=4, temperature=1.2,
+    kwargs = dict(scale=D**-0.5, mode=mode, window=30, decay=0.85, seed=4, temperature=temperature,
                   alibi_slopes=torch.rand(Hkv * G, generator=gen).to(DEVICE))
     outer = prefill_scores_triton(q, k, **kwargs)
     inner = prefill_scores_triton(q, k, heads_outer=False, **kwargs)

@@ -149,11 +149,24 @@ if HAS_TRITON:
         return _absorb_tl(h, k_idx.to(tl.int32))
 
     @triton.jit
+    def _uniform_tl(key, head, q_idx, k_idx):
+        """The ``u`` of :func:`gumbel_noise_hash`: 23 hash bits, exact in float32, in ``(0, 1)``."""
+        bits = hash_u32_tl(key, head, q_idx, k_idx)
+        return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+
+    @triton.jit
     def gumbel_noise_tl(key, head, q_idx, k_idx):
         """Triton form of :func:`gumbel_noise_hash` (``key`` as in :func:`hash_u32_tl`); float32."""
-        bits = hash_u32_tl(key, head, q_idx, k_idx)
-        u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-        return -tl.log(-tl.log(u))
+        return -tl.log(-tl.log(_uniform_tl(key, head, q_idx, k_idx)))
+
+    @triton.jit
+    def gumbel_weight_tl(key, head, q_idx, k_idx):
+        """``exp(G)`` of the same noise from one ``log``: ``G = -log(E)`` with ``E = -log(u)``, so
+        ``exp(G) = 1 / E``. At temperature 1, ``exp(x + G - m) = exp(x - m) * exp(G)``: a logit's
+        perturbed softmax term takes one ``log`` and one reciprocal instead of two ``log``s (the prefill
+        scorer's cost, most of Keyformer's prefill on a GPU). Agrees with ``exp(gumbel_noise_tl)`` to a
+        few ulp."""
+        return 1.0 / (-tl.log(_uniform_tl(key, head, q_idx, k_idx)))
 
     @triton.jit
     def _noise_kernel(bits_ptr, noise_ptr, q_ptr, k_ptr, n, key, head, BLOCK: tl.constexpr):

@@ -39,19 +39,33 @@ from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, tl, 
 from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
-    from kvkernels._noise import gumbel_noise_tl
+    from kvkernels._noise import gumbel_noise_tl, gumbel_weight_tl
 
     @triton.jit
     def _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
-                    HAS_ALIBI: tl.constexpr, GUMBEL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-        """Logits ``[BLOCK_Q, BLOCK_K]`` of query head ``hq``: ``-inf`` where the key is not visible."""
+                    HAS_ALIBI: tl.constexpr, GUMBEL: tl.constexpr, UNIT_TEMP: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
+        """Logits ``[BLOCK_Q, BLOCK_K]`` of query head ``hq``: ``-inf`` where the key is not visible.
+        ``GUMBEL``: perturbed and tempered, ``(x + G) / temperature``; but with ``UNIT_TEMP``
+        (temperature 1) the plain logits, the noise applied as a factor by :func:`_softmax_terms`."""
         x = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
         if HAS_ALIBI:
             x += tl.load(slopes_ptr + hq) * (keys[None, :] - rows[:, None]).to(tl.float32)
-        if GUMBEL:
+        if GUMBEL and not UNIT_TEMP:
             x = (x + gumbel_noise_tl(noise_key, hq, rows[:, None], keys[None, :])) / temperature
         visible = (keys[None, :] <= rows[:, None]) & (rows[:, None] < L)
         return tl.where(visible, x, float("-inf"))
+
+    @triton.jit
+    def _softmax_terms(x, m, hq, rows, keys, noise_key, GUMBEL: tl.constexpr, UNIT_TEMP: tl.constexpr):
+        """``exp(x - m)`` of :func:`_logit_tile`'s logits against the rows' max ``m`` (``[BLOCK_Q]``);
+        ``GUMBEL`` at ``UNIT_TEMP``, times ``exp(G)`` (:func:`kvkernels._noise.gumbel_weight_tl`):
+        ``exp(x + G - m)`` with one ``log`` per logit. ``m`` is then the plain logits' max, and the terms
+        stay finite (``exp(G) <= 1 / -log(1 - 2**-24) < 2**25``)."""
+        e = tl.exp(x - m[:, None])
+        if GUMBEL and UNIT_TEMP:
+            e = e * gumbel_weight_tl(noise_key, hq, rows[:, None], keys[None, :])
+        return e
 
     @triton.jit
     def _row_stats_kernel(q_ptr, k_ptr, slopes_ptr, m_ptr, l_ptr,
@@ -59,8 +73,9 @@ if HAS_TRITON:
                           stride_ql, stride_qh, stride_qd, stride_kl, stride_kh, stride_kd,
                           G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                          GUMBEL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-        """Pass 1, one program per (query block, query head): softmax max ``m`` and normaliser ``l``."""
+                          GUMBEL: tl.constexpr, UNIT_TEMP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """Pass 1, one program per (query block, query head): softmax max ``m`` and normaliser ``l``
+        (``GUMBEL`` at ``UNIT_TEMP``: the plain logits' max, the perturbed terms' sum)."""
         qb = tl.program_id(0)
         hq = tl.program_id(1)
         hkv = hq // G
@@ -77,9 +92,10 @@ if HAS_TRITON:
             k = tl.load(k_ptr + keys[:, None] * stride_kl + hkv * stride_kh + d[None, :] * stride_kd,
                         mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0)
             x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
-                            HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+                            HAS_ALIBI, GUMBEL, UNIT_TEMP, INPUT_PRECISION)
             m_new = tl.maximum(m, tl.max(x, 1))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), 1)
+            e = _softmax_terms(x, m_new, hq, rows, keys, noise_key, GUMBEL, UNIT_TEMP)
+            l = l * tl.exp(m - m_new) + tl.sum(e, 1)
             m = m_new
         out = hq * n_rows + (rows - first)
         tl.store(m_ptr + out, m, mask=rows < L)
@@ -91,8 +107,9 @@ if HAS_TRITON:
                               stride_ql, stride_qh, stride_qd, stride_kl, stride_kh, stride_kd,
                               G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                              GUMBEL: tl.constexpr, DECAY: tl.constexpr, COUNT_LOW: tl.constexpr,
-                              HEADS_OUTER: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                              GUMBEL: tl.constexpr, UNIT_TEMP: tl.constexpr, DECAY: tl.constexpr,
+                              COUNT_LOW: tl.constexpr, HEADS_OUTER: tl.constexpr,
+                              INPUT_PRECISION: tl.constexpr):
         """Pass 2, one program per (key block, KV head): that block's scores, summed over query rows.
 
         ``HEADS_OUTER`` (every mode but ``count_low``, whose test needs each row's mean over the group before
@@ -116,7 +133,7 @@ if HAS_TRITON:
                     rows = q_start + tl.arange(0, BLOCK_Q)
                     p = _probabilities(q_ptr, k, m_ptr, l_ptr, slopes_ptr, rows, keys, d, hq, L, first,
                                        n_rows, scale, temperature, noise_key, stride_ql, stride_qh, stride_qd,
-                                       D, HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+                                       D, HAS_ALIBI, GUMBEL, UNIT_TEMP, INPUT_PRECISION)
                     if DECAY:
                         p = p * tl.exp2((L - 1 - rows).to(tl.float32) * log2_decay)[:, None]
                     acc += tl.sum(p, 0)
@@ -129,7 +146,7 @@ if HAS_TRITON:
                 for g in range(G):
                     c += _probabilities(q_ptr, k, m_ptr, l_ptr, slopes_ptr, rows, keys, d, hkv * G + g, L,
                                         first, n_rows, scale, temperature, noise_key, stride_ql, stride_qh,
-                                        stride_qd, D, HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+                                        stride_qd, D, HAS_ALIBI, GUMBEL, UNIT_TEMP, INPUT_PRECISION)
                 c = c / G
                 if COUNT_LOW:
                     visible = (keys[None, :] <= rows[:, None]) & row_ok[:, None]
@@ -146,17 +163,18 @@ if HAS_TRITON:
     @triton.jit
     def _probabilities(q_ptr, k, m_ptr, l_ptr, slopes_ptr, rows, keys, d, hq, L, first, n_rows, scale,
                        temperature, noise_key, stride_ql, stride_qh, stride_qd, D: tl.constexpr,
-                       HAS_ALIBI: tl.constexpr, GUMBEL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                       HAS_ALIBI: tl.constexpr, GUMBEL: tl.constexpr, UNIT_TEMP: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
         """``[BLOCK_Q, BLOCK_K]`` softmax probabilities of query head ``hq``'s rows ``rows`` for the key
         tile ``k`` (0 where not visible), from the rows' max ``m`` and normaliser ``l`` of pass 1."""
         row_ok = rows < L
         q = tl.load(q_ptr + rows[:, None] * stride_ql + hq * stride_qh + d[None, :] * stride_qd,
                     mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
         x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key,
-                        HAS_ALIBI, GUMBEL, INPUT_PRECISION)
+                        HAS_ALIBI, GUMBEL, UNIT_TEMP, INPUT_PRECISION)
         m = tl.load(m_ptr + hq * n_rows + (rows - first), mask=row_ok, other=0.0)
         l = tl.load(l_ptr + hq * n_rows + (rows - first), mask=row_ok, other=1.0)
-        return tl.exp(x - m[:, None]) / l[:, None]
+        return _softmax_terms(x, m, hq, rows, keys, noise_key, GUMBEL, UNIT_TEMP) / l[:, None]
 
 
 def _rows(L: int, mode: str, window: int) -> int:
@@ -206,6 +224,7 @@ def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mod
         stride_kl=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),
         G=Hq // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_Q=block, BLOCK_K=block,
         HAS_ALIBI=alibi_slopes is not None, GUMBEL=mode == "gumbel",
+        UNIT_TEMP=mode == "gumbel" and float(temperature) == 1.0,  # Keyformer's prompt (tau_init = 1)
         # fp32 inputs: exact fp32 products, not TF32, so scores match the reference closely.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
@@ -656,6 +675,7 @@ COMPILE_AXES: dict[str, tuple] = {
     "length": (1, 50, 1024),
     "window": (0, 32),
     "heads_outer": (True, False),  # the column pass's loop order (False: the bench's comparison)
+    "temperature": (1.5, 1.0),  # gumbel at 1: the noise as a factor (UNIT_TEMP)
 }
 
 
@@ -668,11 +688,11 @@ def compile_variants(full: bool = False):
 
 
 def _meta_launch(mode: str, alibi: bool, group: int, dtype: torch.dtype, head_dim: int, length: int,
-                 window: int, heads_outer: bool) -> None:
+                 window: int, heads_outer: bool, temperature: float) -> None:
     Hkv = 2
     meta = torch.device("meta")
     q = torch.empty(length, Hkv * group, head_dim, dtype=dtype, device=meta)
     k = torch.empty(length, Hkv, head_dim, dtype=dtype, device=meta)
     slopes = torch.empty(Hkv * group, dtype=torch.float32, device=meta) if alibi else None
     prefill_scores_triton(q, k, scale=head_dim ** -0.5, mode=mode, window=min(window, length), decay=0.9,
-                          seed=3, temperature=1.5, alibi_slopes=slopes, heads_outer=heads_outer)
+                          seed=3, temperature=temperature, alibi_slopes=slopes, heads_outer=heads_outer)
