@@ -910,6 +910,15 @@ def _quant_sweep(st: Stage) -> None:
         except Exception:  # noqa: BLE001 -- e.g. out of shared memory for this tile
             st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__, prefetch=on,
                     error=traceback.format_exc(limit=2)[-800:])
+    # Split-K at the default config: at B64 the launcher's choice is one split (512 programs, one wave of
+    # ~4 per SM on an H200); more splits add programs to hide each tile's load latency, and the reduce.
+    for splits in (1, 2, 4):
+        if st.left() < 3:
+            st.skipped("quant splits", f"time box: {st.left():.0f} s left")
+            break
+        s, how = st.seconds(lambda splits=splits: quant_decode_attention_triton(
+            *args, scale=t["scale"], k_format=fmt, v_format=fmt, num_splits=splits), reps=5)
+        st.emit("quant_splits", shape=shape, bits=4, num_splits=splits, us=s * 1e6, timed_by=how)
     if st.cuda:
         torch.cuda.empty_cache()
 
@@ -1537,6 +1546,8 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
                                                     "pct_of_copy", "row_bytes", "max_abs_diff_vs_native",
                                                     "bit_equal_to_default", "max_abs_diff_vs_default",
                                                     "timed_by"])
+    lines += ["", "4-bit pages at the default config, split-K by hand:", ""]
+    lines += _table(kinds.get("quant_splits", []), ["shape", "num_splits", "us", "timed_by"])
     lines += ["", "One decode step's 4-bit K write (one layer):", ""]
     lines += _table(kinds.get("quant_write", []), ["rows", "head_dim", "us", "torch_path_us", "speedup",
                                                    "bit_equal", "timed_by"])

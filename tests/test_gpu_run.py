@@ -88,6 +88,7 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert all(quant[f]["max_abs_diff_vs_default"] == 0 for f in flipped)
     assert {r["kind"] for r in records if r["stage"] == "quant"} >= {"quant_write"}
     assert all(r["bit_equal"] for r in records if r["kind"] == "quant_write")
+    assert [r["num_splits"] for r in records if r["kind"] == "quant_splits"] == [1, 2, 4]
     sweep = [r for r in records if r["kind"] == "quant_sweep"]
     assert sweep and all("us" in r for r in sweep), sweep  # the quantized decode's launch configs
     assert quant["int4"]["kv_bytes"] < quant["int8"]["kv_bytes"] < quant["native"]["kv_bytes"]
