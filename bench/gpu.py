@@ -235,6 +235,8 @@ class Stage:
         import torch
 
         reps = reps or self.shapes.reps
+        if self.smoke:  # --smoke checks that each measurement runs, not its number: the fewest calls
+            reps = min(reps, self.shapes.reps)
         for _ in range(2):
             fn()
         self.sync()
@@ -624,9 +626,11 @@ def stage_kernels(st: Stage) -> None:
         except Exception:  # noqa: BLE001
             st.error(part.__name__)
     decode, prefill = sweep_configs("decode"), sweep_configs("prefill_scores")
+    if st.smoke:  # that the sweeps run: a few configs each
+        decode, prefill = decode[:3], prefill[:3]
     inputs = _prefill_inputs(st)
     for i in range(max(len(decode), len(prefill))):
-        if st.left() < 15:
+        if st.left() < (3 if st.smoke else 15):  # a config's compiles take seconds on a GPU, not with --smoke
             st.skipped("sweeps", f"time box: {min(i, len(decode))} of {len(decode)} decode and "
                        f"{min(i, len(prefill))} of {len(prefill)} prefill configs measured")
             return
