@@ -85,7 +85,9 @@ STAGES = ("env", "quant_probe", "correctness", "kernels", "quant", "generation",
 # Run 1 of 2026-11-28 recorded the tracebacks of the quantized kernel's GPU-only failures (the loop without
 # prefetching): quant_probe's 25 s (each variant of the failing example once, to tell which part of it
 # matters) come from correctness (cut at its box every run: its tail is the least telling) and capacity.
-SHARES = {"env": 10, "quant_probe": 25, "correctness": 115, "kernels": 35, "quant": 40, "generation": 240,
+# The kernels stage measures more since (the scorer with and without the lse and in both loop orders,
+# profiler breakdowns of the decode and compaction kernels): 10 s more, from correctness.
+SHARES = {"env": 10, "quant_probe": 25, "correctness": 105, "kernels": 45, "quant": 40, "generation": 240,
           "hf_static": 55, "capacity": 40}
 WRAP_NEW = 64  # new tokens of hf_static's runs on the paged cache (eager: ~30 steps/s at batch 16)
 DEFAULT_BUDGET = sum(SHARES.values())  # 560 s: about 8 minutes in practice (stages end before their boxes)
@@ -98,11 +100,13 @@ SAVE_EVERY_S = 30  # results (and the --pack) rewritten this often while a stage
 TEST_FILES = (
     "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference",  # issue 36: never run on a GPU
     "tests/test_gpu.py::test_quantized_cache_on_cuda_keeps_quantized_rows_and_matches_cpu",
+    # The prefill scorer's changes of 2026-11-28 (twelfth session), never run on a GPU: the flash kernel's lse
+    # (prefill_attention(need_lse=True)), the column pass's loop orders and Gumbel noise at temperature 1.
+    "tests/test_gpu.py::test_prefill_attention_returns_the_flash_kernels_lse",
+    "tests/test_score_update.py::test_column_pass_loop_orders_agree",
     # Run 10's correctness stage never reached test_quant_attention.py (cut in test_cache_quantized.py, ~90 s
     # there); a pytest run by hand after it, cut too, showed GPU-only failures in its first 17 tests.
     "tests/test_quant_attention.py",
-    # The flash kernel's lse for the scorer (prefill_attention(need_lse=True)): never run on a GPU yet.
-    "tests/test_gpu.py::test_prefill_attention_returns_the_flash_kernels_lse",
     "tests/test_cache_quantized.py",  # run 9 by hand: 2 GPU-only failures (head dim 8; two formats, fixed)
     "tests/test_quant.py",
     "tests/test_gpu.py::test_compiled_decode_step_is_captured_as_a_cuda_graph",
@@ -514,7 +518,7 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
 
     # As the cache calls it every step: no eager value checks (each reads the device back).
     s_op = st.mutating_seconds(setup, lambda a: fn(*a, validate=False, **kw))
-    if op == "topk_compact":  # the op's device time by kernel (eager: the wall time above adds launches)
+    if op != "topk_evict":  # the op's device time by kernel (eager: the wall time above adds launches)
         try:
             inputs = [setup() for _ in range(5)]
             st.emit("compaction_kernels", op=op, batch=batch, tokens=fill, keep=budget, **_kernel_times(
@@ -618,13 +622,17 @@ def stage_kernels(st: Stage) -> None:
 
     copy = st.copy_bandwidth()
     st.emit("copy", **copy)
-    # Single measurements first, then the two sweeps interleaved (a cut leaves both some of each shape).
+    # Single measurements first (the prefill scorer's, changed since the last run, before the decode's), then
+    # the two sweeps interleaved (a cut leaves both some of each shape).
+    try:
+        _prefill_records(st)
+    except Exception:  # noqa: BLE001
+        st.error("_prefill_records")
     pools = _decode_records(st, copy["gb_s"])
-    for part in (_compaction_records, _prefill_records):
-        try:
-            part(st)
-        except Exception:  # noqa: BLE001
-            st.error(part.__name__)
+    try:
+        _compaction_records(st)
+    except Exception:  # noqa: BLE001
+        st.error("_compaction_records")
     decode, prefill = sweep_configs("decode"), sweep_configs("prefill_scores")
     if st.smoke:  # that the sweeps run: a few configs each
         decode, prefill = decode[:3], prefill[:3]
@@ -1593,7 +1601,8 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     lines += ["", "## Compaction and eviction", ""]
     lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",
                                                   "op_over_topk_gather"])
-    lines += ["", "The compaction op's device time by kernel (torch.profiler, 5 calls):", ""]
+    lines += ["", "Device time by kernel (torch.profiler, 5 calls): prompt compaction and the cache's "
+              "per-step eviction:", ""]
     lines += _table(kinds.get("compaction_kernels", []), ["op", "batch", "tokens", "keep", "total_us",
                                                           "kernels_us"])
     lines += ["", "## Generation", ""]
