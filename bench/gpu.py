@@ -2,7 +2,7 @@
 
     python bench/gpu.py --out DIR --pack OUT/gpu.tgz   # a CUDA machine: about 8 minutes (boxes: 560 s)
     python bench/gpu.py --out DIR --only quant         # 4/8-bit pages against bf16 pages alone (40 s box)
-    python bench/gpu.py --out DIR --only quant_probe   # the quantized kernel's GPU-only failure, one change each
+    python bench/gpu.py --out DIR --only quant_probe   # the quantized GPU-only failure, one change each
     python bench/gpu.py --out DIR --only generation,capacity   # a second, targeted run (their own boxes)
     python bench/gpu.py --out DIR --only generation --runs 16:full,16:streaming   # a rerun after a fix
     python bench/gpu.py --out DIR --smoke              # every stage at tiny shapes on CPU (in the test suite)
