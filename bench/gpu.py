@@ -84,11 +84,11 @@ STAGES = ("env", "quant_probe", "correctness", "kernels", "quant", "generation",
 # and batch 1's compressed runs: generation has its 240 s back; those two runs now make 64 tokens (~2 s each
 # eager on the H200, against ~8 s at 256), their 5 s from capacity (33 s of its box used in that run).
 # Run 1 of 2026-11-28 recorded the tracebacks of the quantized kernel's GPU-only failures (the loop without
-# prefetching): quant_probe's 25 s (each variant of the failing example once, to tell which part of it
+# prefetching): quant_probe's 30 s (each variant of the failing example once, to tell which part of it
 # matters) come from correctness (cut at its box every run: its tail is the least telling) and capacity.
 # The kernels stage measures more since (the scorer with and without the lse and in both loop orders,
 # profiler breakdowns of the decode and compaction kernels): 10 s more, from correctness.
-SHARES = {"env": 10, "quant_probe": 25, "correctness": 105, "kernels": 45, "quant": 40, "generation": 240,
+SHARES = {"env": 10, "quant_probe": 30, "correctness": 100, "kernels": 45, "quant": 40, "generation": 240,
           "hf_static": 55, "capacity": 40}
 WRAP_NEW = 64  # new tokens of hf_static's runs on the paged cache (eager: ~30 steps/s at batch 16)
 DEFAULT_BUDGET = sum(SHARES.values())  # 560 s: about 8 minutes in practice (stages end before their boxes)
@@ -658,24 +658,25 @@ def stage_kernels(st: Stage) -> None:
 # sequence of 2 slots, three splits; the loop without prefetching was 0.22 off the reference there.
 PROBE_BASE: dict[str, Any] = dict(page=1, n_kv=1, gqa=1, d=16, k=(2, 8), v=(2, 8), lens=(2,), q="float16",
                                   seed=0, prefetch=0, stages=None, splits=3)
-# (label, what changes): the most telling first, each one change from the base (the last two: the gathered
-# rows that head dims other than powers of two take, with the library's default prefetching, 8).
+# (label, what changes): the most telling first (each variant compiles its kernels: the box may cut the
+# tail), each one change from the base; "gathered": rows of head dims that are not powers of two, which the
+# library still runs without prefetching.
 PROBE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("base", {}),
-    ("prefetched", {"prefetch": 8}),
-    ("num_stages=1", {"stages": 1}),
-    ("num_stages=2", {"stages": 2}),
+    ("num_stages=1", {"stages": 1}),  # the pipeliner's asynchronous copies (the loop's only GPU-side change)
+    ("head dim 96, 4-bit g32, gathered", {"d": 96, "k": (4, 32), "v": (4, 32), "page": 16, "gqa": 4,
+                                          "lens": (300, 17), "prefetch": 8}),  # what the library still runs
     ("pages of 16", {"page": 16}),
     ("head dim 64", {"d": 64}),
-    ("4-bit", {"k": (4, 8), "v": (4, 8)}),
     ("8-bit", {"k": (8, 8), "v": (8, 8)}),
+    ("4-bit", {"k": (4, 8), "v": (4, 8)}),
     ("GQA 4", {"gqa": 4}),
     ("float32 queries", {"q": "float32"}),
     ("40 slots", {"lens": (40,)}),
     ("one split", {"splits": 1}),
+    ("num_stages=2", {"stages": 2}),
     ("head dim 48, gathered", {"d": 48, "prefetch": 8}),
-    ("head dim 96, 4-bit g32, gathered", {"d": 96, "k": (4, 32), "v": (4, 32), "page": 16, "gqa": 4,
-                                          "lens": (300, 17), "prefetch": 8}),
+    ("prefetched", {"prefetch": 8}),  # passed the tests' examples on the H200
 )
 
 
