@@ -97,6 +97,21 @@ def _heads(cache: PagedKVCache, l: int, b: int) -> list[dict[str, torch.Tensor]]
     return [{key: x.cpu() for key, x in d.items()} for d in per_head]
 
 
+@pytest.mark.parametrize("names", [p[0] for p in POLICIES], ids=["+".join(p[0]) for p in POLICIES])
+def test_the_attention_is_asked_for_its_lse_where_it_spares_most_of_a_pass(names):
+    """``prefill_attend`` asks ``prefill_attention`` for the lse (on CUDA: torch's flash kernel in place of
+    SDPA's pick) where the layer scores at least half the prompt's rows from it: every row of a
+    column-sum mode, SnapKV's 3-row window up to 6 tokens, TOVA's last row up to 2; never Gumbel noise,
+    counts, or no scores."""
+    every_row = any(n in ("h2o", "a2sf") for n in names)
+    rows = {("snapkv",): 3, ("tova",): 1}.get(names)
+    run = FakeRun(1, 2, 2, 8, [40], 0, seed=1)
+    cache = _cache(run, names, 0.5, 4)
+    for L in (1, 2, 3, 5, 6, 7, 40):
+        want = every_row or (rows is not None and 2 * rows >= L)
+        assert cache._lse_pays(0, L) == want, (names, L)
+
+
 def test_prefill_layer_refuses_scores_the_policy_does_not_take():
     run = FakeRun(1, 2, 2, 8, [20], 0, seed=1)
     q, k, v = run.prompt[0][0]

@@ -60,26 +60,26 @@ class PrefillSteps:
         """
         ev = self.eviction
         mode = ev.prefill_mode
-        if mode not in COLUMN_SUM_MODES or mode == "replace" or ev.score_source_layer(l) != l:
+        if mode not in COLUMN_SUM_MODES or mode == "replace" or not self._scores_most_rows(l, L):
             return None
         kwargs = ev.prefill_kwargs(L)
         if not set(kwargs) <= {"decay"}:
             return None
-        window = ev.prefill_window(L)
-        if window and 2 * window < L:
-            return None
-        return {"mode": mode, "window": window, **kwargs}
+        return {"mode": mode, "window": ev.prefill_window(L), **kwargs}
 
     def _lse_pays(self, l: int, L: int) -> bool:
         """Whether layer ``l`` scores its prompt of ``L`` tokens from the attention's log-sum-exp over at
         least half of the rows (``prefill_attention(need_lse=True)``: on CUDA the flash kernel then returns
         it and the scorer skips its normaliser pass, a pass over the scored rows' logits; for a 32-row
-        observation window that pass is small and the model's attention keeps its own kernel)."""
+        observation window or the last row alone that pass is small and the model's attention keeps its
+        own kernel)."""
+        return self.eviction.prefill_mode in LSE_MODES and self._scores_most_rows(l, L)
+
+    def _scores_most_rows(self, l: int, L: int) -> bool:
+        """Whether layer ``l`` computes its own prompt scores (not another layer's) from at least half of the
+        ``L`` rows: every row, or an observation window (TOVA's: the last row) of at least ``L / 2`` rows."""
         ev = self.eviction
-        if ev.prefill_mode not in LSE_MODES or ev.score_source_layer(l) != l:
-            return False
-        window = ev.prefill_window(L)
-        return not window or 2 * window >= L
+        return ev.score_source_layer(l) == l and 2 * (ev.prefill_window(L) or L) >= L
 
     def prefill_layer(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, *, scale: float,
