@@ -383,6 +383,36 @@ def test_prefill_attention_is_sdpa_with_its_lse(L, heads, dtype):
         torch.testing.assert_close(lse2, true_lse(q, k, 0.3), rtol=1e-3, atol=1e-3)
 
 
+def test_flash_lse_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch):
+    """``_flash_with_lse`` (CUDA's flash kernel for ``need_lse``): inputs it refuses fall back and are not
+    tried again; running out of memory is raised, never remembered as a refusal. The op is replaced by a
+    stand-in, so this runs anywhere."""
+    from kvkernels import score_update
+
+    qt = torch.zeros(1, 4, 5, 16, dtype=torch.bfloat16)
+    kt = torch.zeros(1, 2, 5, 16, dtype=torch.bfloat16)
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no flash kernel here")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(score_update, "_FLASH_REFUSED", set())
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        score_update._flash_with_lse(qt, kt, kt, 0.3)
+    assert not score_update._FLASH_REFUSED
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", refuse)
+    assert score_update._flash_with_lse(qt, kt, kt, 0.3) is None
+    assert score_update._flash_with_lse(qt, kt, kt, 0.3) is None
+    assert len(calls) == 1  # refused once, remembered
+    assert score_update._flash_with_lse(qt.float(), kt.float(), kt.float(), 0.3) is None  # half precision only
+    assert len(calls) == 1
+
+
 @given(problems(), st.sampled_from(COLUMN_SUM_MODES), st.integers(1, 40),
        st.sampled_from([torch.float32, torch.bfloat16]))
 @settings(max_examples=40)

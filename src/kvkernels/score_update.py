@@ -551,6 +551,8 @@ def _flash_with_lse(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
     try:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False,
                                                                           scale=scale)
+    except torch.OutOfMemoryError:  # a RuntimeError, but about this call's memory, not the inputs' kind
+        raise
     except (RuntimeError, NotImplementedError):  # no flash kernel for these inputs (arch, head dim, ...)
         _FLASH_REFUSED.add(key)
         return None
