@@ -409,7 +409,7 @@ def test_flash_lse_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch)
     assert score_update._flash_with_lse(qt, kt, kt, 0.3) is None
     assert score_update._flash_with_lse(qt, kt, kt, 0.3) is None
     assert len(calls) == 1  # refused once, remembered
-    assert score_update._flash_with_lse(qt.float(), kt.float(), kt.float(), 0.3) is None  # half precision only
+    assert score_update._flash_with_lse(qt.float(), kt.float(), kt.float(), 0.3) is None  # fp32: not asked
     assert len(calls) == 1
 
 
