@@ -105,6 +105,9 @@ TEST_FILES = (
     # (prefill_attention(need_lse=True)), the column pass's loop orders and Gumbel noise at temperature 1.
     "tests/test_gpu.py::test_prefill_attention_returns_the_flash_kernels_lse",
     "tests/test_score_update.py::test_column_pass_loop_orders_agree",
+    # Keyformer's decode noise hashed in the kernel (thirteenth session), never compiled for a GPU: every mode
+    # on the one-program and the split-K path against the reference.
+    "tests/test_paged_attention.py::test_triton_each_mode_on_both_paths",
     # Run 10's correctness stage never reached test_quant_attention.py (cut in test_cache_quantized.py, ~90 s
     # there); a pytest run by hand after it, cut too, showed GPU-only failures in its first 17 tests.
     "tests/test_quant_attention.py",
@@ -388,7 +391,9 @@ def _decode_pool(st: Stage, batch: int, ctx: int):
 
 
 def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> None:
-    """The op at its defaults, with the fused H2O update, and SDPA on the dense gather, at one shape."""
+    """The op at its defaults, with the fused H2O and Keyformer (Gumbel noise hashed in the kernel) score
+    updates, and SDPA on the dense gather, at one shape."""
+    import torch
     import torch.nn.functional as F
 
     from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_triton
@@ -396,9 +401,15 @@ def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) ->
     args = (t["q"], t["k_pages"], t["v_pages"], t["table"], t["lens"])
     q4 = t["q"][:, :, None, :]
     h2o = ScoreUpdate(t["score"], "accumulate")
+    dev = t["q"].device
+    batch, n_q = t["q"].shape[:2]
+    keys = torch.arange(batch * n_q, dtype=torch.int32, device=dev).view(batch, n_q)  # noise key per head
+    gumbel = ScoreUpdate(t["score"], "gumbel", 1.0, keys, torch.ones(1, device=dev))
     impls = {
         "paged": lambda: paged_decode_attention_triton(*args, scale=t["scale"]),
         "paged+h2o-score": lambda: paged_decode_attention_triton(*args, scale=t["scale"], scores=h2o),
+        "paged+keyformer-score": lambda: paged_decode_attention_triton(*args, scale=t["scale"],
+                                                                       scores=gumbel),
         "sdpa-dense": lambda: F.scaled_dot_product_attention(q4, t["k_dense"], t["v_dense"], scale=t["scale"],
                                                              enable_gqa=True),
     }
@@ -408,7 +419,7 @@ def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) ->
         st.emit("decode", shape=shape, impl=impl, us=s * 1e6, gb_s=gb_s, pct_of_copy=100 * gb_s / copy_gb_s,
                 timed_by=how, kv_bytes=t["kv_bytes"], config="default" if impl != "sdpa-dense" else None)
     if shape != "B1-L32768":  # where the fused score update's cost goes: each kernel's share of a call
-        for impl in ("paged", "paged+h2o-score"):
+        for impl in ("paged", "paged+h2o-score", "paged+keyformer-score"):
             try:
                 st.emit("decode_kernels", shape=shape, impl=impl, **_kernel_times(st, impls[impl]))
             except Exception:  # noqa: BLE001 -- the profiler: recorded, the timings above stand
@@ -1347,6 +1358,10 @@ def _decode_rows(kinds: dict[str, list[dict[str, Any]]], best: dict[str, dict[st
         ok = None if not (a and s) else s["us"] <= 1.05 * a["us"]
         rows.append((f"fused score update at {shape} costs <= 5%",
                      "—" if ok is None else f"{100 * (s['us'] / a['us'] - 1):+.1f}%", _verdict(ok)))
+        g = decode.get((shape, "paged+keyformer-score"))
+        if a and g:  # Keyformer's update: the Gumbel noise hashed in the kernel (no buffer read)
+            rows.append((f"fused Keyformer score update at {shape}", f"{100 * (g['us'] / a['us'] - 1):+.1f}%",
+                         "(reference)"))
     return rows
 
 

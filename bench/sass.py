@@ -35,10 +35,11 @@ if str(ROOT / "src") not in sys.path:
 
 # The H200 bench's quant stage shape: Llama-3-8B heads (32 query, 8 KV, dim 128), bf16, pages of 16, 4k.
 BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
-# int4+float: KIVI's float residual as a second region; +h2o: the fused score update (logits kept).
+# int4+float: KIVI's float residual as a second region; +h2o: the fused score update (logits kept);
+# +keyformer: Gumbel's, its noise hashed in the kernel.
 # "/prefetch": kvkernels.quant_attention.PREFETCH_TILES on (the loads a tile ahead by hand); without it, off.
-CASES = ("native", "native+h2o", "int8", "int4", "int2", "int4+float", "int4+h2o", "int8/prefetch",
-         "int4/prefetch", "int4+h2o/prefetch")
+CASES = ("native", "native+h2o", "native+keyformer", "int8", "int4", "int2", "int4+float", "int4+h2o",
+         "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch")
 OPS = {"hmma": "HMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL", "stl": "STL",
        "sts": "STS", "lds": "LDS", "ldsm": "LDSM", "bar": "BAR", "shfl": "SHFL", "prmt": "PRMT", "i2f": "I2F",
        "f2fp": "F2FP"}  # shared-memory stores/loads, barriers, shuffles: layout conversions between steps
@@ -65,6 +66,9 @@ def _launch(case: str) -> None:
     scores = None
     if case.endswith("+h2o"):
         scores = ScoreUpdate(t(pages, PAGE, HKV, dt=torch.float32), "accumulate")
+    if case.endswith("+keyformer"):  # Gumbel noise hashed in the kernel from one key per sequence
+        keys, tau = t(BATCH, HQ, dt=torch.int32), t(1, dt=torch.float32)
+        scores = ScoreUpdate(t(pages, PAGE, HKV, dt=torch.float32), "gumbel", 1.0, keys, tau)
     if case.startswith("native"):
         pool = t(pages, PAGE, HKV, D, dt=bf16)
         paged_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, scores=scores,

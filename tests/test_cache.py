@@ -346,20 +346,32 @@ def test_attend_without_score_update_reads_the_same_and_writes_nothing():
     assert not torch.equal(cache.slot_score, before)  # the scoring call did write
 
 
-def test_noise_helpers_are_what_the_cache_draws():
-    from kvkernels import draw_gumbel_, noise_seed
+def test_noise_keys_are_what_the_cache_draws():
+    """Each decode step's Gumbel noise keys are ``decode_keys(noise_seed(policy seed, cache seed), step)``:
+    fresh every step, the step counted from ``start``, one per (layer, row, query head); the cache holds no
+    noise buffer (later turns continue the count: tests/test_decoder.py)."""
+    from kvkernels import decode_keys, noise_seed
 
-    run = FakeRun(2, 1, 2, 4, [5, 3], 1, seed=0)
+    run = FakeRun(2, 1, 2, 4, [5, 3], 2, seed=0)
     cache = run.cache(compose("keyformer", budget=4, seed=7), page_size=2, seed=3)
     assert cache._noise_seed == noise_seed(7, 3) != noise_seed(3, 7)
+    assert not hasattr(cache, "gumbel_noise")  # no [layers, rows, Hq, slots] buffer
     run.prefill(cache)
-    cache.prepare_decode(0)
-    width = int(cache.host.lens.max())
-    # The cache draws on its device with a generator of that device (CUDA and CPU streams differ).
-    gen = torch.Generator(device=cache.device).manual_seed(noise_seed(7, 3))
-    want = draw_gumbel_(torch.empty(2, 2, 2, width, device=cache.device), gen)
-    assert torch.equal(cache.gumbel_noise[:, :, :, :width], want)
-    assert torch.isfinite(want).all() and want.std() > 0.5  # Gumbel(0, 1): std pi / sqrt(6)
+    seen = []
+    for step in range(2):
+        cache.prepare_decode(step)
+        assert cache.gumbel_keys.shape == (2, cache.max_batch, 2) and cache.gumbel_keys.dtype == torch.int32
+        want = decode_keys(noise_seed(7, 3), step, 2, 2, 2)  # [layers, rows, query heads]
+        assert torch.equal(cache.gumbel_keys[:, :2].cpu(), want)
+        seen.append(want)
+        pos = run.step_positions(step)
+        for l in range(2):
+            q, k, v = run.steps[step][l]
+            cache.append(l, k, v, pos)
+            cache.attend(l, q, pos, scale=run.scale)
+        cache.after_step(step)
+    assert not torch.equal(seen[0], seen[1])  # fresh keys every step
+    assert len(set(torch.cat(seen).flatten().tolist())) == 16  # distinct per (step, layer, row, head)
 
 
 def test_observe_stores_only_what_the_budget_policy_reads():

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given
 
+from kvkernels import gumbel_noise_keyed
 from kvpolicies import available, compose, get_policy
 from reference_policies import default_prefill_noise, simulate
 from test_cache import FakeRun, check_invariants
@@ -99,8 +100,8 @@ def check_against_reference(name: str, case, params: dict | None = None) -> None
     noise = []  # noise[t][l] [B, Hq, Lmax]
     for t in range(n_steps):
         cache.prepare_decode(t)
-        if cache.gumbel_noise is not None:
-            noise.append(cache.gumbel_noise.to("cpu", copy=True))  # a copy: the next step redraws it
+        if cache.gumbel_keys is not None:  # the noise the kernel hashes from this step's keys
+            noise.append(gumbel_noise_keyed(cache.gumbel_keys.cpu(), cache.max_pages * page_size))
         pos = run.step_positions(t)
         for l in range(n_layers):
             q, k, v = run.steps[t][l]

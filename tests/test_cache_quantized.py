@@ -19,6 +19,7 @@ import torch._dynamo
 from hypothesis import example, given
 
 from devices import DEVICE
+from kvkernels import gumbel_noise_keyed
 from kvkernels.quant import QuantFormat, dequantize_rows, quantize_rows
 from kvpolicies import compose
 from test_cache import FakeRun, check_invariants, dense_attention
@@ -662,7 +663,7 @@ def test_channel_separable_keys_come_back_exactly_from_float_rows():
 @st.composite
 def residual_eviction_cases(draw):
     eviction = draw(st.sampled_from(["h2o(recent=1)", "a2sf", "scissorhands", "tova(per_head=True)", "tova",
-                                     "streaming", "knorm"]))
+                                     "streaming", "knorm", "keyformer"]))
     bits, group = draw(st.sampled_from([(4, 2), (8, 4), (2, 2)]))
     residual = draw(st.sampled_from([1, 2, 4]))
     high, salient = 16 if bits == 8 else 8, draw(st.sampled_from([0.3, 0.5]))
@@ -679,6 +680,19 @@ def residual_eviction_cases(draw):
     n_kv, gqa = draw(st.sampled_from([(1, 1), (2, 2), (1, 3)]))
     budget = draw(st.sampled_from([0.3, 0.5, 0.8]))
     return eviction, spec, page_size, lens, n_kv, gqa, budget, draw(st.integers(0, 99))
+
+
+def logical_slots(cache, l, b) -> list[dict[int, int]]:
+    """Per KV head: position -> the slot the decode kernel gives it in the sequence's one softmax (the side
+    region's slots first, in slot order, then the main region's): the slot Gumbel's noise is hashed with."""
+    side_pos = cache.side.held(l, b)[2]  # [n1, Hkv], slot order
+    s, S = cache.layout.storage[l], cache.page_size
+    n = int(cache.seq_lens[s, b])
+    pages = cache.page_table[s, b, :math.ceil(n / S)].long()
+    main_pos = cache.slot_pos[pages].flatten(0, 1)[:n]  # [n, Hkv], slot order
+    return [{**{int(x): i for i, x in enumerate(side_pos[:, h].tolist())},
+             **{int(x): len(side_pos) + i for i, x in enumerate(main_pos[:, h].tolist())}}
+            for h in range(side_pos.shape[1])]
 
 
 def held_with_scores(cache, l, b):
@@ -706,6 +720,10 @@ def held_with_scores(cache, l, b):
 @example(case=("snapkv(window=2)", "zipcache(high=16, low=4, group=2, salient=0.3, every=3)", 1, [12, 5], 1,
                3, 0.5, 1))  # ZipCache re-compressing without eviction
 @example(case=("a2sf", "zipcache(high=8, low=4, group=2, salient=0.3, every=1)", 1, [1], 1, 1, 0.3, 0))
+@example(case=("keyformer", "kivi(bits=4, group=2, residual=2)", 3, [9, 5], 2, 2, 0.3, 0))  # Gumbel: both
+@example(case=("keyformer", "mikv(low=4, group=2)", 4, [12, 2], 1, 3, 0.5, 1))  # regions' noise, its slots
+@example(case=("keyformer", "zipcache(high=8, low=2, group=2, salient=0.5, every=2)", 3, [9, 5], 2, 2, 0.3,
+               2))
 def test_two_formats_with_eviction_while_decoding(case):
     """Two formats under a policy that evicts while decoding. Each step attends to both regions in one
     softmax (dense reference) and updates both regions' scores by the policy's rule; tokens move between
@@ -718,6 +736,8 @@ def test_two_formats_with_eviction_while_decoding(case):
     - MiKV (H2O + MiKV): nothing leaves the cache; the main region keeps the plan's budget, and the tokens the
       policy evicts from it (each head's lowest-ranked past the sinks and the recent window; one selection for
       a layer's heads where the policy shares it) move to the low bits.
+    - Keyformer over any of them: the same, its scores Gumbel's, the noise of each token hashed with the
+      slot the kernel gives it in the one softmax (the side region's slots first, then the main region's).
     - ZipCache (H2O + ZipCache; SnapKV, which scores nothing while decoding, gets accumulated attention):
       every ``every`` waiting tokens (or sooner, under eviction, when the high bits alone exceed the budget)
       the high bits keep the settled tokens and the salient share of the waiting ones, by normalized score
@@ -744,6 +764,7 @@ def test_two_formats_with_eviction_while_decoding(case):
         for l, (q, k, v) in enumerate(run.steps[t]):
             cache.append(l, k, v, pos_t)
             before = [held_with_scores(cache, l, b) for b in range(B)]
+            slot_of = [logical_slots(cache, l, b) for b in range(B)]
             out = cache.attend(l, q, pos_t, scale=run.scale)
             after = [held_with_scores(cache, l, b) for b in range(B)]
             for b in range(B):
@@ -759,7 +780,13 @@ def test_two_formats_with_eviction_while_decoding(case):
                     if cache.score_mode == "none":  # (knorm's scores are its own tokens'; streaming: none)
                         assert all(after[b][h][x][3] == held[x][3] for x in positions)
                         continue
-                    probs = torch.softmax(run.scale * qh.float() @ ks[:, 0].float().t(), dim=-1)  # [G, n]
+                    logits = run.scale * qh.float().cpu() @ ks[:, 0].float().cpu().t()  # [G, n]
+                    if cache.score_mode == "gumbel":  # Keyformer: the noise of each token's slot, tempered
+                        keys = cache.gumbel_keys[l, b, h * gqa:(h + 1) * gqa].cpu()
+                        slots = torch.tensor([slot_of[b][h][x] for x in positions])
+                        noise = gumbel_noise_keyed(keys, int(slots.max()) + 1)[:, slots]
+                        logits = (logits + noise) / float(cache.temperature)
+                    probs = torch.softmax(logits, dim=-1)
                     old = torch.tensor([[held[x][3] for x in positions]])
                     new = update_scores_ref(old, probs.mean(dim=0, keepdim=True), cache.score_mode,
                                             decay=cache.decay,

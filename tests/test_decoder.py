@@ -211,6 +211,25 @@ def test_compressing_policies_hold_their_budget_and_the_model_kv(prompts, follow
         rec.check(slack=0 if policy.eviction.decode_evict else n_new - 1)
 
 
+def test_keyformer_draws_fresh_noise_keys_on_every_turn():
+    """A follow-up turn continues the decode steps' noise keys from the first turn's (a restarted decode does
+    not repeat a turn's noise), and every step's keys are ``decode_keys`` of the steps counted so far."""
+    from kvkernels import decode_keys
+
+    dec = Decoder(MODEL, compose("keyformer", budget=6), page_size=4)
+    seen, counts = [], []
+    for turn in ([5, 3, 8, 1, 9, 2, 7, 11], [4, 6]):
+        dec.extend([turn])
+        dec.generate(3)  # the first token from the turn's forward, then decode steps
+        seen.append(dec.cache.gumbel_keys[:, :1].cpu().clone())  # the turn's last step's keys
+        counts.append(dec.cache._noise_step)
+    assert counts[0] > 0 and counts[1] == 2 * counts[0]  # the second turn's steps continue the count
+    cache = dec.cache
+    n_layers, _, n_heads = cache.gumbel_keys.shape
+    for count, keys in zip(counts, seen, strict=True):
+        assert torch.equal(keys, decode_keys(cache._noise_seed, count - 1, n_layers, 1, n_heads))
+
+
 @pytest.mark.parametrize("spec", ["h2o", "a2sf"])
 def test_scores_of_an_extension_continue_as_decode_steps_would(spec):
     """Nothing evicted (a budget above everything): the scores after decoding tokens one step at a time

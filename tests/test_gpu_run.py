@@ -61,7 +61,8 @@ def test_smoke_run_every_stage_ok(tmp_path):
             "capacity", "quant_probe"} <= kinds
     breakdown = [r for r in records if r["kind"] == "decode_kernels"]
     assert {(r["shape"], r["impl"]) for r in breakdown} == {(f"B{b}-L{n}", impl) for b, n in gpu.SMOKE.decode
-                                                            for impl in ("paged", "paged+h2o-score")}
+                                                            for impl in ("paged", "paged+h2o-score",
+                                                                         "paged+keyformer-score")}
     assert all(r["kernels_us"] and r["total_us"] > 0 for r in breakdown), breakdown
     compaction = [r for r in records if r["kind"] == "compaction_kernels"]
     assert [r["op"] for r in compaction] == ["topk_compact", "topk_evict max_excess=1"]

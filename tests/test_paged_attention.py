@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from devices import DEVICE, KERNEL_DTYPES, assert_within
 from kvkernels._modes import SCORE_MODES
+from kvkernels._noise import gumbel_noise_keyed
 from kvkernels.paged_attention import (
     Alibi,
     Restore,
@@ -45,7 +46,8 @@ class Case:
     seq_lens: torch.Tensor  # [B] int32
     q_pos: torch.Tensor  # [B] int32
     slopes: torch.Tensor  # [Hq] f32
-    noise: torch.Tensor  # [B, Hq, M * S] f32
+    noise_key: torch.Tensor  # [B, Hq] int32: ScoreUpdate.gumbel_key
+    noise: torch.Tensor  # [B, Hq, M * S] f32: the Gumbel noise the key stands for (gumbel_noise_keyed)
     temperature: torch.Tensor  # [1] f32
 
     @property
@@ -91,6 +93,7 @@ def make_case(seed: int, lens: list[int], *, page_size: int, n_kv_heads: int, gr
             slots = torch.arange(n)
             p[page_table[b, slots // S].long(), slots % S] = d[b, :n]
         pool[name] = p.to(device)
+    noise_key = torch.randint(-2**31, 2**31 - 1, (batch, n_q_heads), generator=gen, dtype=torch.int32)
     return Case(
         lens=list(lens), page_size=S,
         q=randn(batch, n_q_heads, head_dim).to(dtype).to(device),
@@ -98,7 +101,8 @@ def make_case(seed: int, lens: list[int], *, page_size: int, n_kv_heads: int, gr
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         q_pos=(pos[:, -1].amax(1) + torch.randint(0, 3, (batch,), generator=gen)).to(device, torch.int32),
         slopes=(torch.rand(n_q_heads, generator=gen) * 0.5).to(device),
-        noise=randn(batch, n_q_heads, max_pages * S).to(device),
+        noise_key=noise_key.to(device),
+        noise=gumbel_noise_keyed(noise_key, max_pages * S).to(device),
         temperature=torch.tensor([0.5 + torch.rand(1, generator=gen).item() * 1.5], device=device),
     )
 
@@ -112,7 +116,7 @@ def op_kwargs(case: Case, *, mode: str, alibi: bool, k_scale: bool, v_scale: boo
     return dict(
         scale=case.q.shape[-1] ** -0.5,
         alibi=Alibi(case.slopes, pool["slot_pos"], case.q_pos) if alibi else None,
-        scores=None if score is None else ScoreUpdate(score, mode, DECAY, case.noise if gumbel else None,
+        scores=None if score is None else ScoreUpdate(score, mode, DECAY, case.noise_key if gumbel else None,
                                                       case.temperature if gumbel else None),
         restore=Restore(pool["k_scale"] if k_scale else None, pool["v_scale"] if v_scale else None,
                         pool["slot_mask"] if mask else None, MASK_BIT) if restore else None,
@@ -430,9 +434,11 @@ BAD_INPUTS = [
     ("score_dtype", _scores(lambda s: {"score": s.score.double()}), TypeError, r"scores\.score has dtype"),
     ("score_missing", _scores(lambda s: {"score": None}), ValueError, r"pass scores\.score"),
     ("mode", _scores(lambda s: {"mode": "h2o"}), ValueError, r"scores\.mode='h2o'"),
-    ("gumbel_no_noise", _scores(lambda s: {"mode": "gumbel"}), ValueError, r"needs scores\.gumbel_noise"),
-    ("noise_short", _scores(lambda s: {"mode": "gumbel", "gumbel_noise": torch.zeros(2, 4, 3)}), ValueError,
-     r"scores\.gumbel_noise has 3 slots"),
+    ("gumbel_no_key", _scores(lambda s: {"mode": "gumbel"}), ValueError, r"needs scores\.gumbel_key"),
+    ("key_shape", _scores(lambda s: {"mode": "gumbel", "gumbel_key": torch.zeros(2, 3, dtype=torch.int32)}),
+     ValueError, r"scores\.gumbel_key must have shape"),
+    ("key_dtype", _scores(lambda s: {"mode": "gumbel", "gumbel_key": torch.zeros(2, 4)}), TypeError,
+     r"scores\.gumbel_key has dtype"),
     ("temperature", _scores(lambda s: {"temperature": torch.ones(2)}), ValueError,
      r"scores\.temperature must have"),
     ("alibi_no_pos", lambda a: {"alibi": Alibi(torch.ones(4), None, None)}, ValueError, r"alibi\.slot_pos"),
@@ -500,7 +506,7 @@ def _flat(kw: dict) -> dict:
     alibi, scores, restore = kw["alibi"], kw["scores"], kw["restore"] or Restore()
     return dict(scale=kw["scale"], alibi_slopes=alibi.slopes, slot_pos=alibi.slot_pos, q_pos=alibi.q_pos,
                 score=scores.score, score_mode=scores.mode, decay=scores.decay,
-                gumbel_noise=scores.gumbel_noise, temperature=scores.temperature, k_scale=restore.k_scale,
+                gumbel_key=scores.gumbel_key, temperature=scores.temperature, k_scale=restore.k_scale,
                 v_scale=restore.v_scale, slot_mask=restore.slot_mask, mask_bit=restore.mask_bit,
                 num_splits=kw["num_splits"])
 
@@ -521,14 +527,14 @@ def test_compile_fullgraph_matches_eager(scored):
     case = make_case(7, [0, 6, 13], page_size=4, n_kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
                      device=torch.device("cpu"))
 
-    def step(q, k_pages, v_pages, page_table, seq_lens, score, noise, tau):
-        scores = ScoreUpdate(score, "gumbel", gumbel_noise=noise, temperature=tau) if scored else None
+    def step(q, k_pages, v_pages, page_table, seq_lens, score, key, tau):
+        scores = ScoreUpdate(score, "gumbel", gumbel_key=key, temperature=tau) if scored else None
         out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=0.2, scores=scores)
         return out * 2.0
 
     def args(score):
         return (case.q, case.pool["k_pages"], case.pool["v_pages"], case.page_table, case.seq_lens, score,
-                case.noise, case.temperature)
+                case.noise_key, case.temperature)
 
     s_eager, s_comp = case.pool["score"].clone(), case.pool["score"].clone()
     compiled = torch.compile(step, fullgraph=True, backend="inductor")

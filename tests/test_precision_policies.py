@@ -129,8 +129,9 @@ def test_zipcache_needs_scores_at_assign():
 def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
     """The paged cache stores one format (kivi, residual 0) with any eviction policy, those that update
     scores while decoding too (the quantized decode kernel fuses the update), and two formats (kivi's
-    residual, zipcache, mikv) after a prompt-only compression or with eviction while decoding (but
-    Gumbel-scored keyformer); the rest is refused up front, each naming the fix."""
+    residual, zipcache, mikv) after a prompt-only compression or with eviction while decoding (Gumbel-scored
+    keyformer too: its noise is hashed per logical slot of both regions); the rest is refused up front, each
+    naming the fix."""
     from kvmodels.cache import PagedKVCache
     from kvmodels.decoder import Decoder
     from kvmodels.llama import Llama, LlamaConfig
@@ -165,10 +166,8 @@ def test_the_paged_cache_refuses_what_it_cannot_store_by_name():
     cache("snapkv", "zipcache(group=8, every=0)")  # prompt-only: new tokens stay at the high bits
     for ev in ("streaming", "h2o", "tova", "scissorhands", "a2sf", "knorm"):  # kivi's residual: evicts too
         cache(ev, "kivi(group=8)")
-    with pytest.raises(ValueError, match="two formats; eviction 'keyformer' scores with Gumbel noise"):
-        cache("keyformer", "kivi(group=8)")
-    with pytest.raises(ValueError, match="two formats; eviction 'keyformer' scores with Gumbel noise"):
-        cache("keyformer", "zipcache(group=8)")
+    for spec in ("kivi(group=8)", "zipcache(group=8)", "mikv(group=8)"):  # both regions Gumbel-scored
+        cache("keyformer", spec)
     cache("h2o", "kivi(residual=0, group=8)")  # one format: the quantized decode kernel fuses the scores
     cache("keyformer", "kivi(bits=2, residual=0, group=8)")
     with pytest.raises(ValueError, match="two formats, which the paged cache holds for one row per sequence"):

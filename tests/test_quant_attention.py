@@ -280,11 +280,11 @@ def test_the_score_update_is_fused_as_on_native_pages(impl, device, case, mode, 
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
     g = torch.Generator().manual_seed(case[9] + 7)
     score = torch.rand(*kq.shape[:3], generator=g)
-    noise = torch.randn(q.shape[0], q.shape[1], table.shape[1] * kq.shape[1], generator=g)
+    key = torch.randint(-2**31, 2**31 - 1, q.shape[:2], generator=g, dtype=torch.int32)  # gumbel's noise
     temperature = None if tau is None else torch.tensor([tau])
 
     def bundle(score, dev):
-        return ScoreUpdate(score, mode, 0.9, noise.to(dev) if mode == "gumbel" else None,
+        return ScoreUpdate(score, mode, 0.9, key.to(dev) if mode == "gumbel" else None,
                            None if temperature is None else temperature.to(dev))
 
     want_score = score.clone()
@@ -305,29 +305,28 @@ def test_the_score_update_is_fused_as_on_native_pages(impl, device, case, mode, 
        splits=st.sampled_from([1, 3]))
 def test_prefetching_tiles_changes_no_bit(two, mode, splits):
     """The kernel with its loads a tile ahead (``PREFETCH_TILES``) computes what the kernel without does, bit
-    for bit in the interpreter: outputs and updated scores (of both regions), one or two regions (gumbel:
-    one), one split or three. Compiled
+    for bit in the interpreter: outputs and updated scores (of both regions), one or two regions, one split
+    or three. Compiled
     for sm_90 the 4-bit outputs differed in their last bits (bench/results/nvidia-h200-2026-11-27, run 10):
     on CUDA, within float rounding."""
     case, lens2, fmt2 = two
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, DEVICE)
-    second = build_second(case, lens2, fmt2, DEVICE) if mode != "gumbel" else None  # gumbel: one region
+    second = build_second(case, lens2, fmt2, DEVICE)
     g = torch.Generator().manual_seed(case[9] + 3)
     score = torch.rand(*kq.shape[:3], generator=g).to(DEVICE)
-    noise = torch.randn(q.shape[0], q.shape[1], table.shape[1] * kq.shape[1], generator=g).to(DEVICE)
-    score2 = None if second is None else torch.rand(*second.k_pages.shape[:3], generator=g).to(DEVICE)
+    key = torch.randint(-2**31, 2**31 - 1, q.shape[:2], generator=g, dtype=torch.int32).to(DEVICE)
+    score2 = torch.rand(*second.k_pages.shape[:3], generator=g).to(DEVICE)
     outs = []
     for bits in (0, 8):  # off, then on for every width
         impl = prefetching(quant_decode_attention_triton, bits)
-        s, s2 = score.clone(), None if score2 is None else score2.clone()
-        bundle = None if mode == "none" else ScoreUpdate(s, mode, 1.0, noise if mode == "gumbel" else None)
+        s, s2 = score.clone(), score2.clone()
+        bundle = None if mode == "none" else ScoreUpdate(s, mode, 1.0, key if mode == "gumbel" else None)
         out = impl(q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt,
-                   second=None if second is None else second._replace(score=s2), scores=bundle,
-                   num_splits=splits)
-        outs.append((out.cpu(), s.cpu(), None if s2 is None else s2.cpu()))
+                   second=second._replace(score=s2), scores=bundle, num_splits=splits)
+        outs.append((out.cpu(), s.cpu(), s2.cpu()))
     if DEVICE.type == "cpu":
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-        assert second is None or torch.equal(outs[0][2], outs[1][2])
+        assert torch.equal(outs[0][2], outs[1][2])
     else:
         tol = 2e-3 if case[8] == torch.float16 else 2e-5
         torch.testing.assert_close(outs[1][0], outs[0][0], rtol=tol, atol=tol)
@@ -335,7 +334,16 @@ def test_prefetching_tiles_changes_no_bit(two, mode, splits):
         torch.testing.assert_close(outs[1][2], outs[0][2], rtol=tol, atol=tol)
 
 
-TWO_REGION_MODES = ["accumulate", "decay", "replace", "count_low"]  # gumbel: one region (its noise's slots)
+TWO_REGION_MODES = ["accumulate", "gumbel", "decay", "replace", "count_low"]
+
+
+def scored(score: torch.Tensor, mode: str, q: torch.Tensor, seed: int) -> ScoreUpdate:
+    """A score update of ``mode`` (gumbel: random noise keys per query head and a temperature of 1.3)."""
+    if mode != "gumbel":
+        return ScoreUpdate(score, mode, 0.9)
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randint(-2**31, 2**31 - 1, q.shape[:2], generator=g, dtype=torch.int32)
+    return ScoreUpdate(score, mode, 0.9, key.to(score.device), torch.tensor([1.3], device=score.device))
 
 
 @IMPLS
@@ -343,8 +351,9 @@ TWO_REGION_MODES = ["accumulate", "decay", "replace", "count_low"]  # gumbel: on
 def test_the_score_update_covers_both_regions(impl, device, two, mode):
     """A cache in two formats (KIVI: older tokens packed, the newest as float rows) scores the tokens of both
     regions from the one softmax over both: the output and both score tensors, updated in place, equal the
-    reference (the native reference over each sequence's rows of both regions laid end to end); count_low's
-    threshold counts both regions' slots; slots of no sequence keep their scores."""
+    reference (the native reference over each sequence's rows of both regions laid end to end; Gumbel's noise
+    by those slots: the second region's slot j at the sequence's len1 + j); count_low's threshold counts both
+    regions' slots; slots of no sequence keep their scores."""
     case, lens2, fmt2 = two
     if mode == "count_low" and case[8] != torch.float32:
         case = (*case[:8], torch.float32, case[9])  # a threshold compare: float16 rounding may flip it
@@ -355,11 +364,11 @@ def test_the_score_update_covers_both_regions(impl, device, two, mode):
     want_score, want_score2 = score.clone(), score2.clone()
     want = reference(impl, device, q, kq, vq, table, lens, scale=0.3, k_format=k_fmt, v_format=v_fmt,
                      second=second._replace(score=want_score2),
-                     scores=ScoreUpdate(want_score, mode, 0.9)).float()
+                     scores=scored(want_score, mode, q, case[9])).float()
     got_score, got_score2 = score.clone().to(device), score2.clone().to(device)
     second_dev = Region(*(t.to(device) for t in second[:4]), fmt2, fmt2, got_score2)
     got = impl(*(t.to(device) for t in (q, kq, vq, table, lens)), scale=0.3, k_format=k_fmt, v_format=v_fmt,
-               second=second_dev, scores=ScoreUpdate(got_score, mode, 0.9)).cpu().float()
+               second=second_dev, scores=scored(got_score, mode, q, case[9])).cpu().float()
     tol = 2e-3 if case[8] == torch.float16 else 2e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(got_score.cpu(), want_score, rtol=tol, atol=tol)
@@ -402,11 +411,11 @@ def test_the_reference_of_two_scored_regions_is_one_scored_region_over_all_their
         both = [s.clone() for s in scores]
         out = quant_decode_attention_ref(q, kq, vq, table, lens, scale=0.3, k_format=fmt, v_format=fmt,
                                          second=second._replace(score=both[1]),
-                                         scores=ScoreUpdate(both[0], mode, 0.8))
+                                         scores=scored(both[0], mode, q, 2))
         one_table = torch.arange(3, dtype=torch.int32)[:, None]  # one page of n slots per sequence
         one_lens = torch.tensor([len(r) for r in rows], dtype=torch.int32)
         one = quant_decode_attention_ref(q, flat_k, flat_v, one_table, one_lens, scale=0.3, k_format=fmt,
-                                         v_format=fmt, scores=ScoreUpdate(flat_score, mode, 0.8))
+                                         v_format=fmt, scores=scored(flat_score, mode, q, 2))
         torch.testing.assert_close(out, one)
         want = [s.clone() for s in scores]
         for b, slots in enumerate(rows):
@@ -417,7 +426,7 @@ def test_the_reference_of_two_scored_regions_is_one_scored_region_over_all_their
         assert not torch.equal(both[1], scores[1]) or mode == "count_low"
 
 
-def test_a_score_update_over_two_regions_needs_both_scores_and_no_gumbel():
+def test_a_score_update_over_two_regions_needs_both_scores():
     case = (4, 2, 2, 32, QuantFormat(4, 16), QuantFormat(4, 16), [5, 3], torch.float16, torch.float32, 0)
     q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, "cpu")
     second = build_second(case, [1, 2], None, "cpu")
@@ -429,9 +438,8 @@ def test_a_score_update_over_two_regions_needs_both_scores_and_no_gumbel():
 
     with pytest.raises(ValueError, match="second.score"):  # the second region's scores are missing
         call(second, ScoreUpdate(score, "accumulate"))
-    noise = torch.zeros(2, 4, table.shape[1] * 4)
-    with pytest.raises(ValueError, match="gumbel.*first region's slots"):
-        call(second._replace(score=score2), ScoreUpdate(score, "gumbel", gumbel_noise=noise))
+    with pytest.raises(ValueError, match="second.score"):  # gumbel scores both regions too
+        call(second, ScoreUpdate(score, "gumbel", gumbel_key=torch.zeros(2, 4, dtype=torch.int32)))
     with pytest.raises(ValueError, match="second.score"):
         call(second._replace(score=torch.zeros(score2.shape[0] + 1, 4, 2)), ScoreUpdate(score, "accumulate"))
     with pytest.raises(TypeError, match="second.score"):

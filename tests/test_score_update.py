@@ -455,20 +455,25 @@ def test_prefill_attention_scores_refuses_other_modes_and_bad_v():
 
 # --- the noise hash --------------------------------------------------------------------------------
 
-def _hash_python(seed, head, q_idx, k_idx):
-    """The documented hash with Python big ints (no 16-bit split), as an independent oracle."""
-    def fmix(h):
-        h ^= h >> 16
-        h = (h * 0x85EBCA6B) % 2**32
-        h ^= h >> 13
-        h = (h * 0xC2B2AE35) % 2**32
-        return h ^ (h >> 16)
+def _absorb_python(h, v):
+    """The documented ``absorb`` with Python big ints (no 16-bit split), as an independent oracle."""
+    h = ((h ^ v) + 0x9E3779B9) % 2**32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) % 2**32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) % 2**32
+    return h ^ (h >> 16)
 
-    absorb = lambda h, v: fmix(((h ^ v) + 0x9E3779B9) % 2**32)
+
+def _seed_key_python(seed):
     s = seed % 2**64
-    h = absorb(absorb(0x243F6A88, s % 2**32), s >> 32)
+    return _absorb_python(_absorb_python(0x243F6A88, s % 2**32), s >> 32)
+
+
+def _hash_python(seed, head, q_idx, k_idx):
+    h = _seed_key_python(seed)
     for v in (head, q_idx, k_idx):
-        h = absorb(h, v)
+        h = _absorb_python(h, v)
     return h
 
 
@@ -508,6 +513,49 @@ def test_noise_is_deterministic_and_gumbel_distributed():
     assert abs(torch.corrcoef(torch.stack([g[:, :, :-1].flatten(), g[:, :, 1:].flatten()]))[0, 1]) < 0.01
     assert not torch.equal(g, gumbel_noise_hash(8, heads, q_idx, k_idx))
     assert not torch.equal(g[0], g[1])
+
+
+def _keyed_gumbel_python(key: int, slot: int) -> float:
+    """``gumbel_noise_keyed``'s value from exact Python ints (``key`` unsigned), in float64."""
+    u = ((_absorb_python(key, slot) >> 9) + 0.5) / 2**23
+    return -math.log(-math.log(u))
+
+
+def test_keyed_noise_and_decode_keys_match_python_oracle():
+    """The decode kernels' noise (``gumbel_noise_keyed``) and the cache's per-step keys (``decode_keys``)
+    against exact Python ints: keys near both ends of int32, slots across the grid."""
+    from kvkernels import decode_keys, gumbel_noise_keyed
+
+    keys = torch.tensor([[0, 1, -1], [2**31 - 1, -2**31, 123456789]], dtype=torch.int32)
+    g = gumbel_noise_keyed(keys, 300)  # [2, 3, 300]
+    assert g.shape == (2, 3, 300) and g.dtype == torch.float32
+    for b, h in [(b, h) for b in range(2) for h in range(3)]:
+        key = int(keys[b, h])
+        want = [_keyed_gumbel_python(key & 0xFFFFFFFF, j) for j in range(300)]
+        torch.testing.assert_close(g[b, h].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6,
+                                   atol=1e-6)
+    for seed, step in ((0, 0), (2**62 - 1, 7), (12345, 2**32 + 5)):
+        base = _absorb_python(_seed_key_python(seed), step % 2**32)
+        want = [[[_absorb_python(_absorb_python(_absorb_python(base, l), b), h) for h in range(2)]
+                 for b in range(3)] for l in range(4)]
+        assert (decode_keys(seed, step, 4, 3, 2).long() & 0xFFFFFFFF).tolist() == want
+    with pytest.raises(ValueError, match="step=-1"):
+        decode_keys(0, -1, 1, 1, 1)
+
+
+def test_keyed_noise_is_gumbel_distributed_and_fresh_per_key():
+    """One step's noise over every (layer, row, head) key and slot, and the next step's: Gumbel(0, 1)
+    moments, no correlation between neighbouring slots, neighbouring heads or one step and the next."""
+    from kvkernels import decode_keys, gumbel_noise_keyed
+
+    g = gumbel_noise_keyed(decode_keys(3, 0, 8, 16, 8), 512)  # [8, 16, 8, 512]: 524k draws
+    assert torch.isfinite(g).all()
+    assert abs(g.mean().item() - EULER_GAMMA) < 0.01
+    assert abs(g.var().item() - math.pi**2 / 6) < 0.03
+    assert abs(g.le(0).float().mean().item() - math.exp(-1)) < 0.005
+    corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs().item()
+    assert corr(g[..., :-1], g[..., 1:]) < 0.01 and corr(g[:, :, :-1], g[:, :, 1:]) < 0.01
+    assert corr(g, gumbel_noise_keyed(decode_keys(3, 1, 8, 16, 8), 512)) < 0.01
 
 
 @pytest.mark.interpret

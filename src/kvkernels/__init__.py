@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ._checks import check_shape, check_tensor
 from ._modes import SCORE_MODES
-from ._noise import draw_gumbel_, noise_seed, prefill_seed
+from ._noise import decode_keys, gumbel_noise_keyed, noise_seed, prefill_seed
 from .merge import magnitude_direction_merge, merge_region, merge_restore
 from .paged_attention import Alibi, Restore, ScoreUpdate, paged_decode_attention
 from .score_update import COLUMN_SUM_MODES, prefill_attention, prefill_attention_scores, prefill_scores
@@ -29,7 +29,8 @@ __all__ = [
     "ScoreUpdate",
     "check_shape",
     "check_tensor",
-    "draw_gumbel_",
+    "decode_keys",
+    "gumbel_noise_keyed",
     "magnitude_direction_merge",
     "merge_region",
     "merge_restore",

@@ -22,6 +22,11 @@ Python big-int oracle), and a logical right shift is an arithmetic one masked to
 multiply, and most of Keyformer's CPU prefill.) Host-side Python ints (the seed key) use exact unsigned
 arithmetic. Triton uses native ``uint32`` arithmetic. The hash bits agree exactly; ``G`` agrees to the last
 ulp or two of ``log`` (the two ``log`` implementations may round differently).
+
+Decode steps draw fresh noise per step from the same hash, keyed (:func:`gumbel_noise_keyed`): the cache
+hands the decode kernel one 32-bit key per (sequence, query head) and step (:func:`decode_keys`), and the
+noise on slot ``j`` is ``G`` of ``absorb(key, j)``. The kernel computes it where it uses it, so no
+``[layers, B, Hq, slots]`` buffer is drawn, stored or read.
 """
 
 from __future__ import annotations
@@ -94,6 +99,38 @@ def hash_u32(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torch.Tensor)
     return _hash_i32(seed, head, q_idx, k_idx).to(torch.int64) & _MASK32
 
 
+def _gumbel_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``G = -log(-log(u))`` of 32-bit hash values held as int32 (consumed: mapped in place)."""
+    u = bits.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF).to(torch.float32)  # the top 23 bits
+    return u.add_(0.5).mul_(_U_SCALE).log_().neg_().log_().neg_()  # exact u, then -log(-log(u))
+
+
+def gumbel_noise_keyed(keys: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """The decode kernels' Gumbel noise: ``[..., n_slots]`` float32 for ``keys [...]`` int32 (one key per
+    sequence and query head: ``[B, Hq]``).
+
+    ``noise[..., j] = -log(-log(u))`` with ``u`` from ``absorb(keys[...], j)`` (module docstring; ``keys``
+    hold the 32-bit keys' bits as int32), what the Triton helper :func:`gumbel_keyed_tl` computes in the
+    kernel. A cache passes fresh keys every decode step (:func:`decode_keys`), so every step draws fresh,
+    reproducible noise without a buffer.
+    """
+    slots = torch.arange(n_slots, dtype=torch.int32, device=keys.device)
+    return _gumbel_of_bits(_absorb_i32(keys.to(torch.int32)[..., None], slots))
+
+
+def decode_keys(noise_seed: int, step: int, n_layers: int, batch: int, n_heads: int) -> torch.Tensor:
+    """``[n_layers, batch, n_heads]`` int32 keys of decode step ``step``'s Gumbel noise
+    (:func:`gumbel_noise_keyed`), on the CPU: ``absorb`` of ``seed_key(noise_seed)`` with the step, the
+    layer, the row and the query head in turn; distinct per (step, layer, row, head) and reproducible from
+    the cache's :func:`noise_seed` (the prompt's noise uses :func:`prefill_seed` keys)."""
+    if step < 0:
+        raise ValueError(f"step={step} must be >= 0")
+    h = torch.tensor(_as_int32(_absorb(seed_key(noise_seed), step & _MASK32)), dtype=torch.int32)
+    layers, rows, heads = (torch.arange(n, dtype=torch.int32) for n in (n_layers, batch, n_heads))
+    h = _absorb_i32(h, layers)[:, None, None]
+    return _absorb_i32(_absorb_i32(h, rows[None, :, None]), heads[None, None, :])
+
+
 def gumbel_noise_hash(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
     """Reproducible ``Gumbel(0, 1)`` noise for the logit of query ``q_idx`` and key ``k_idx``.
 
@@ -113,9 +150,7 @@ def gumbel_noise_hash(seed: int, head: IntLike, q_idx: torch.Tensor, k_idx: torc
         depends only on ``(seed, head, q_idx, k_idx)``: see the module docstring for the exact hash, which
         the Triton helper :func:`gumbel_noise_tl` reproduces bit for bit.
     """
-    bits = _hash_i32(seed, head, q_idx, k_idx)  # a fresh tensor: mapped in place
-    u = bits.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF).to(torch.float32)  # the top 23 bits
-    return u.add_(0.5).mul_(_U_SCALE).log_().neg_().log_().neg_()  # exact u, then -log(-log(u))
+    return _gumbel_of_bits(_hash_i32(seed, head, q_idx, k_idx))  # a fresh tensor: mapped in place
 
 
 def _as_int32(key: int) -> int:
@@ -149,10 +184,20 @@ if HAS_TRITON:
         return _absorb_tl(h, k_idx.to(tl.int32))
 
     @triton.jit
+    def _uniform_of_bits_tl(bits):
+        """``u`` of 32 hash bits (uint32): the top 23, exact in float32, in ``(0, 1)``."""
+        return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+
+    @triton.jit
     def _uniform_tl(key, head, q_idx, k_idx):
         """The ``u`` of :func:`gumbel_noise_hash`: 23 hash bits, exact in float32, in ``(0, 1)``."""
-        bits = hash_u32_tl(key, head, q_idx, k_idx)
-        return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+        return _uniform_of_bits_tl(hash_u32_tl(key, head, q_idx, k_idx))
+
+    @triton.jit
+    def gumbel_keyed_tl(key, slot):
+        """Triton form of :func:`gumbel_noise_keyed`: ``key`` int32 as loaded from a key tensor, ``slot``
+        int32 (they broadcast, e.g. ``key[:, None]`` and ``slot[None, :]``); float32."""
+        return -tl.log(-tl.log(_uniform_of_bits_tl(_absorb_tl(key.to(tl.uint32, bitcast=True), slot))))
 
     @triton.jit
     def gumbel_noise_tl(key, head, q_idx, k_idx):
@@ -211,24 +256,16 @@ def compile_variants(full: bool = False):
         yield f"gumbel_noise_hash head={head}", thunk
 
 
-# --- seeds and generator-drawn noise shared by both caches ----------------------------------------
+# --- seeds shared by both caches -----------------------------------------------------------------
 
 def noise_seed(policy_seed: int, seed: int) -> int:
     """Seed of a cache's Gumbel noise from the policy's seed and the cache's (e.g. a generation's) seed.
 
-    The paged cache (``kvmodels.cache.PagedKVCache``) seeds its decode generator with it and derives the
-    prompt-scoring seeds from it (:func:`prefill_seed`), so a run with the same seeds draws identical noise.
+    The paged cache (``kvmodels.cache.PagedKVCache``) derives its decode steps' keys (:func:`decode_keys`)
+    and the prompt-scoring seeds (:func:`prefill_seed`) from it, so a run with the same seeds draws
+    identical noise.
     """
     return (int(policy_seed) * 1_000_003 + int(seed)) % 2**62
-
-
-def draw_gumbel_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill ``out`` (float32, any shape) in place with Gumbel(0, 1) noise from ``generator``; return it.
-
-    ``-log(Exp(1))``: one ``exponential_`` draw over ``out`` in its memory order, so the same generator state
-    and the same shape give the same noise everywhere it is drawn.
-    """
-    return out.exponential_(generator=generator).clamp_min_(1e-30).log_().neg_()
 
 
 def prefill_seed(noise_seed: int, l: int, b: int) -> int:

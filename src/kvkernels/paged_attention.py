@@ -25,7 +25,8 @@ Why the score update is finished in the reduce step: a slot's contribution is th
 ``exp(x_g - max_g) / sum_g``, and the normaliser of head ``g`` is only known once every split is done.
 The per-head factors differ, so a split cannot pre-combine its G logits into one number. The partial
 kernel therefore keeps the fp32 logits of the group in a scratch ``[B, Hq, Lmax]`` (written once, read
-once) and the reduce kernel turns them into probabilities. That costs ``8 * G`` bytes per slot and KV
+once; Gumbel's noised, tempered logits, the noise hashed in the kernel from ``ScoreUpdate.gumbel_key``)
+and the reduce kernel turns them into probabilities. That costs ``8 * G`` bytes per slot and KV
 head on top of ``4 * D`` bytes of 16-bit K and V (about 6% at G=4, D=128), where recomputing the logits
 would re-read K (50%). With ``score_mode="none"`` no scratch is allocated or touched.
 """
@@ -39,12 +40,15 @@ import torch
 
 from kvkernels import _checks
 from kvkernels._modes import SCORE_MODES, update_scores_ref
+from kvkernels._noise import gumbel_noise_keyed
 from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
 from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from kvkernels._noise import gumbel_keyed_tl
 else:  # pragma: no cover - the CPU path never needs triton
     triton = None
     tl = None
@@ -76,16 +80,17 @@ class ScoreUpdate(NamedTuple):
     """The fused per-slot score update (docs/contract.md §2.2) of visible valid slots.
 
     ``score`` [P, S, Hkv] float32, updated **in place**; ``mode`` one of ``SCORE_MODES`` (``"none"``
-    passes the tensor without touching it); ``decay`` is lambda for ``"decay"``; ``gumbel_noise``
-    [B, Hq, Lmax] float32, indexed by logical slot (``Lmax >= M * S``), is required for ``"gumbel"``, whose
-    ``temperature`` is a [1] float32 tensor (a tensor, so a changing tau never recompiles a compiled step;
-    None means 1.0).
+    passes the tensor without touching it); ``decay`` is lambda for ``"decay"``; ``gumbel_key`` [B, Hq]
+    int32 is required for ``"gumbel"``: the noise of query head ``h`` on logical slot ``j`` of sequence
+    ``b`` is ``kvkernels.gumbel_noise_keyed(gumbel_key, j + 1)[b, h, j]``, computed by the kernel where it
+    is used (a cache passes fresh keys every step, ``kvkernels.decode_keys``); its ``temperature`` is a [1]
+    float32 tensor (a tensor, so a changing tau never recompiles a compiled step; None means 1.0).
     """
 
     score: torch.Tensor
     mode: str = "accumulate"
     decay: float = 1.0
-    gumbel_noise: torch.Tensor | None = None
+    gumbel_key: torch.Tensor | None = None
     temperature: torch.Tensor | None = None
 
 
@@ -115,9 +120,9 @@ if HAS_TRITON:
     @triton.jit
     def _decode_partial_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr,
-        alibi_ptr, slot_pos_ptr, q_pos_ptr, k_scale_ptr, v_scale_ptr, slot_mask_ptr, noise_ptr, temp_ptr,
+        alibi_ptr, slot_pos_ptr, q_pos_ptr, k_scale_ptr, v_scale_ptr, slot_mask_ptr, key_ptr, temp_ptr,
         m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr, out_ptr, score_ptr,
-        scale, mask_bit, decay, max_pages, noise_len, logits_len, num_splits, chunk,
+        scale, mask_bit, decay, max_pages, logits_len, num_splits, chunk,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_KSCALE: tl.constexpr, HAS_VSCALE: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -145,8 +150,11 @@ if HAS_TRITON:
             slopes = tl.load(alibi_ptr + kvh * G + offs_g, mask=g_ok, other=0.0)  # [BLOCK_G]
             q_pos = tl.load(q_pos_ptr + b)
         tau = 1.0
-        if GUMBEL and HAS_TEMP:
-            tau = tl.load(temp_ptr)
+        noise_key = offs_g  # gumbel: each query head's noise key ([B, Hq] int32, row q_rows)
+        if GUMBEL:
+            if HAS_TEMP:
+                tau = tl.load(temp_ptr)
+            noise_key = tl.load(key_ptr + q_rows, mask=g_ok, other=0)
 
         m_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -185,20 +193,33 @@ if HAS_TRITON:
             m_i = m_new
 
             if KEEP_LOGITS:
-                tl.store(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], x,
-                         mask=g_ok[:, None] & in_seq[None, :])
-                n_vis += visible.to(tl.int32)
-                if GUMBEL:
-                    noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :],
-                                    mask=g_ok[:, None] & in_seq[None, :], other=0.0)
-                    y = (x + noise) / tau  # stays -inf on invisible slots
-                    gm_new = tl.maximum(gm_i, tl.max(y, axis=1))
-                    gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
-                    gm_i = gm_new
+                gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_key, 0, q_rows, g_ok,
+                                                 slots, in_seq, visible, tau, logits_len, GUMBEL)
 
         _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
                       n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
                       KEEP_LOGITS, GUMBEL)
+
+    @triton.jit
+    def _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_key, noise_offset, q_rows, g_ok, slots, in_seq,
+                     visible, tau, logits_len, GUMBEL: tl.constexpr):
+        """``KEEP_LOGITS``: a tile's logits ``x [BLOCK_G, BLOCK_N]`` (``-inf`` on invisible slots) to the
+        scratch by slot for the reduce kernel's score update, and the visible count. ``GUMBEL``: the
+        noised, tempered logits ``(x + G) / tau`` instead, the noise hashed here from each head's
+        ``noise_key`` and the sequence's logical slot ``noise_offset + slots`` (``gumbel_keyed_tl``; a
+        second region's slots follow the first's), with their running max and sum (``gm_i``, ``gl_i``).
+        Shared with :mod:`kvkernels.quant_attention`."""
+        kept = x
+        if GUMBEL:
+            noise = gumbel_keyed_tl(noise_key[:, None], (noise_offset + slots)[None, :])
+            kept = (x + noise) / tau  # -inf stays -inf
+            gm_new = tl.maximum(gm_i, tl.max(kept, axis=1))
+            gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(kept - gm_new[:, None]), axis=1)
+            gm_i = gm_new
+        tl.store(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], kept,
+                 mask=g_ok[:, None] & in_seq[None, :])
+        n_vis += visible.to(tl.int32)
+        return gm_i, gl_i, n_vis
 
     @triton.jit
     def _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
@@ -227,14 +248,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _update_scores(
-        logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, start, end,
-        m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages, noise_len, logits_len,
+        logits_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, start, end,
+        m_max, inv_l, threshold, decay, mask_bit, max_pages, logits_len,
         HKV: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
         """The fused score update (docs/contract.md §2.2) of slots ``[start, end)`` of sequence ``b``, KV head
-        ``kvh``, from the group's logits in scratch and the final per-head (max, 1 / sum); the noised ones
-        (``gm_max``, ``inv_gl``, ``tau``) for gumbel, ``threshold = 1 / n_valid`` for count_low."""
+        ``kvh``, from the group's logits in scratch and the final per-head (max, 1 / sum): for gumbel the
+        noised logits and their normaliser; ``threshold = 1 / n_valid`` for count_low."""
         offs_n = tl.arange(0, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             slots = n0 + offs_n
@@ -242,12 +263,7 @@ if HAS_TRITON:
             lmask = g_ok[:, None] & in_seq[None, :]
             x = tl.load(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], mask=lmask,
                         other=float("-inf"))  # [BLOCK_G, BLOCK_N]
-            if SCORE_MODE == 2:
-                noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask,
-                                other=0.0)
-                p = tl.exp((x + noise) / tau - gm_max[:, None]) * inv_gl[:, None]
-            else:
-                p = tl.exp(x - m_max[:, None]) * inv_l[:, None]
+            p = tl.exp(x - m_max[:, None]) * inv_l[:, None]
             contrib = tl.sum(p, axis=0) / G  # [BLOCK_N] mean over the group's query heads
 
             page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
@@ -282,12 +298,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_reduce_kernel(
-        out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr, noise_ptr, temp_ptr,
+        out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr,
         score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, score2_ptr, page_table2_ptr, seq_lens2_ptr,
-        mask_bit, decay, max_pages, noise_len, logits_len, num_splits, score_chunk, max_pages2, n_update1,
+        mask_bit, decay, max_pages, logits_len, num_splits, score_chunk, max_pages2, n_update1,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_TEMP: tl.constexpr, HAS2: tl.constexpr,
+        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS2: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): split 0 writes ``out``; with a score update each
         program scores one chunk of ``score_chunk`` slots. ``HAS2`` (:mod:`kvkernels.quant_attention`'s two
@@ -317,11 +333,9 @@ if HAS_TRITON:
                      mask=g_ok[:, None] & d_ok[None, :])
 
         if SCORE_MODE != 0:
-            gm_max, inv_gl, tau, threshold = m_max, inv_l, 1.0, 0.0  # stand-ins the other modes never read
-            if SCORE_MODE == 2:  # gumbel: the score uses its own (noised, tempered) normaliser
-                gm_max, inv_gl = _combine_stats(gm_ptr, gl_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS)
-                if HAS_TEMP:
-                    tau = tl.load(temp_ptr)
+            threshold = 0.0  # a stand-in the other modes never read
+            if SCORE_MODE == 2:  # gumbel: the scratch holds the noised logits; their own normaliser
+                m_max, inv_l = _combine_stats(gm_ptr, gl_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS)
             if SCORE_MODE == 5:  # count_low: threshold 1 / (visible slots of this KV head)
                 offs_s = tl.arange(0, BLOCK_SPLITS)
                 n_valid = tl.sum(tl.load(nvis_ptr + (b * HKV + kvh) * num_splits + offs_s,
@@ -331,26 +345,23 @@ if HAS_TRITON:
             # attention's splits: many short programs, not one serial sweep per (sequence, KV head).
             if HAS2:
                 if split < n_update1:
-                    _score_chunk(logits_ptr, noise_ptr, score_ptr, page_table_ptr, seq_lens_ptr,
-                                 slot_mask_ptr, q_rows, g_ok, b, kvh, split, score_chunk, m_max, inv_l,
-                                 gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages, noise_len,
-                                 logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
+                    _score_chunk(logits_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows,
+                                 g_ok, b, kvh, split, score_chunk, m_max, inv_l, threshold, decay, mask_bit,
+                                 max_pages, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
                 else:  # the second region's chunk split - n_update1, its logits after the first's slots
-                    _score_chunk(logits_ptr + max_pages * S, noise_ptr, score2_ptr, page_table2_ptr,
-                                 seq_lens2_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, split - n_update1,
-                                 score_chunk, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit,
-                                 max_pages2, noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, False)
+                    _score_chunk(logits_ptr + max_pages * S, score2_ptr, page_table2_ptr, seq_lens2_ptr,
+                                 slot_mask_ptr, q_rows, g_ok, b, kvh, split - n_update1, score_chunk, m_max,
+                                 inv_l, threshold, decay, mask_bit, max_pages2, logits_len, HKV, G, S,
+                                 BLOCK_N, SCORE_MODE, False)
             else:
-                _score_chunk(logits_ptr, noise_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr,
-                             q_rows, g_ok, b, kvh, split, score_chunk, m_max, inv_l, gm_max, inv_gl, tau,
-                             threshold, decay, mask_bit, max_pages, noise_len, logits_len, HKV, G, S, BLOCK_N,
-                             SCORE_MODE, HAS_MASK)
+                _score_chunk(logits_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows, g_ok,
+                             b, kvh, split, score_chunk, m_max, inv_l, threshold, decay, mask_bit, max_pages,
+                             logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
 
     @triton.jit
     def _score_chunk(
-        logits_ptr, noise_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh,
-        chunk_id, score_chunk, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages,
-        noise_len, logits_len,
+        logits_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh,
+        chunk_id, score_chunk, m_max, inv_l, threshold, decay, mask_bit, max_pages, logits_len,
         HKV: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
@@ -358,9 +369,9 @@ if HAS_TRITON:
         seq_len = tl.load(seq_lens_ptr + b)
         start = chunk_id * score_chunk
         end = tl.minimum(start + score_chunk, seq_len)
-        _update_scores(logits_ptr, noise_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh,
-                       start, end, m_max, inv_l, gm_max, inv_gl, tau, threshold, decay, mask_bit, max_pages,
-                       noise_len, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
+        _update_scores(logits_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, start, end,
+                       m_max, inv_l, threshold, decay, mask_bit, max_pages, logits_len, HKV, G, S, BLOCK_N,
+                       SCORE_MODE, HAS_MASK)
 
 
 SCORE_CHUNK = 256  # slots per program of the score update (rounded down to a multiple of the tile)
@@ -399,10 +410,10 @@ def paged_decode_attention_triton(
     num_splits, chunk = _split_plan(batch, n_kv_heads, max_len, block_n, q.device, num_splits)
 
     k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
-    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
+    score, score_mode, decay, gumbel_key, temperature = _NO_SCORES if scores is None else scores
     mode_id = _MODE_IDS[score_mode]
     keep_logits = mode_id != 0 and score is not None
-    gumbel = mode_id == _MODE_IDS["gumbel"]
+    gumbel = keep_logits and mode_id == _MODE_IDS["gumbel"]
     # One program per (sequence, KV head) finishes alone, no partials and one launch, when nothing is scored.
     # A score update always runs in the second kernel, over many short chunks of slots (SCORE_CHUNK) in
     # parallel: as one sweep at the end of each (sequence, KV head) program it was a serial, latency-bound
@@ -411,8 +422,6 @@ def paged_decode_attention_triton(
     parts = _partials(q, n_kv_heads, num_splits, max_len, one_split=one_split, keep_logits=keep_logits,
                       gumbel=gumbel)
     dummy = parts.dummy
-    noise = gumbel_noise if gumbel and gumbel_noise is not None else dummy
-    noise_len = noise.shape[-1]
 
     def opt(t: torch.Tensor | None) -> torch.Tensor:
         return dummy if t is None else t
@@ -425,10 +434,10 @@ def paged_decode_attention_triton(
         _decode_partial_kernel, grid,
         q, k_pages, v_pages, page_table, seq_lens,
         *((dummy, dummy, dummy) if alibi is None else alibi), opt(k_scale), opt(v_scale), opt(slot_mask),
-        noise, opt(temperature),
+        gumbel_key if gumbel else dummy, opt(temperature),
         parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits, out,
         opt(score) if keep_logits else dummy,
-        float(scale), int(mask_bit), float(decay), max_pages, noise_len, max_len, num_splits, chunk,
+        float(scale), int(mask_bit), float(decay), max_pages, max_len, num_splits, chunk,
         HAS_ALIBI=alibi is not None, HAS_KSCALE=k_scale is not None, HAS_VSCALE=v_scale is not None,
         HAS_MASK=slot_mask is not None, KEEP_LOGITS=keep_logits, GUMBEL=gumbel,
         HAS_TEMP=temperature is not None,
@@ -498,13 +507,10 @@ def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_tab
     regions under one softmax, not gumbel) more programs score the second region's slots from the logits
     after the first region's in the scratch (the visible count ``nvis`` covers both)."""
     batch, n_kv_heads, block_n = out.shape[0], consts["HKV"], consts["BLOCK_N"]
-    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
+    score, score_mode, decay = (None, "none", 1.0) if scores is None else scores[:3]
     mode_id = _MODE_IDS[score_mode] if score is not None else 0
     has2 = second is not None and mode_id != 0
-    if has2 and mode_id == _MODE_IDS["gumbel"]:
-        raise ValueError("reduce_splits: gumbel scores cover one region (the noise is indexed by its slots)")
     dummy = parts.dummy
-    noise = gumbel_noise if mode_id == _MODE_IDS["gumbel"] and gumbel_noise is not None else dummy
     max_len = page_table.shape[1] * consts["S"]
     score_chunk = max(block_n, SCORE_CHUNK // block_n * block_n)
     n_update = max(num_splits, math.ceil(max_len / score_chunk)) if mode_id else 1
@@ -512,13 +518,12 @@ def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_tab
     two = second if has2 else SecondScores(dummy, page_table, seq_lens)
     launch(
         _decode_reduce_kernel, (batch, n_kv_heads, n_update + n_update2),
-        out, parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits, noise,
-        dummy if temperature is None else temperature, dummy if score is None else score, page_table,
-        seq_lens, dummy if slot_mask is None else slot_mask, two.score, two.page_table, two.seq_lens,
-        int(mask_bit), float(decay), page_table.shape[1], noise.shape[-1], parts.logits.shape[-1],
-        num_splits, score_chunk, two.page_table.shape[1], n_update,
+        out, parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits,
+        dummy if score is None else score, page_table, seq_lens, dummy if slot_mask is None else slot_mask,
+        two.score, two.page_table, two.seq_lens, int(mask_bit), float(decay), page_table.shape[1],
+        parts.logits.shape[-1], num_splits, score_chunk, two.page_table.shape[1], n_update,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id,
-        HAS_MASK=slot_mask is not None, HAS_TEMP=temperature is not None, HAS2=has2, num_warps=num_warps,
+        HAS_MASK=slot_mask is not None, HAS2=has2, num_warps=num_warps,
         **consts,
     )
 
@@ -539,7 +544,7 @@ def paged_decode_attention_ref(
     ``num_splits`` is accepted for signature parity and ignored (the result does not depend on it).
     """
     k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
-    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
+    score, score_mode, decay, gumbel_key, temperature = _NO_SCORES if scores is None else scores
     batch, n_q_heads, _ = q.shape
     page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = n_q_heads // n_kv_heads
@@ -575,9 +580,10 @@ def paged_decode_attention_ref(
         if score_mode == "none" or score is None:
             continue
         if score_mode == "gumbel":
-            assert gumbel_noise is not None
+            assert gumbel_key is not None
             tau = 1.0 if temperature is None else temperature.float()
-            p = _masked_softmax((x + gumbel_noise[b, :, :n]) / tau, visible_q)
+            noise = gumbel_noise_keyed(gumbel_key[b], n)  # [Hq, n] by logical slot
+            p = _masked_softmax((x + noise) / tau, visible_q)
         contrib = p.view(n_kv_heads, group, n).mean(dim=1)  # [Hkv, n]
         old = score[pages, offs].T  # [Hkv, n]
         n_valid = visible.sum(dim=0)[:, None]  # [Hkv, 1]
@@ -601,7 +607,7 @@ def paged_decode_attention_torch(
     opaque to ``torch.compile``, so it never becomes a graph break. ``num_splits`` is ignored.
     """
     k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
-    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
+    score, score_mode, decay, gumbel_key, temperature = _NO_SCORES if scores is None else scores
     batch, n_q_heads, head_dim = q.shape
     page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = n_q_heads // n_kv_heads
@@ -649,9 +655,9 @@ def paged_decode_attention_torch(
     if score_mode == "none" or score is None:
         return out
     if score_mode == "gumbel":
-        assert gumbel_noise is not None
+        assert gumbel_key is not None
         tau = 1.0 if temperature is None else temperature.float()
-        noise = gumbel_noise[:, :, :n_slots].reshape(batch, n_kv_heads, group, n_slots)  # by logical slot
+        noise = gumbel_noise_keyed(gumbel_key, n_slots).view(batch, n_kv_heads, group, n_slots)
         p = _masked_softmax((x + noise) / tau, visible)
     contrib = p.mean(dim=2).transpose(1, 2)  # [B, N, Hkv]
     visible = visible.expand(batch, n_kv_heads, 1, n_slots)[:, :, 0].transpose(1, 2)  # [B, N, Hkv]
@@ -671,7 +677,7 @@ def _paged_decode_attention_op(
     seq_lens: torch.Tensor, scale: float, alibi_slopes: torch.Tensor | None,
     slot_pos: torch.Tensor | None, q_pos: torch.Tensor | None,
     score: torch.Tensor | None, score_mode: str, decay: float,
-    gumbel_noise: torch.Tensor | None, temperature: torch.Tensor | None,
+    gumbel_key: torch.Tensor | None, temperature: torch.Tensor | None,
     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
     slot_mask: torch.Tensor | None, mask_bit: int, num_splits: int,
 ) -> torch.Tensor:
@@ -679,7 +685,7 @@ def _paged_decode_attention_op(
 
     An op schema takes tensors, scalars and strings, not NamedTuples, so the public op passes its bundles
     flattened, field by field in this order: ``alibi`` (slopes as ``alibi_slopes``, slot_pos, q_pos),
-    ``scores`` (score, mode as ``score_mode``, decay, gumbel_noise, temperature), ``restore`` (k_scale,
+    ``scores`` (score, mode as ``score_mode``, decay, gumbel_key, temperature), ``restore`` (k_scale,
     v_scale, slot_mask, mask_bit); no ``alibi_slopes`` means no ALiBi, no ``score`` no score update. The
     tensors cannot be keyword-only in an op schema. The op bundles them again for the implementation.
 
@@ -691,7 +697,7 @@ def _paged_decode_attention_op(
     if alibi_slopes is not None:
         assert slot_pos is not None and q_pos is not None  # the public op checked the bundle
         alibi = Alibi(alibi_slopes, slot_pos, q_pos)
-    scores = None if score is None else ScoreUpdate(score, score_mode, decay, gumbel_noise, temperature)
+    scores = None if score is None else ScoreUpdate(score, score_mode, decay, gumbel_key, temperature)
     impl = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_torch
     return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi=alibi, scores=scores,
                 restore=Restore(k_scale, v_scale, slot_mask, mask_bit), num_splits=num_splits)
@@ -709,17 +715,14 @@ def _check_bundle(name: str, value: object, kind: Any) -> None:
                         f"{type(value).__name__}")
 
 
-def check_scores(scores: ScoreUpdate | None, q: torch.Tensor, page_table: torch.Tensor,
-                 slots: tuple[int, int, int]) -> None:
+def check_scores(scores: ScoreUpdate | None, q: torch.Tensor, slots: tuple[int, int, int]) -> None:
     """The ``scores`` bundle of a decode over a pool of ``slots = (P, S, Hkv)`` (metadata only, no device
-    sync): each field's error names it (``scores.mode``, ``scores.gumbel_noise``). Shared with
+    sync): each field's error names it (``scores.mode``, ``scores.gumbel_key``). Shared with
     :mod:`kvkernels.quant_attention`."""
     _check_bundle("scores", scores, ScoreUpdate)
     if scores is None:
         return
-    ck, dev = _checks.check_tensor, q.device
-    batch, n_q_heads, _ = q.shape
-    page_size = slots[1]
+    ck, dev, batch = _checks.check_tensor, q.device, q.shape[0]
     mode = scores.mode
     _checks.check_choice("scores.mode", mode, SCORE_MODES)
     if scores.score is not None:
@@ -729,14 +732,13 @@ def check_scores(scores: ScoreUpdate | None, q: torch.Tensor, page_table: torch.
         raise ValueError(f"scores.mode={mode!r} updates scores in place: pass scores.score "
                          "([P, S, Hkv] float32)")
     if mode == "gumbel":
-        noise = scores.gumbel_noise
-        if noise is None:
-            raise ValueError("scores.mode='gumbel' needs scores.gumbel_noise ([B, Hq, Lmax] float32)")
-        ck("scores.gumbel_noise", noise, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
-        _checks.check_shape("scores.gumbel_noise", noise, (batch, n_q_heads, None), "[B, Hq, Lmax]")
-        if noise.shape[2] < page_table.shape[1] * page_size:
-            raise ValueError(f"scores.gumbel_noise has {noise.shape[2]} slots per head but the page "
-                             f"table covers {page_table.shape[1] * page_size}; allocate [B, Hq, M * S]")
+        key = scores.gumbel_key
+        if key is None:
+            raise ValueError("scores.mode='gumbel' needs scores.gumbel_key ([B, Hq] int32: each sequence's "
+                             "and query head's noise key this step, e.g. kvkernels.decode_keys(seed, step, "
+                             "layers, B, Hq)[layer])")
+        ck("scores.gumbel_key", key, ndim=2, dtypes=(torch.int32,), device=dev, contiguous=True)
+        _checks.check_shape("scores.gumbel_key", key, (batch, q.shape[1]), "[B, Hq]")
     if scores.temperature is not None:
         ck("scores.temperature", scores.temperature, ndim=1, dtypes=(torch.float32,), device=dev,
            contiguous=True)
@@ -775,7 +777,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, *, scale, alibi, sc
         t = ck(name, t, ndim=3, dtypes=(dtype,), device=dev, contiguous=True)
         _checks.check_shape(name, t, (num_pages, page_size, n_kv_heads), "[P, S, Hkv] of the pool")
 
-    check_scores(scores, q, page_table, (num_pages, page_size, n_kv_heads))
+    check_scores(scores, q, (num_pages, page_size, n_kv_heads))
     if restore is not None:
         if not 1 <= restore.mask_bit <= 255:
             raise ValueError(f"restore.mask_bit must be in [1, 255] (a bit of the uint8 restore.slot_mask), "
@@ -819,7 +821,7 @@ def paged_decode_attention(
         ``Alibi(slopes [Hq] f32, slot_pos [P, S, Hkv] i32, q_pos [B] i32)``: adds
         ``slopes[h] * (slot_pos - q_pos)`` to the logits.
     scores : ScoreUpdate, optional
-        ``ScoreUpdate(score [P, S, Hkv] f32, mode="accumulate", decay=1.0, gumbel_noise=None,
+        ``ScoreUpdate(score [P, S, Hkv] f32, mode="accumulate", decay=1.0, gumbel_key=None,
         temperature=None)``: ``score`` is updated in place according to ``mode`` (one of ``SCORE_MODES``,
         docs/contract.md §2.2) for visible valid slots only; ``mode="none"`` leaves it untouched.
     restore : Restore, optional
@@ -839,7 +841,7 @@ def paged_decode_attention(
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, scale=scale, alibi=alibi, scores=scores,
                   restore=restore, num_splits=num_splits)
     slopes, slot_pos, q_pos = (None, None, None) if alibi is None else alibi
-    score, score_mode, decay, gumbel_noise, temperature = _NO_SCORES if scores is None else scores
+    score, score_mode, decay, gumbel_key, temperature = _NO_SCORES if scores is None else scores
     k_scale, v_scale, slot_mask, mask_bit = _NO_RESTORE if restore is None else restore
     if not torch.compiler.is_compiling():  # value checks read device memory (a sync): eager only
         _checks.check_seq_lens(seq_lens)
@@ -851,7 +853,7 @@ def paged_decode_attention(
     # Every argument positionally, none defaulted (see the op's docstring: torch < 2.13 on CUDA).
     return _paged_decode_attention_op(
         q, k_pages, v_pages, page_table, seq_lens, float(scale), slopes, slot_pos, q_pos, score,
-        score_mode, float(decay), gumbel_noise, temperature, k_scale, v_scale, slot_mask, int(mask_bit),
+        score_mode, float(decay), gumbel_key, temperature, k_scale, v_scale, slot_mask, int(mask_bit),
         int(num_splits))
 
 
@@ -896,7 +898,7 @@ def _meta_launch(score_mode: str, alibi: bool, restore: int | None, num_splits: 
         t(B, Hq, head_dim, dt=dtype), t(P, S, Hkv, head_dim, dt=dtype), t(P, S, Hkv, head_dim, dt=dtype),
         t(B, M, dt=torch.int32), t(B, dt=torch.int32), scale=head_dim ** -0.5,
         alibi=Alibi(t(Hq), t(P, S, Hkv, dt=torch.int32), t(B, dt=torch.int32)) if alibi else None,
-        scores=ScoreUpdate(t(P, S, Hkv), score_mode, 0.9, t(B, Hq, M * S) if gumbel else None,
+        scores=ScoreUpdate(t(P, S, Hkv), score_mode, 0.9, t(B, Hq, dt=torch.int32) if gumbel else None,
                            t(1) if gumbel else None) if score_mode != "none" else None,
         restore=Restore(t(P, S, Hkv), t(P, S, Hkv), t(P, S, Hkv, dt=torch.uint8), mask_bit=restore)
         if restore else None,

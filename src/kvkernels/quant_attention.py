@@ -69,7 +69,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from kvkernels.paged_attention import _finish_split  # the partial programs' shared epilogue
+    from kvkernels.paged_attention import _finish_split, _keep_logits  # shared with the native kernel
 
     _NEG_BIG_C = tl.constexpr(_NEG_BIG)  # jit code may only read globals that are constexpr
 
@@ -203,37 +203,22 @@ if HAS_TRITON:
         return x, m_new, alpha, p, l_i
 
     @triton.jit
-    def _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows, g_ok, slots, in_seq, tau,
-                     logits_len, noise_len, GUMBEL: tl.constexpr):
-        """``KEEP_LOGITS``: a tile's fp32 logits to the scratch by slot, the visible count and (``GUMBEL``)
-        the noised running max and sum, as the native decode kernel keeps them."""
-        lmask = g_ok[:, None] & in_seq[None, :]
-        tl.store(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], x, mask=lmask)
-        n_vis += in_seq.to(tl.int32)
-        if GUMBEL:
-            noise = tl.load(noise_ptr + q_rows[:, None] * noise_len + slots[None, :], mask=lmask, other=0.0)
-            y = (x + noise) / tau  # stays -inf past the length
-            gm_new = tl.maximum(gm_i, tl.max(y, axis=1))
-            gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(y - gm_new[:, None]), axis=1)
-            gm_i = gm_new
-        return gm_i, gl_i, n_vis
-
-    @triton.jit
-    def _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows, g_ok, slots,
-                   in_seq, tau, logits_len, noise_len, DOT_PRECISION: tl.constexpr,
+    def _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr, noise_key, noise_offset, q_rows,
+                   g_ok, slots, in_seq, tau, logits_len, DOT_PRECISION: tl.constexpr,
                    KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr):
         """A tile's step after :func:`_softmax_step`, shared by both loops of :func:`_attend_region`: the
-        rescaled ``acc`` plus ``p @ v`` and (``KEEP_LOGITS``) :func:`_keep_logits`."""
+        rescaled ``acc`` plus ``p @ v`` and (``KEEP_LOGITS``) the native kernel's ``_keep_logits`` (every
+        slot of the region is visible)."""
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         if KEEP_LOGITS:
-            gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_ptr, q_rows, g_ok, slots,
-                                             in_seq, tau, logits_len, noise_len, GUMBEL)
+            gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_key, noise_offset,
+                                             q_rows, g_ok, slots, in_seq, in_seq, tau, logits_len, GUMBEL)
         return acc, gm_i, gl_i, n_vis
 
     @triton.jit
     def _attend_region(q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr,
-                       noise_ptr, q_rows, g_ok, b, kvh, start, end, scale, tau, max_pages, logits_len,
-                       noise_len, offs_d, d_ok,
+                       noise_key, noise_offset, q_rows, g_ok, b, kvh, start, end, scale, tau, max_pages,
+                       logits_len, offs_d, d_ok,
                        HKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
                        K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
                        V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
@@ -286,8 +271,8 @@ if HAS_TRITON:
                 after_slots = next_slots + BLOCK_N  # the tile after next: the next step's rows
                 next_page = _slot_pages(page_table_ptr, b, after_slots, after_slots < end, max_pages, S)
                 acc, gm_i, gl_i, n_vis = _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr,
-                                                    noise_ptr, q_rows, g_ok, slots, in_seq, tau, logits_len,
-                                                    noise_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
+                                                    noise_key, noise_offset, q_rows, g_ok, slots, in_seq,
+                                                    tau, logits_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
                 m_i = m_new
         else:
             for n0 in range(start, end, BLOCK_N):
@@ -299,8 +284,8 @@ if HAS_TRITON:
                 x, m_new, alpha, p, l_i = _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION)
                 v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32)
                 acc, gm_i, gl_i, n_vis = _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr,
-                                                    noise_ptr, q_rows, g_ok, slots, in_seq, tau, logits_len,
-                                                    noise_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
+                                                    noise_key, noise_offset, q_rows, g_ok, slots, in_seq,
+                                                    tau, logits_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
                 m_i = m_new
         return m_i, l_i, acc, gm_i, gl_i, n_vis
 
@@ -308,8 +293,8 @@ if HAS_TRITON:
     def _quant_decode_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr,
         k2_ptr, v2_ptr, page_table2_ptr, seq_lens2_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr,
-        logits_ptr, noise_ptr, temp_ptr, out_ptr,
-        scale, max_pages, max_pages2, num_splits, chunk, logits_len, noise_len,
+        logits_ptr, key_ptr, temp_ptr, out_ptr,
+        scale, max_pages, max_pages2, num_splits, chunk, logits_len,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
@@ -337,8 +322,11 @@ if HAS_TRITON:
         q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                     other=0.0)
         tau = 1.0
-        if GUMBEL and HAS_TEMP:
-            tau = tl.load(temp_ptr)
+        noise_key = offs_g  # gumbel: each query head's noise key ([B, Hq] int32, row q_rows)
+        if GUMBEL:
+            if HAS_TEMP:
+                tau = tl.load(temp_ptr)
+            noise_key = tl.load(key_ptr + q_rows, mask=g_ok, other=0)
         len1 = tl.load(seq_lens_ptr + b)
         total = len1
         if HAS2:
@@ -352,20 +340,19 @@ if HAS_TRITON:
         gl_i = tl.zeros([BLOCK_G], tl.float32)
         n_vis = tl.zeros([BLOCK_N], tl.int32)
         m_i, l_i, acc, gm_i, gl_i, n_vis = _attend_region(
-            q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr, noise_ptr, q_rows,
-            g_ok, b, kvh, start, tl.minimum(end, len1), scale, tau, max_pages, logits_len, noise_len, offs_d,
+            q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr, noise_key, 0,
+            q_rows, g_ok, b, kvh, start, tl.minimum(end, len1), scale, tau, max_pages, logits_len, offs_d,
             d_ok, HKV, D, S, K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D, DOT_PRECISION,
             KEEP_LOGITS, GUMBEL, PREFETCH)
         if HAS2:  # the second region's slots follow the first's: [len1, total) of the sequence
             # KEEP_LOGITS: its logits go to each scratch row after the first region's max_pages * S slots,
-            # and n_vis counts its slots too (gumbel with two regions is refused: no noise for them).
-            tl.static_assert(not GUMBEL, "gumbel scores cover one region")
+            # and n_vis counts its slots too; Gumbel's noise takes the sequence's logical slot, len1 + j.
             m_i, l_i, acc, gm_i, gl_i, n_vis = _attend_region(
                 q, m_i, l_i, acc, gm_i, gl_i, n_vis, k2_ptr, v2_ptr, page_table2_ptr,
-                logits_ptr + max_pages * S, noise_ptr, q_rows, g_ok, b, kvh, tl.maximum(start, len1) - len1,
-                end - len1, scale, tau, max_pages2, logits_len, noise_len, offs_d, d_ok, HKV, D, S, K2_BITS,
-                K2_GROUP, K2_F32, V2_BITS, V2_GROUP, V2_F32, BLOCK_N, BLOCK_D, DOT_PRECISION, KEEP_LOGITS,
-                False, PREFETCH2)
+                logits_ptr + max_pages * S, noise_key, len1, q_rows, g_ok, b, kvh,
+                tl.maximum(start, len1) - len1, end - len1, scale, tau, max_pages2, logits_len, offs_d, d_ok,
+                HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS, V2_GROUP, V2_F32, BLOCK_N, BLOCK_D,
+                DOT_PRECISION, KEEP_LOGITS, GUMBEL, PREFETCH2)
         _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
                       n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
                       KEEP_LOGITS, GUMBEL)
@@ -433,11 +420,8 @@ def _scored_two_ref(q: Tensor, first: Region, second: Region, scale: float, scor
     """The two-region score update, plainly: per sequence, both regions' rows dequantized and laid end to end
     as one page of ``len1 + len2`` slots with their scores, :func:`paged_decode_attention_ref` with the score
     update on that one-page pool, and the updated scores written back to their regions' slots (a region
-    without ``score``: its slots count, their scores are dropped). Not gumbel (its noise is indexed by the
-    first region's slots)."""
-    if scores.mode == "gumbel":
-        raise ValueError("scores.mode='gumbel' covers one region: its noise is indexed by the first region's "
-                         "slots")
+    without ``score``: its slots count, their scores are dropped). Gumbel's noise follows the slots laid end
+    to end: the second region's slot ``j`` takes the sequence's logical slot ``len1 + j``."""
     batch, _, d = q.shape
     out = torch.zeros(q.shape, dtype=q.dtype)
     for b in range(batch):
@@ -456,8 +440,10 @@ def _scored_two_ref(q: Tensor, first: Region, second: Region, scale: float, scor
         n = len(places)
         one = torch.stack(olds)[None].clone()  # [1, n, Hkv]: one page of n slots
         table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+        key = None if scores.gumbel_key is None else scores.gumbel_key[b:b + 1]  # sequence b's noise keys
         out[b] = paged_decode_attention_ref(q[b:b + 1], torch.stack(ks)[None], torch.stack(vs)[None], table,
-                                            lens, scale=scale, scores=scores._replace(score=one))[0]
+                                            lens, scale=scale,
+                                            scores=scores._replace(score=one, gumbel_key=key))[0]
         for j, (score, p, o) in enumerate(places):
             score[p, o] = one[0, j]
     return out
@@ -538,10 +524,8 @@ def _scored_two_torch(q: Tensor, first: Region, second: Region, scale: float, sc
     dequantized (:func:`_gather`) with their scores, each sequence's slots of both regions laid end to end in
     a contiguous pool ``[B, W, Hkv, D]`` (``W`` the longest ``len1 + len2``; sequence ``b`` is page ``b``),
     the native torch path with the score update on it, and the updated scores written back to their
-    regions' slots (each valid slot is one pool slot: no duplicates). Not gumbel."""
-    if scores.mode == "gumbel":
-        raise ValueError("scores.mode='gumbel' covers one region: its noise is indexed by the first region's "
-                         "slots")
+    regions' slots (each valid slot is one pool slot: no duplicates); Gumbel's noise by the slots laid end to
+    end, as the kernel hashes it."""
     batch, _, d = q.shape
     lens1, lens2 = first.seq_lens.long(), second.seq_lens.long()
     width = int((lens1 + lens2).max())
@@ -653,26 +637,22 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
     max_len = page_table.shape[1] * page_size + (two.page_table.shape[1] * page_size if second is not None
                                                  else 0)
     num_splits, chunk = _split_plan(batch, n_kv, max_len, block_n, q.device, num_splits)
-    score, mode, _, noise, temperature = _NO_SCORES if scores is None else scores
+    score, mode, _, gumbel_key, temperature = _NO_SCORES if scores is None else scores
     keep_logits = mode != "none" and score is not None  # both regions' slots (with a second region)
     gumbel = keep_logits and mode == "gumbel"
-    if gumbel and second is not None:
-        raise ValueError("scores.mode='gumbel' covers one region: its noise is indexed by the first region's "
-                         "slots")
     one_split = num_splits == 1 and not keep_logits
     # The logits scratch holds each row's first-region slots, then (two regions) the second's.
     parts = _partials(q, n_kv, num_splits, max_len, one_split=one_split, keep_logits=keep_logits,
                       gumbel=gumbel)
-    noise = noise if gumbel and noise is not None else parts.dummy
     consts = dict(HKV=n_kv, G=group, D=d, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     formats = [_launch_format(f) for f in (k_format, v_format, two.k_format, two.v_format)]
     launch(
         _quant_decode_kernel, (batch, n_kv, num_splits),
         q, k_pages, v_pages, page_table, seq_lens, two.k_pages, two.v_pages, two.page_table, two.seq_lens,
-        parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits, noise,
+        parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits,
+        gumbel_key if gumbel else parts.dummy,
         parts.dummy if temperature is None else temperature, out,
         float(scale), page_table.shape[1], two.page_table.shape[1], num_splits, chunk, parts.logits.shape[-1],
-        noise.shape[-1],
         **{f"{name}_{what}": value for name, fmt in zip(("K", "V", "K2", "V2"), formats, strict=True)
            for what, value in zip(("BITS", "GROUP", "F32"), fmt, strict=True)},
         HAS2=second is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -729,7 +709,7 @@ def _(q, k_pages, v_pages, page_table, seq_lens, scale, k_bits, k_group, k_param
 def _quant_decode_scored_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor,
                             seq_lens: Tensor, scale: float, k_bits: int, k_group: int, k_params: str,
                             v_bits: int, v_group: int, v_params: str, score: Tensor, score_mode: str,
-                            decay: float, gumbel_noise: Tensor | None, temperature: Tensor | None) -> Tensor:
+                            decay: float, gumbel_key: Tensor | None, temperature: Tensor | None) -> Tensor:
     """One region with the fused score update (``score`` updated in place): an op of its own, since inductor
     failed to lower one op holding both the second region's tensor list and a mutated tensor (torch 2.13).
     The ``scores`` bundle is flattened field by field, as for ``kvkernels::paged_decode_attention``, and no
@@ -738,12 +718,12 @@ def _quant_decode_scored_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_ta
     return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
                 k_format=QuantFormat(k_bits, k_group, getattr(torch, k_params)),
                 v_format=QuantFormat(v_bits, v_group, getattr(torch, v_params)),
-                scores=ScoreUpdate(score, score_mode, decay, gumbel_noise, temperature))
+                scores=ScoreUpdate(score, score_mode, decay, gumbel_key, temperature))
 
 
 @_quant_decode_scored_op.register_fake
 def _(q, k_pages, v_pages, page_table, seq_lens, scale, k_bits, k_group, k_params, v_bits, v_group,
-      v_params, score, score_mode, decay, gumbel_noise, temperature):
+      v_params, score, score_mode, decay, gumbel_key, temperature):
     return torch.empty_like(q)
 
 
@@ -753,7 +733,7 @@ def _quant_decode_scored_two_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, pag
                                 v_bits: int, v_group: int, v_params: str, k2_pages: Tensor, v2_pages: Tensor,
                                 page_table2: Tensor, seq_lens2: Tensor, k2_bits: int, k2_group: int,
                                 k2_params: str, v2_bits: int, v2_group: int, v2_params: str, score2: Tensor,
-                                score: Tensor, score_mode: str, decay: float, gumbel_noise: Tensor | None,
+                                score: Tensor, score_mode: str, decay: float, gumbel_key: Tensor | None,
                                 temperature: Tensor | None) -> Tensor:
     """Two regions with the fused score update over both (``score`` the first region's, ``score2`` the
     second's, both updated in place): the second region's tensors as arguments of their own (k2_pages,
@@ -768,13 +748,13 @@ def _quant_decode_scored_two_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, pag
     return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
                 k_format=QuantFormat(k_bits, k_group, getattr(torch, k_params)),
                 v_format=QuantFormat(v_bits, v_group, getattr(torch, v_params)), second=second,
-                scores=ScoreUpdate(score, score_mode, decay, gumbel_noise, temperature))
+                scores=ScoreUpdate(score, score_mode, decay, gumbel_key, temperature))
 
 
 @_quant_decode_scored_two_op.register_fake
 def _(q, k_pages, v_pages, page_table, seq_lens, scale, k_bits, k_group, k_params, v_bits, v_group,
       v_params, k2_pages, v2_pages, page_table2, seq_lens2, k2_bits, k2_group, k2_params, v2_bits, v2_group,
-      v2_params, score2, score, score_mode, decay, gumbel_noise, temperature):
+      v2_params, score2, score, score_mode, decay, gumbel_key, temperature):
     return torch.empty_like(q)
 
 
@@ -835,7 +815,8 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
         Gumbel score, decayed and count modes), ``score [P, S, Hkv]`` of this pool updated in place from the
         attention over the dequantized rows. With ``second``: one update over both regions' slots from the
         one softmax (``count_low``'s threshold counts both), the second region's scores in ``second.score``
-        (required; not mode ``"gumbel"``, whose noise is indexed by the first region's slots).
+        (required); Gumbel's noise takes the sequence's logical slot, the second region's slot ``j`` at
+        ``seq_lens[b] + j``.
     validate : bool
         Check the lengths and the page tables against the pools (reads the device: a host sync).
     """
@@ -851,11 +832,6 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
     if second is not None:
         if not isinstance(second, Region):
             raise TypeError(f"second must be a kvkernels.quant_attention.Region, got {type(second).__name__}")
-        if isinstance(scores, ScoreUpdate) and scores.mode == "gumbel":
-            raise ValueError("scores.mode='gumbel' with a second region: the Gumbel noise "
-                             "(scores.gumbel_noise) is indexed by the first region's slots, so a Gumbel "
-                             "score covers one region; pass second=None, or another mode (accumulate, "
-                             "decay, replace, count_low score both regions)")
         _check_pool("second.k", second.k_pages, second.k_format, d, None, q.device)
         p2 = second.k_pages.shape[0]
         if tuple(second.k_pages.shape[1:3]) != (page_size, n_kv):
@@ -875,7 +851,7 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
                              "scores: pass second.score ([P2, S, Hkv] float32, the second region's slot "
                              "scores), as Region(..., score=...)")
         extra = [second.k_pages, second.v_pages, second.page_table, second.seq_lens]
-    check_scores(scores, q, page_table, (num_pages, page_size, n_kv))
+    check_scores(scores, q, (num_pages, page_size, n_kv))
     if scores is not None and scores.score is not None:  # (mode "none": a read-only call, the same op)
         if second is None:
             return torch.ops.kvkernels.quant_decode_attention_scored(
@@ -886,7 +862,7 @@ def quant_decode_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_tab
                 q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
                 *_format_args(v_format), *extra, *_format_args(second.k_format),
                 *_format_args(second.v_format), second.score, scores.score, scores.mode, float(scores.decay),
-                scores.gumbel_noise, scores.temperature)
+                scores.gumbel_key, scores.temperature)
     two = second if second is not None else Region(k_pages, v_pages, page_table, seq_lens)
     return torch.ops.kvkernels.quant_decode_attention(
         q, k_pages, v_pages, page_table, seq_lens, float(scale), *_format_args(k_format),
@@ -905,10 +881,9 @@ COMPILE_AXES: dict[str, tuple] = {
     "gqa": (1, 4, 8),
     "second": ("none", "float", "4bit"),  # a second region: none, float rows of q's dtype, 4-bit rows
     "splits": (1, 3),  # split-K partials and the shared reduce kernel
-    # The fused score update (logits kept; gumbel's noised stats; count_low's visible count). With a second
-    # region every mode but gumbel scores both regions (their logits kept, the reduce kernel's programs for
-    # the second region's slots); a configuration pairing gumbel with a second region compiles gumbel over the
-    # first region alone and accumulate over both (gumbel with two regions is refused).
+    # The fused score update (logits kept; gumbel's noised stats, its noise hashed in the kernel; count_low's
+    # visible count). With a second region every mode scores both regions (their logits kept, the reduce
+    # kernel's programs for the second region's slots).
     "score": ("none", "accumulate", "gumbel", "count_low"),
     "prefetch": (0, 8),  # PREFETCH_TILES: the loads a tile ahead by hand, off or for every width
 }
@@ -949,13 +924,8 @@ def _meta_launch_one(dtype: torch.dtype, head_dim: int, bits: int, group: int, g
     if score != "none":
         gumbel = score == "gumbel"
         scores = ScoreUpdate(t(P, S, Hkv, dt=torch.float32), score, 1.0,
-                             t(B, Hkv * gqa, M * S, dt=torch.float32) if gumbel else None,
+                             t(B, Hkv * gqa, dt=torch.int32) if gumbel else None,
                              t(1, dt=torch.float32) if gumbel else None)
-    launches = [(region, scores)]
-    if score == "gumbel" and region is not None:  # refused: gumbel on the first region, accumulate on both
-        launches = [(None, scores), (region, ScoreUpdate(scores.score, "accumulate"))]
-    for region, scores in launches:
-        quant_decode_attention_triton(t(B, Hkv * gqa, head_dim, dt=dtype), pool, pool,
-                                      t(B, M, dt=torch.int32), t(B, dt=torch.int32), scale=head_dim ** -0.5,
-                                      k_format=fmt, v_format=fmt, second=region, scores=scores,
-                                      num_splits=splits)
+    quant_decode_attention_triton(t(B, Hkv * gqa, head_dim, dt=dtype), pool, pool, t(B, M, dt=torch.int32),
+                                  t(B, dt=torch.int32), scale=head_dim ** -0.5, k_format=fmt, v_format=fmt,
+                                  second=region, scores=scores, num_splits=splits)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvkernels import check_shape, check_tensor, draw_gumbel_
+from kvkernels import check_shape, check_tensor, decode_keys
 from kvkernels.paged_attention import Alibi, Restore, ScoreUpdate, paged_decode_attention
 from kvkernels.quant_attention import Region, quant_decode_attention
 
@@ -26,7 +26,7 @@ class DecodeSteps:
 
     def prepare_decode(self, step: int) -> None:
         """Eager per-step setup: a page for every layer of every active sequence whose next token starts a new
-        page, this step's Gumbel noise and temperature.
+        page, this step's Gumbel noise keys and temperature.
 
         Raises ``RuntimeError`` (before anything is written) when the pool cannot hold the step.
         """
@@ -57,12 +57,15 @@ class DecodeSteps:
         self.host.seen[:n] += self.host.active[:n]
         self.host.track_peak(self.page_size)
 
-        if self.gumbel_noise is not None:
+        if self.gumbel_keys is not None:
             kw = self.eviction.decode_kwargs(step, self.max_new_tokens)
             self.temperature.fill_(float(kw.get("temperature", 1.0)))
-            width = int(self.host.lens[:, :n].max())  # slots attended this step; the rest is never read
-            # Drawn from the cache's generator so a run is reproducible.
-            draw_gumbel_(self.gumbel_noise[:, :n, :, :width], self._generator)
+            # Fresh noise per step, reproducible from the seeds: one key per (layer, row, query head), hashed
+            # with the slot inside the decode kernel (kvkernels.gumbel_noise_keyed).
+            n_layers, _, n_heads = self.gumbel_keys.shape
+            keys = decode_keys(self._noise_seed, self._noise_step, n_layers, n, n_heads)
+            self.gumbel_keys[:, :n].copy_(keys)
+            self._noise_step += 1
         self._state = "step"
 
     def _allocate_next_pages(self) -> None:
@@ -198,7 +201,7 @@ class DecodeSteps:
         alibi = None
         if alibi_slopes is not None:  # from the slots' original positions
             alibi = Alibi(alibi_slopes, self.slot_pos, q_positions.to(torch.int32))
-        noise = self.gumbel_noise[l, :n] if self.gumbel_noise is not None else None
+        keys = self.gumbel_keys[l, :n] if self.gumbel_keys is not None else None
         if self.key_scale is not None:  # the pool holds k / c: (q * c) . (k / c) = q . k
             qg = q.reshape(n, self.n_kv_heads, -1, q.shape[-1]) * self.key_scale[s, :n, :, None].to(q.dtype)
             q = qg.reshape(q.shape)
@@ -209,7 +212,7 @@ class DecodeSteps:
                               self.slot_mask, mask_bit=self.layout.mask_bit(l))
         if self.side is not None:  # the side region's slots first, then the main region's: one softmax
             side = self.side
-            scores = self._score_update(update_scores, noise)
+            scores = self._score_update(update_scores, keys)
             main = Region(self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s),
                           self.storage.fmt, self.storage.fmt, None if scores is None else self.slot_score)
             if scores is not None:  # both regions' scores in the one softmax (KIVI's residual + eviction)
@@ -223,7 +226,7 @@ class DecodeSteps:
             return side.storage.outputs(out)
         return self.storage.attention(
             q, self.k_pages, self.v_pages, self.page_table[s, :n], self._visible_lens(s), scale=scale,
-            alibi=alibi, scores=self._score_update(update_scores, noise), restore=restore)
+            alibi=alibi, scores=self._score_update(update_scores, keys), restore=restore)
 
     def _attend_groups(self, l: int, q: torch.Tensor, q_positions: torch.Tensor, groups, *, scale: float,
                        alibi_slopes: torch.Tensor, update_scores: bool) -> torch.Tensor:
@@ -232,13 +235,13 @@ class DecodeSteps:
         n, s = self.batch_size, self.layout.storage[l]
         outs = []
         for rows, slopes in groups:
-            noise = self.gumbel_noise[l, :n][rows].contiguous() if self.gumbel_noise is not None else None
+            keys = self.gumbel_keys[l, :n][rows].contiguous() if self.gumbel_keys is not None else None
             outs.append(paged_decode_attention(
                 q[rows].contiguous(), self.k_pages, self.v_pages, self.page_table[s, :n][rows].contiguous(),
                 self._visible_lens(s)[rows].contiguous(), scale=scale,
                 alibi=Alibi(alibi_slopes[slopes].contiguous(), self.slot_pos,
                             q_positions[rows].to(torch.int32).contiguous()),
-                scores=self._score_update(update_scores, noise)))  # [n, G, D]
+                scores=self._score_update(update_scores, keys)))  # [n, G, D]
         return torch.stack(outs, dim=1)
 
     def _visible_lens(self, s: int) -> torch.Tensor:
@@ -247,15 +250,15 @@ class DecodeSteps:
         n = self.batch_size
         return torch.where(self.active[:n], self.seq_lens[s, :n], 0)
 
-    def _score_update(self, update_scores: bool, gumbel_noise: torch.Tensor | None) -> ScoreUpdate | None:
+    def _score_update(self, update_scores: bool, gumbel_key: torch.Tensor | None) -> ScoreUpdate | None:
         """The decode op's score bundle: the policy's score tensor whenever it scores, with its mode, or
         with mode "none" for a read-only call (``update_scores=False``: nothing written). A read-only call
         passes the same tensors because with no score beside scoring calls in one compiled graph, inductor
-        failed to lower the op (torch 2.13). ``gumbel_noise``: this call's rows of the step's noise."""
+        failed to lower the op (torch 2.13). ``gumbel_key``: this call's rows of the step's noise keys."""
         if self.score_mode == "none":
             return None
         return ScoreUpdate(self.slot_score, self.score_mode if update_scores else "none", self.decay,
-                           gumbel_noise, self.temperature if self.gumbel else None)
+                           gumbel_key, self.temperature if self.gumbel else None)
 
     def after_step(self, step: int) -> None:
         """Eager end of a decode step: when the plan's schedule says so (every ``evict_every`` steps),

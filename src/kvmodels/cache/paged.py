@@ -71,7 +71,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         :func:`kvmodels.cache.paged_cache` picks it for a policy.
     seed:
         Seeds, together with ``policy.seed``, the Gumbel noise of score modes that draw it (decode: a
-        ``torch.Generator`` reset by ``start``; prefill: ``prefill_scores(seed=prefill_seed(l, b))``).
+        per-step keys ``kvkernels.decode_keys(noise_seed, step, ...)``, the step counted from ``start``;
+        prefill: ``prefill_scores(seed=prefill_seed(l, b))``).
 
     Attributes
     ----------
@@ -91,9 +92,10 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         ``[Lc, max_batch, M]`` int32 and ``[Lc, max_batch]`` int32 (``M = ceil(max_tokens / S)``).
     active:
         ``[max_batch]`` bool, rows holding an unfinished sequence.
-    gumbel_noise, temperature:
-        ``[Lc, max_batch, Hq, M * S]`` float32 noise of the current step and ``[1]`` float32 tau (only
-        allocated for the ``gumbel`` score mode).
+    gumbel_keys, temperature:
+        ``[Lc, max_batch, Hq]`` int32 keys of the current step's Gumbel noise (``kvkernels.decode_keys``; the
+        decode kernel hashes the noise from them, ``ScoreUpdate.gumbel_key``; only allocated for the
+        ``gumbel`` score mode) and ``[1]`` float32 tau.
     layout:
         ``kvpolicies.plan.MergeLayout``: where each layer stores its tokens (``policy.merge_layout(Lc)``).
     merged_pairs:
@@ -198,10 +200,9 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         if self.score_mode == "none" and self.side is not None and self.side.every:
             self.score_mode = "accumulate"  # ZipCache ranks decoded tokens by their accumulated attention
         self.gumbel = self.score_mode == "gumbel"
-        self.gumbel_noise: torch.Tensor | None = None
-        if self.gumbel:
-            self.gumbel_noise = torch.zeros(n_layers, max_batch, n_q_heads, M * page_size,
-                                            dtype=torch.float32, device=dev)
+        self.gumbel_keys: torch.Tensor | None = None
+        if self.gumbel:  # a key per (layer, row, query head) and step: no [.., slots] noise buffer
+            self.gumbel_keys = torch.zeros(n_layers, max_batch, n_q_heads, dtype=torch.int32, device=dev)
         self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
         self.decay = 1.0
         # The compiled decode step mutates these in place (K/V, slot positions and scores, lengths).
@@ -226,7 +227,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         """Every device tensor the decode step reads or writes; allocated once, updated only in place."""
         bufs = [self.k_pages, self.v_pages, self.slot_pos, self.slot_score, self.free_pages, self.n_free,
                 self.page_table, self.seq_lens, self.active, self.budgets, self.cos_sim, self.temperature]
-        bufs += [t for t in (self.k_mag, self.v_mag, self.slot_mask, self.gumbel_noise, self.key_scale)
+        bufs += [t for t in (self.k_mag, self.v_mag, self.slot_mask, self.gumbel_keys, self.key_scale)
                  if t is not None]
         return bufs + (self.side.static_buffers() if self.side is not None else [])
 
@@ -323,9 +324,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self.host.seen[:n] = prompt_lens
         self._step = 0
         self._state = "prefill"
-        if self.gumbel:
-            self._generator = torch.Generator(device=self.device)
-            self._generator.manual_seed(self._noise_seed)
+        self._noise_step = 0  # decode steps drawn since start (later turns continue it)
         kw = self.eviction.decode_kwargs(0, max(1, max_new_tokens))
         unknown = set(kw) - {"temperature", "decay"}
         if unknown:

@@ -152,10 +152,6 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype,
         raise ValueError(f"{name} never re-compresses (every=0), so under eviction {ev.name!r}, which evicts "
                          "while decoding from the low bits only, the high bits would outgrow the budget; use "
                          "every >= 1 (ZipCache's is ~100) or a prompt-only policy (snapkv)")
-    if ev.decode_evict and ev.score_mode == "gumbel":
-        raise ValueError(f"{name} keeps tokens in two formats; eviction {ev.name!r} scores with Gumbel noise "
-                         "drawn per slot of one pool, which the two-format decode does not draw for the "
-                         "second; use kivi(residual=0) (one format) or h2o, a2sf, tova, scissorhands")
     side = storage(formats[0])
     assert isinstance(side, PackedRows)
     return main, side
