@@ -504,8 +504,8 @@ def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_tab
     """The second launch of a split decode: ``out`` from the splits' partials and, with ``scores``, the
     score update over chunks of :data:`SCORE_CHUNK` slots in parallel. Shared with
     :mod:`kvkernels.quant_attention`, whose partial kernel writes the same scratch; with ``second`` (its two
-    regions under one softmax, not gumbel) more programs score the second region's slots from the logits
-    after the first region's in the scratch (the visible count ``nvis`` covers both)."""
+    regions under one softmax) more programs score the second region's slots from the logits after the
+    first region's in the scratch (the visible count ``nvis`` and Gumbel's noised statistics cover both)."""
     batch, n_kv_heads, block_n = out.shape[0], consts["HKV"], consts["BLOCK_N"]
     score, score_mode, decay = (None, "none", 1.0) if scores is None else scores[:3]
     mode_id = _MODE_IDS[score_mode] if score is not None else 0

@@ -18,10 +18,10 @@ the product (float32 queries: exact float32 products). The score update of decod
 accumulated attention, Keyformer's Gumbel score, ...) is fused as in the native kernel: the tile logits go to
 the split scratch and the shared reduce kernel scores the slots
 (``kvkernels::quant_decode_attention_scored``).
-With a second region (KIVI's float residual beside the packed tokens) every mode but Gumbel scores both
-regions' slots from the one softmax, the second's scores in ``Region.score``: its logits follow the first
-region's in each scratch row and more reduce programs score them
-(``kvkernels::quant_decode_attention_scored_two``).
+With a second region (KIVI's float residual beside the packed tokens) every mode scores both regions'
+slots from the one softmax, the second's scores in ``Region.score``: its logits follow the first region's
+in each scratch row and more reduce programs score them (``kvkernels::quant_decode_attention_scored_two``);
+Gumbel's noise is hashed with the sequence's logical slot, the second region's slot ``j`` at ``len1 + j``.
 
 The first kernel (one program per sequence and KV head, each channel's code byte and parameters gathered
 per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages on an H200
