@@ -127,7 +127,7 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_KSCALE: tl.constexpr, HAS_VSCALE: tl.constexpr, HAS_MASK: tl.constexpr,
         KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        ONE_SPLIT: tl.constexpr, SCORE_MODE: tl.constexpr,
+        ONE_SPLIT: tl.constexpr, SCORE_MODE: tl.constexpr, G_P2: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -150,11 +150,11 @@ if HAS_TRITON:
             slopes = tl.load(alibi_ptr + kvh * G + offs_g, mask=g_ok, other=0.0)  # [BLOCK_G]
             q_pos = tl.load(q_pos_ptr + b)
         tau = 1.0
-        noise_key = offs_g  # gumbel: each query head's noise key ([B, Hq] int32, row q_rows)
+        noise_key = tl.arange(0, G_P2)  # gumbel: the group's query heads' noise keys ([B, Hq] int32)
         if GUMBEL:
             if HAS_TEMP:
                 tau = tl.load(temp_ptr)
-            noise_key = tl.load(key_ptr + q_rows, mask=g_ok, other=0)
+            noise_key = tl.load(key_ptr + (b * HKV + kvh) * G + noise_key, mask=noise_key < G, other=0)
 
         m_i = tl.full([BLOCK_G], _NEG_BIG_C, tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -194,7 +194,8 @@ if HAS_TRITON:
 
             if KEEP_LOGITS:
                 gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_key, 0, q_rows, g_ok,
-                                                 slots, in_seq, visible, tau, logits_len, GUMBEL)
+                                                 slots, in_seq, visible, tau, logits_len, BLOCK_G, BLOCK_N,
+                                                 G_P2, GUMBEL)
 
         _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
                       n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
@@ -202,7 +203,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_key, noise_offset, q_rows, g_ok, slots, in_seq,
-                     visible, tau, logits_len, GUMBEL: tl.constexpr):
+                     visible, tau, logits_len, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                     G_P2: tl.constexpr, GUMBEL: tl.constexpr):
         """``KEEP_LOGITS``: a tile's logits ``x [BLOCK_G, BLOCK_N]`` (``-inf`` on invisible slots) to the
         scratch by slot for the reduce kernel's score update, and the visible count. ``GUMBEL``: the
         noised, tempered logits ``(x + G) / tau`` instead, the noise hashed here from each head's
@@ -211,7 +213,12 @@ if HAS_TRITON:
         Shared with :mod:`kvkernels.quant_attention`."""
         kept = x
         if GUMBEL:
-            noise = gumbel_keyed_tl(noise_key[:, None], (noise_offset + slots)[None, :])
+            # The noise of the group's G_P2 (G rounded up to a power of two) heads only, not of the BLOCK_G
+            # rows the tensor-core tile pads a small group to: the padded rows get copies, never used.
+            noise = gumbel_keyed_tl(noise_key[:, None], (noise_offset + slots)[None, :])  # [G_P2, BLOCK_N]
+            if G_P2 < BLOCK_G:
+                noise = tl.reshape(tl.broadcast_to(noise[None, :, :], (BLOCK_G // G_P2, G_P2, BLOCK_N)),
+                                   (BLOCK_G, BLOCK_N))
             kept = (x + noise) / tau  # -inf stays -inf
             gm_new = tl.maximum(gm_i, tl.max(kept, axis=1))
             gl_i = gl_i * tl.exp(gm_i - gm_new) + tl.sum(tl.exp(kept - gm_new[:, None]), axis=1)
@@ -443,7 +450,8 @@ def paged_decode_attention_triton(
         HAS_TEMP=temperature is not None,
         # fp32 caches get exact fp32 products (no TF32) so they match the fp32 reference.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ONE_SPLIT=one_split, SCORE_MODE=mode_id if keep_logits else 0, num_warps=cfg.num_warps,
+        ONE_SPLIT=one_split, SCORE_MODE=mode_id if keep_logits else 0, G_P2=triton.next_power_of_2(group),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **consts,
     )
     if not one_split:

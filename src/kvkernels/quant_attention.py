@@ -212,7 +212,8 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         if KEEP_LOGITS:
             gm_i, gl_i, n_vis = _keep_logits(x, gm_i, gl_i, n_vis, logits_ptr, noise_key, noise_offset,
-                                             q_rows, g_ok, slots, in_seq, in_seq, tau, logits_len, GUMBEL)
+                                             q_rows, g_ok, slots, in_seq, in_seq, tau, logits_len, q.shape[0],
+                                             x.shape[1], noise_key.shape[0], GUMBEL)
         return acc, gm_i, gl_i, n_vis
 
     @triton.jit
@@ -302,7 +303,7 @@ if HAS_TRITON:
         V2_BITS: tl.constexpr, V2_GROUP: tl.constexpr, V2_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
         ONE_SPLIT: tl.constexpr, KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr,
-        PREFETCH: tl.constexpr, PREFETCH2: tl.constexpr,
+        PREFETCH: tl.constexpr, PREFETCH2: tl.constexpr, G_P2: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's slots, the first
         region's then (``HAS2``) the second's, laid end to end; the group's query heads together (one
@@ -322,11 +323,11 @@ if HAS_TRITON:
         q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                     other=0.0)
         tau = 1.0
-        noise_key = offs_g  # gumbel: each query head's noise key ([B, Hq] int32, row q_rows)
+        noise_key = tl.arange(0, G_P2)  # gumbel: the group's query heads' noise keys ([B, Hq] int32)
         if GUMBEL:
             if HAS_TEMP:
                 tau = tl.load(temp_ptr)
-            noise_key = tl.load(key_ptr + q_rows, mask=g_ok, other=0)
+            noise_key = tl.load(key_ptr + (b * HKV + kvh) * G + noise_key, mask=noise_key < G, other=0)
         len1 = tl.load(seq_lens_ptr + b)
         total = len1
         if HAS2:
@@ -659,6 +660,7 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
         ONE_SPLIT=one_split, KEEP_LOGITS=keep_logits, GUMBEL=gumbel, HAS_TEMP=temperature is not None,
         PREFETCH=_prefetch(k_pages, v_pages, k_format, v_format, d),
         PREFETCH2=_prefetch(two.k_pages, two.v_pages, two.k_format, two.v_format, d),
+        G_P2=triton.next_power_of_2(group),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
     )
     if not one_split:
