@@ -185,15 +185,17 @@ def _rows(L: int, mode: str, window: int) -> int:
     return L - window if window else 0
 
 
-#: Score modes whose scorer takes the attention's row log-sum-exp for its normaliser: not ``gumbel`` (its
-#: logits carry noise the attention never saw) nor ``count_low`` (integer counts of ``p < 1/n``, where a
-#: last-bit difference in the normaliser could flip a near tie).
-LSE_MODES = ("accumulate", "decay", "replace")
+#: Score modes whose prompt score is a row-weighted column sum of the attention probabilities: the ones
+#: :func:`prefill_attention_scores` fuses into the attention itself, and the ones whose scorer takes the
+#: attention's row log-sum-exp for its normaliser. Not ``gumbel`` (its logits carry noise the attention
+#: never saw) nor ``count_low`` (integer counts of ``p < 1/n``, where a last-bit difference in the
+#: normaliser could flip a near tie).
+COLUMN_SUM_MODES = ("accumulate", "decay", "replace")
 
 
 def _uses_lse(mode: str, lse: torch.Tensor | None) -> bool:
-    """Whether a given row log-sum-exp replaces the scorer's own normaliser (:data:`LSE_MODES`)."""
-    return lse is not None and mode in LSE_MODES
+    """Whether a given row log-sum-exp replaces the scorer's own normaliser (:data:`COLUMN_SUM_MODES`)."""
+    return lse is not None and mode in COLUMN_SUM_MODES
 
 
 def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mode: str, window: int = 0,
@@ -560,11 +562,6 @@ def _flash_with_lse(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
         _FLASH_REFUSED.add(key)  # not the layout this reads (another torch version's op): never again
         return None
     return out, lse.float()
-
-
-#: Score modes whose prompt score is a row-weighted column sum of the attention probabilities (the ones
-#: :func:`prefill_attention_scores` fuses into the attention itself).
-COLUMN_SUM_MODES = ("accumulate", "decay", "replace")
 
 
 def prefill_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mode: str,

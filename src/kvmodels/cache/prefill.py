@@ -15,7 +15,6 @@ from kvkernels import check_shape, check_tensor, prefill_seed
 from kvkernels.quant import key_channel_scale
 from kvkernels.score_update import (
     COLUMN_SUM_MODES,
-    LSE_MODES,
     prefill_attention,
     prefill_attention_scores,
 )
@@ -73,7 +72,7 @@ class PrefillSteps:
         it and the scorer skips its normaliser pass, a pass over the scored rows' logits; for a 32-row
         observation window or the last row alone that pass is small and the model's attention keeps its
         own kernel)."""
-        return self.eviction.prefill_mode in LSE_MODES and self._scores_most_rows(l, L)
+        return self.eviction.prefill_mode in COLUMN_SUM_MODES and self._scores_most_rows(l, L)
 
     def _scores_most_rows(self, l: int, L: int) -> bool:
         """Whether layer ``l`` computes its own prompt scores (not another layer's) from at least half of the
