@@ -23,8 +23,9 @@ per engine waited on cores busy with other work, and a trial ran about 10x slowe
 
 writes ``DIR/vllm-savings.json`` (settings, every engine's numbers and per-step series) and
 ``DIR/vllm-savings.md`` (the table); ``--name NAME`` writes ``DIR/NAME.{json,md}`` instead (another setting
-beside the default one, e.g. ``--set L=2048 pool=1040 --name vllm-savings-2048``). ``--smoke``: short
-prompts, a small pool, plain vLLM and ``streaming`` only (tests_vllm/test_vllm_savings.py runs it).
+beside the default one, e.g. ``--set L=2048 pool=1040 --name vllm-savings-2048``); ``--policies streaming
+h2o``: other policies than the setting's. ``--smoke``: short prompts, a small pool, plain vLLM and
+``streaming`` only (tests_vllm/test_vllm_savings.py runs it).
 """
 
 from __future__ import annotations
@@ -267,8 +268,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per engine")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=INT",
                     help="override an integer of the setting: L, K, pool, threads, ..., or BATCH.M, BATCH.G")
+    ap.add_argument("--policies", nargs="+", metavar="NAME",
+                    help="the plugin's policies beside plain vLLM (default: the setting's)")
     args = ap.parse_args(argv)
     setting = json.loads(json.dumps(SMOKE if args.smoke else FULL))  # a deep copy
+    if args.policies:
+        setting["policies"] = list(args.policies)
     for item in args.set:
         key, _, value = item.partition("=")
         name, _, field = key.rpartition(".")

@@ -1,4 +1,5 @@
-"""Decode-time eviction under vLLM (``streaming``, ``window``, ``knorm``) on the tiny random Llama: greedy
+"""Decode-time eviction under vLLM (``streaming``, ``window``, ``knorm``; ``h2o``, ``tova``, ``a2sf`` and
+``scissorhands``, scored by each decode query's attention) on the tiny random Llama: greedy
 outputs equal the transformers reference's with the same policy (which evicts every ``evict_every`` decode
 steps, as kvmodels does), over generations long enough for many evictions; blocks held follow the kept
 lengths, and blocks emptied while decoding go back to the pool; a request preempted after several evictions
@@ -21,6 +22,12 @@ CASES = {
     "streaming-0.2-every1": ("streaming", 0.2, 1, {}),
     "window-40-every3": ("window", 40, 3, {}),  # an int budget: the 20-token prompt grows to 40, then held
     "knorm-0.2-every1": ("knorm", 0.2, 1, {}),
+    # scored by each decode query's attention (the workers keep per-slot scores)
+    "h2o-0.2-every1": ("h2o", 0.2, 1, {}),
+    "h2o-0.2-every4-chunked": ("h2o", 0.2, 4, CHUNKED),  # every prompt query scores: kept across chunks
+    "tova-0.2-every1": ("tova", 0.2, 1, {}),
+    "a2sf-0.3-every2": ("a2sf", 0.3, 2, {}),
+    "scissorhands-0.2-every3-chunked": ("scissorhands", 0.2, 3, CHUNKED),
 }
 
 
@@ -40,13 +47,16 @@ def test_decode_eviction_equals_transformers(case, model_dir, hf_model, tmp_path
         assert shrank >= 3, shrank  # blocks came back to the pool while decoding
 
 
-@pytest.mark.parametrize("engine", [{}, CHUNKED], ids=["whole-recompute", "chunked-recompute"])
-def test_preempted_after_evictions_recomputes_the_same(engine, model_dir, hf_model, tmp_path):
+@pytest.mark.parametrize("name,engine", [("streaming", {}), ("streaming", CHUNKED), ("h2o", {}),
+                                         ("h2o", CHUNKED)],
+                         ids=["whole-recompute", "chunked-recompute", "h2o-whole", "h2o-chunked"])
+def test_preempted_after_evictions_recomputes_the_same(name, engine, model_dir, hf_model, tmp_path):
     """Requests 1 (130 tokens) and 3 (96) are preempted after 27 and 30 decode steps (3 evictions at every
     8 steps behind them) and recomputed: in one step (the compaction, then 3 pieces of generated tokens
-    between evictions, each attending again to the held slots), or in 32-token chunks (pieces in chunks
-    past the prompt too). Their outputs equal the reference's, as do the others'."""
-    policy = compose("streaming", budget=0.2, evict_every=8)
+    between evictions, each attending again to the held slots; with h2o each piece's queries update the
+    scores row by row, as the decode steps did), or in 32-token chunks (pieces in chunks past the prompt
+    too). Their outputs equal the reference's, as do the others'."""
+    policy = compose(name, budget=0.2, evict_every=8)
     batch = prompts(LENS)
     ours = run_vllm(tmp_path, model_dir, batch, NEW, policy.to_json(), engine,
                     preempt={1: LENS[1] + 27, 3: LENS[3] + 30})

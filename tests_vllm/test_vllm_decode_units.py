@@ -4,6 +4,7 @@ the pieces / evictions the workers run, against a token-by-token simulation of t
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -160,3 +161,107 @@ def test_eviction_in_vllm_cache_is_bit_identical(name):
            for part in range(2)]
     assert torch.equal(got[0], torch.cat([want_k, k[held:]]))
     assert torch.equal(got[1], torch.cat([want_v, v[held:]]))
+
+
+SCORED = [("h2o", 0.2, 1), ("h2o", 0.25, 3), ("a2sf", 0.2, 2), ("tova", 0.2, 1),
+          ("tova(per_head=True)", 0.3, 2), ("scissorhands", 0.2, 1), ("h2o", 12, 4)]
+
+
+def test_scored_policies_evict_while_decoding():
+    """h2o, a2sf, tova and scissorhands evict while decoding in the plugin (scores updated by each decode
+    query); Keyformer's noised scores and prompt-only TOVA do not, and Keyformer is refused by name."""
+    from kvpolicies.vllm import PolicySpecError, decode_scores, parse
+
+    for spec in ["h2o", "a2sf", "tova", "scissorhands", "tova(per_head=True)"]:
+        policy = compose(spec, budget=0.2)
+        assert decode_evicts(policy) and decode_scores(policy), spec
+        assert kept_lengths(policy, 130).budget == 26
+    for spec in ["tova(decode=False)", "h2o(recent=0.5)"]:
+        policy = compose(spec, budget=0.2, evict_every=1)
+        assert decode_scores(policy) == (spec != "tova(decode=False)")
+    with pytest.raises(PolicySpecError, match="keyformer.*Gumbel"):
+        parse('{"policies": ["keyformer"], "budget": 0.2}')
+
+
+def _reference_module():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    return importlib.import_module("reference_policies")
+
+
+@pytest.mark.parametrize("spec,budget,every", SCORED)
+def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every):
+    """The worker's scored decode eviction, step by step as ``CompressingImpl.forward`` runs it, in a CPU
+    KV cache written by vLLM's own kernel (scattered blocks), against the dense reference of the papers
+    (tests/reference_policies.py, float64): after every step each KV head holds the reference's tokens, in
+    order, bit for bit, with its scores. Steps of one token, several tokens at once (a recomputed
+    request: several pieces and evictions in one step) and a step that ends the prompt and runs on."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpolicies.vllm import backend
+
+    ref = _reference_module()
+    name = spec.split("(")[0]
+    params = {"per_head": True} if "per_head=True" in spec else None
+    torch.manual_seed(1)
+    nb, H, G, bs, D = 8, 2, 2, 32, 32
+    L, T = 40, 36
+    scale = D ** -0.5
+    isa = _get_attn_isa(torch.float32, bs, D, "auto")
+    q_all, k_all, v_all = torch.randn(L + T, H * G, D), torch.randn(L + T, H, D), torch.randn(L + T, H, D)
+    want = ref.simulate(name, params, q_all[:L], k_all[:L], q_all[L:], k_all[L:], budget,
+                        evict_every=every)
+    policy = compose(spec, budget=budget, evict_every=every)
+    lengths = kept_lengths(policy, L)
+    rng = random.Random(0)
+    for steps in ([L] + [1] * T, [L] + [5, 1, 9, 3, 1, 17], [L + 6] + [rng.randint(1, 6) for _ in range(12)]):
+        cuts = sorted({min(x, L + T) for x in itertools.accumulate(steps)} | {L + T})
+        steps = [b - a for a, b in zip([0] + cuts, cuts)]  # the same steps, cut at the last token
+        kv_cache = torch.zeros(nb, H, bs, 2 * D)
+        k_cache, v_cache = kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+        blocks = torch.tensor([5, 1, 6, 0, 3])
+        state = None
+        c = 0
+        for q in steps:
+            end = c + q
+            first = c if c >= L else 0  # the batch pass writes the step's tokens behind the held slots
+            logical = torch.arange(q) + lengths.stored(c) if c >= L else torch.arange(c, end)
+            slots = blocks[logical // bs] * bs + logical % bs
+            ops.cpu_attn_reshape_and_cache(k_all[c:end].contiguous(), v_all[c:end].contiguous(), k_cache,
+                                           v_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+            query = q_all[first if c < L else c:end]  # the step's queries (the whole prompt at once here)
+            if c < L <= end:
+                job = backend.Compaction("r", 0, 0, end, L, lengths.kept, lengths.n_sink, lengths.n_recent,
+                                         blocks)
+                _, state = backend.compact(policy, job, query, kv_cache, scale, isa)
+            row0 = 0 if c < L else c
+            for piece in step_pieces(lengths, c, q):
+                p = backend.Scored("r", blocks, piece.start - row0, piece.end - piece.start, piece.stored)
+                state = backend.score_piece(policy, p, state, query, kv_cache, scale, isa)
+                if piece.evicted:
+                    e = backend.Eviction("r", blocks, piece.stored + p.count, lengths.budget,
+                                         lengths.dec_sink, lengths.dec_recent, piece.pending)
+                    state = backend.evict(policy, e, kv_cache, isa, state)
+            c = end
+            if c < L:
+                continue
+            step = want[c - L]
+            held = lengths.stored(c)
+            assert held == step.kept.shape[1] and state.shape == (H, held), (steps, c)
+            index = backend.slot_index(kv_cache, blocks, isa)
+            got_k = kv_cache.view(-1)[index(torch.arange(held), 0)]  # [held, H, D]
+            got_v = kv_cache.view(-1)[index(torch.arange(held), 1)]
+            for h in range(H):
+                ids = step.kept[h]
+                assert torch.equal(got_k[:, h], k_all[ids, h]), (spec, steps, c, h)
+                assert torch.equal(got_v[:, h], v_all[ids, h])
+            where = f"{spec} steps={steps} after {c} tokens"
+            torch.testing.assert_close(state.double(), step.scores, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, where=where: f"{m} ({where})")

@@ -14,7 +14,7 @@ from kvpolicies.vllm import PolicySpecError, parse, prompt_budget
     ("keyfromer", "unknown policy 'keyfromer'; did you mean 'keyformer'?"),
     ('{"policies": ["snapkv"], "budget": 1.5}', "budget"),
     ("{not json", "Expecting property name"),
-    ("h2o", "eviction 'h2o' scores decode steps"),
+    ("keyformer", "eviction 'keyformer', whose decode-time score (score_mode='gumbel'"),
     ("squeeze+snapkv", "layer budgets 'squeeze' (only 'uniform')"),
     ("adakv+snapkv", "head budgets 'adakv'"),
     ("minicache", "layer merging 'minicache'"),
@@ -29,6 +29,7 @@ def test_bad_spec_is_one_line(raw, part):
 
 
 @pytest.mark.parametrize("raw", ["full", "streaming", "knorm", "window", "snapkv(window=8)", "chunkkv",
+                                 "h2o", "tova", "a2sf", "scissorhands", "tova(decode=False)",
                                  '{"policies": ["streaming"], "budget": 0.2}'])
 def test_supported_specs_parse(raw):
     assert parse(raw) == (compose(raw) if not raw.startswith("{") else compose(eval(raw)))
@@ -66,10 +67,11 @@ def test_compaction_in_vllm_cache_is_bit_identical(name):
     policy = compose(name, budget=0.2, **({"snapkv": {"window": 8}} if name == "snapkv" else {}))
     kept, n_sink, n_recent = prompt_budget(policy, L)
     job = backend.Compaction("r", 0, 0, total, L, kept, n_sink, n_recent, blocks)
-    positions = backend.compact(policy, job, q, kv_cache, 0.125, isa)
+    positions, kept_scores = backend.compact(policy, job, q, kv_cache, 0.125, isa)
     scores = backend.prompt_scores(policy, k[:L], v[:L], q[:L], 0.125)
     want_k, want_v, want_pos = backend.select(k[:L], v[:L], scores, kept, n_sink, n_recent)
     assert torch.equal(positions, want_pos)
+    assert torch.equal(kept_scores, scores.gather(1, want_pos))  # select leaves the caller's scores alone
     offsets = backend.slot_layout(isa, torch.float32, bs, D)
     n = kept + extra
     got = []

@@ -23,14 +23,15 @@ from .config import (
     KeptLengths,
     PolicySpecError,
     decode_evicts,
+    decode_scores,
     kept_lengths,
     parse,
     policy_from_env,
     prompt_budget,
 )
 
-__all__ = ["ENV", "KeptLengths", "PolicySpecError", "decode_evicts", "kept_lengths", "parse",
-           "policy_from_env", "prompt_budget", "register"]
+__all__ = ["ENV", "KeptLengths", "PolicySpecError", "decode_evicts", "decode_scores", "kept_lengths",
+           "parse", "policy_from_env", "prompt_budget", "register"]
 
 
 def register() -> None:

@@ -28,12 +28,21 @@ on the request is *compacted*: the builder hands the stock CPU kernel seq_len ``
 position ``p`` to slot ``p - d``. Positions are untouched: RoPE was applied before caching, so a kept key
 keeps its original rotation wherever it is stored, and the attention kernel needs no positions.
 
-Decode-time eviction (``streaming``, ``window``, ``knorm``): a request past its prompt with ``c`` tokens
-cached holds ``stored(c)`` slots (``KeptLengths``), reads ``seq_len - d(c)`` and writes new tokens ``d(c) =
-c - stored(c)`` slots earlier. The step's tokens past the prompt are split after each eviction point
-(``config.step_pieces``); after the batch's attention each layer runs rounds: a second attention for the
-pieces the batch's pass gave the wrong slots (a recomputed request's generated tokens), then the evictions
-(:func:`evict`), which keep ``budget`` slots in order and move the step's later tokens behind them.
+Decode-time eviction (``streaming``, ``window``, ``knorm``, and by attention scores ``h2o``, ``a2sf``,
+``tova``, ``scissorhands``): a request past its prompt with ``c`` tokens cached holds ``stored(c)`` slots
+(``KeptLengths``), reads ``seq_len - d(c)`` and writes new tokens ``d(c) = c - stored(c)`` slots earlier.
+The step's tokens past the prompt are split after each eviction point (``config.step_pieces``); after the
+batch's attention each layer runs rounds: a second attention for the pieces the batch's pass gave the wrong
+slots (a recomputed request's generated tokens), the score update of every piece (:func:`score_piece`),
+then the evictions (:func:`evict`), which keep ``budget`` slots in order and move the step's later tokens
+behind them.
+
+Scores (``config.decode_scores``): per (request, layer) the worker holds a ``[Hkv, stored]`` float32 score
+per held slot (``_SCORES``), as kvmodels' caches hold ``slot_score``: set from the prompt's scores by the
+compaction (also when the prompt is kept whole), extended with 0 for each new token, updated by each decode
+query's attention over the slots it sees (``kvkernels.paged_decode_attention`` with a ``ScoreUpdate``, the
+op kvmodels' decode runs, on the held keys gathered into one page), and moved with the tokens an eviction
+keeps.
 
 ``kept`` and ``stored`` come from ``ComposedPolicy.plan`` (:func:`kvpolicies.vllm.config.kept_lengths`), as
 on the scheduler side. Only in-process state is kept here, per worker process: with chunked prefill, the
@@ -59,7 +68,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..base import NewTokens
 from ..compose import ComposedPolicy
-from .config import kept_lengths, policy_from_env, step_pieces
+from .config import decode_scores, kept_lengths, policy_from_env, query_window, step_pieces
 
 #: The model runner of this worker process (set when it is built; the builder reads its batch's requests).
 _RUNNER: Any = None
@@ -70,6 +79,10 @@ _RUNNER: Any = None
 #: Queries of a prompt's observation window that arrived in earlier prefill chunks (chunked prefill), by
 #: ``(request id, layer name)``: ``(first position, [n, Hq, D])`` pieces, used up by the compaction.
 _WINDOW_QUERIES: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+
+#: Per-slot scores ``[Hkv, stored]`` float32 of each request's held slots, by ``(request id, layer name)``,
+#: for a policy that scores decode steps (``config.decode_scores``).
+_SCORES: dict[tuple[str, str], torch.Tensor] = {}
 
 RECORD_KEPT = os.environ.get("KVPOLICIES_VLLM_RECORD_KEPT", "") == "1"
 KEPT: dict[tuple[str, str], torch.Tensor] = {}
@@ -110,13 +123,28 @@ class Eviction:
 
 
 @dataclass(frozen=True)
+class Scored:
+    """The decode-time score update of one piece of a request's tokens past its prompt: query rows
+    ``[row, row + count)`` of the step's batch, whose tokens sit at slots ``[stored, stored + count)`` (in
+    ``blocks``) after the ``stored`` held ones; row ``i`` sees slots ``[0, stored + i]``."""
+
+    request: str
+    blocks: torch.Tensor
+    row: int
+    count: int
+    stored: int
+
+
+@dataclass(frozen=True)
 class Round:
     """One round of a step's decode-time work, after the batch's attention: a second attention for some
     requests' tokens (``redo``: their query rows ``[n]`` and the metadata of an attention over each one's
-    held slots, replacing the first outputs), then ``evictions``."""
+    held slots, replacing the first outputs), the score updates of their pieces (``scored``), then
+    ``evictions``."""
 
     redo: tuple[torch.Tensor, Any] | None
     evictions: list[Eviction]
+    scored: list[Scored] = dataclasses.field(default_factory=list)
 
 
 class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -129,6 +157,7 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.policy: ComposedPolicy | None = policy_from_env()
+        self.scoring = self.policy is not None and decode_scores(self.policy)
         if self.policy is not None and self.kv_cache_dtype != "auto":
             raise ValueError(f"kvpolicies vLLM plugin: kv_cache_dtype={self.kv_cache_dtype!r} is not "
                              "supported yet (compaction moves tokens of an unquantized cache); use 'auto'")
@@ -141,8 +170,9 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.policy is None or batch is None or len(batch.req_ids) < n or n == 0:
             return super().build(common_prefix_len, cm, fast_build)  # warm-up and dummy runs
         live = getattr(runner, "requests", {})
-        for key in [k for k in _WINDOW_QUERIES if k[0] not in live]:
-            del _WINDOW_QUERIES[key]
+        for held_state in (_WINDOW_QUERIES, _SCORES):
+            for key in [k for k in held_state if k[0] not in live]:
+                del held_state[key]
         ev = self.policy.eviction
         bs = self.block_size
         qsl = cm.query_start_loc_cpu.tolist()
@@ -157,6 +187,7 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         # (first row, rows, held slots before them, blocks), and evictions after their k-th pieces.
         redo: list[list[tuple[int, int, int, torch.Tensor]]] = []
         evictions: list[list[Eviction]] = []
+        scored: list[list[Scored]] = []
         for r in range(n):
             rid = batch.req_ids[r]
             L, c = int(batch.num_prompt_tokens[r]), int(batch.num_computed_tokens_cpu[r])
@@ -166,7 +197,7 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
                     if c == 0:  # (re)starting: drop what a preempted run left
                         for key in [k for k in _WINDOW_QUERIES if k[0] == rid]:
                             del _WINDOW_QUERIES[key]
-                    first = max(c, L - ev.prefill_window(L))
+                    first = max(c, L - query_window(self.policy, L))
                     if c + q > first:
                         stash.append((rid, qsl[r] + first - c, first, c + q - first))
                 continue
@@ -180,13 +211,17 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
                 new_lens[r] -= d
                 pos = cm.positions[qsl[r]:qsl[r + 1]].to(torch.int64) - d  # logical slots
                 new_slots[qsl[r]:qsl[r + 1]] = (blocks[pos // bs] * bs + pos % bs).to(slots.dtype)
-            if compacting:
+            if compacting or (c < L and self.scoring):  # a scoring policy scores a prompt kept whole too
                 jobs.append(Compaction(rid, qsl[r], c, end, L, lengths.kept, lengths.n_sink,
                                        lengths.n_recent, blocks))
             for k, piece in enumerate(step_pieces(lengths, c, q)):
                 while len(redo) <= k:
                     redo.append([])
                     evictions.append([])
+                    scored.append([])
+                if self.scoring:
+                    scored[k].append(Scored(rid, blocks, qsl[r] + piece.start - c, piece.end - piece.start,
+                                            piece.stored))
                 if piece.redo:
                     redo[k].append((qsl[r] + piece.start - c, piece.end - piece.start, piece.stored, blocks))
                 if piece.evicted:
@@ -204,8 +239,8 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
             new_table = table.clone()  # ``table`` is a view of the batch's block table on CPU
             for r, rid, keep in cuts:
                 cut_block_table_row(runner, r, rid, keep)
-        rounds = [Round(self._redo_metadata(cm, parts, fast_build), evs)
-                  for parts, evs in zip(redo, evictions)]
+        rounds = [Round(self._redo_metadata(cm, parts, fast_build), evs, sc)
+                  for parts, evs, sc in zip(redo, evictions, scored)]
         if new_table is not None or new_lens is not None:
             cm = dataclasses.replace(cm, block_table_tensor=table if new_table is None else new_table,
                                      seq_lens=seq_lens if new_lens is None else new_lens,
@@ -214,7 +249,7 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         meta.kvp_compactions = jobs
         meta.kvp_window_queries = stash
         meta.kvp_slot_mapping = new_slots
-        meta.kvp_rounds = [rd for rd in rounds if rd.redo is not None or rd.evictions]
+        meta.kvp_rounds = [rd for rd in rounds if rd.redo is not None or rd.evictions or rd.scored]
         return meta
 
     def _redo_metadata(self, cm: Any, parts: list[tuple[int, int, int, torch.Tensor]],
@@ -284,11 +319,15 @@ class CompressingImpl(CPUAttentionBackendImpl):
         if jobs:
             policy = policy_from_env()
             assert policy is not None
+            scoring = decode_scores(policy)
             for job in jobs:
-                earlier = _WINDOW_QUERIES.pop((job.request, layer.layer_name), [])
-                kept = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier)
-                if RECORD_KEPT:
-                    KEPT[job.request, layer.layer_name] = kept
+                held_key = (job.request, layer.layer_name)
+                earlier = _WINDOW_QUERIES.pop(held_key, [])
+                kept, scores = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier)
+                if scoring:
+                    _SCORES[held_key] = scores
+                if RECORD_KEPT and job.kept < job.prompt_len:
+                    KEPT[held_key] = kept
         for rd in getattr(attn_metadata, "kvp_rounds", ()):
             if rd.redo is not None:  # tokens that must attend to the held slots only: attend again
                 idx, meta = rd.redo
@@ -296,12 +335,32 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 super().forward(layer, query[idx].contiguous(), key[idx].contiguous(),
                                 value[idx].contiguous(), kv_cache, meta, again, *args, **kwargs)
                 output[idx] = again
-            if rd.evictions:
+            if rd.scored or rd.evictions:
                 policy = policy_from_env()
                 assert policy is not None
+                scoring = decode_scores(policy)
+                for p in rd.scored:
+                    held_key = (p.request, layer.layer_name)
+                    _SCORES[held_key] = score_piece(policy, p, _held_scores(held_key, p.stored), query,
+                                                    kv_cache, self.scale, layer.isa)
                 for e in rd.evictions:
-                    evict(policy, e, kv_cache, layer.isa)
+                    held_key = (e.request, layer.layer_name)
+                    scores = _held_scores(held_key, e.held) if scoring else None
+                    kept_scores = evict(policy, e, kv_cache, layer.isa, scores)
+                    if kept_scores is not None:
+                        _SCORES[held_key] = kept_scores
         return out
+
+
+def _held_scores(key: tuple[str, str], held: int) -> torch.Tensor:
+    """The scores ``[Hkv, held]`` of a request's ``held`` slots in one layer, checked: the worker must have
+    seen every step of the request since its prompt's compaction."""
+    scores = _SCORES.get(key)
+    if scores is None or scores.shape[1] != held:
+        have = None if scores is None else scores.shape[1]
+        raise RuntimeError(f"kvpolicies vLLM plugin: request {key[0]!r} layer {key[1]!r} holds {held} slots "
+                           f"but its decode-time scores cover {have} (a step of the request was not seen)")
+    return scores
 
 
 class CompressingCPUBackend(CPUAttentionBackend):
@@ -360,7 +419,7 @@ def select(k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, kept: int, n_
 
     kp, vp = pool(k), pool(v)
     pos = pool(torch.arange(L, dtype=torch.int32)[:, None].expand(L, H))  # [H, L, 1]
-    score = scores.to(torch.float32).reshape(H, L, 1).contiguous()
+    score = scores.to(torch.float32).reshape(H, L, 1).clone()  # the op compacts it: not the caller's
     per_head = lambda x: torch.full((H,), x, dtype=torch.int32)  # noqa: E731
     table = torch.arange(H, dtype=torch.int32)[:, None]  # KV head h is page h
     free = torch.zeros(H + 1, dtype=torch.int32)
@@ -417,11 +476,13 @@ def slot_index(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> Any:
 
 
 def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cache: torch.Tensor,
-            scale: float, isa: str, earlier: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
+            scale: float, isa: str, earlier: list[tuple[int, torch.Tensor]] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress one request's prompt in one layer's ``kv_cache [num_blocks, Hkv, bs, 2 * D]`` in place:
-    its kept tokens to slots ``[0, kept)``, the tokens after the prompt (if any) right behind them.
-    ``query``: the step's queries ``[tokens, Hq, D]``; ``earlier``: ``(first position, [n, Hq, D])`` window
-    queries of earlier prefill chunks. Returns the kept positions ``[Hkv, kept]`` int64."""
+    its kept tokens to slots ``[0, kept)``, the tokens after the prompt (if any) right behind them (a
+    prompt kept whole, ``kept == prompt_len``, is only scored). ``query``: the step's queries ``[tokens, Hq,
+    D]``; ``earlier``: ``(first position, [n, Hq, D])`` window queries of earlier prefill chunks. Returns
+    the kept positions ``[Hkv, kept]`` int64 and the kept tokens' scores ``[Hkv, kept]`` float32."""
     flat = kv_cache.view(-1)
     index = slot_index(kv_cache, job.blocks, isa)
     slots = torch.arange(job.total)
@@ -429,7 +490,7 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
     L = job.prompt_len
     q = None
     if policy.eviction.prefill_mode is not None:
-        first = L - policy.eviction.prefill_window(L)  # only rows [first, L) are read
+        first = L - query_window(policy, L)  # only rows [first, L) are read
         q = query.new_zeros(L, query.shape[1], query.shape[2])
         seen = torch.zeros(L, dtype=torch.bool)
         for pos, piece in earlier or []:
@@ -441,33 +502,76 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
             raise RuntimeError(f"kvpolicies vLLM plugin: request {job.request!r} lacks queries of its "
                                f"observation window [{first}, {L}) (a prefill chunk was not seen)")
     scores = prompt_scores(policy, k[:L], v[:L], q, scale)
+    if job.kept >= L:
+        return torch.arange(L).expand(scores.shape[0], L), scores
     kk, vk, positions = select(k[:L], v[:L], scores, job.kept, job.n_sink, job.n_recent)
     new_k, new_v = torch.cat([kk, k[L:]]), torch.cat([vk, v[L:]])
     dest = torch.arange(new_k.shape[0])
     flat[index(dest, 0)] = new_k
     flat[index(dest, 1)] = new_v
-    return positions
+    return positions, scores.gather(1, positions)
 
 
-def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str) -> None:
+def score_piece(policy: ComposedPolicy, p: Scored, scores: torch.Tensor, query: torch.Tensor,
+                kv_cache: torch.Tensor, scale: float, isa: str) -> torch.Tensor:
+    """The decode-time score update of one piece of a request's tokens in one layer: its ``p.stored`` held
+    slots' ``scores [Hkv, stored]``, extended with 0 for the piece's ``p.count`` tokens, then updated by
+    each of their queries (rows of ``query [tokens, Hq, D]``) in order, over the slots it sees, by the
+    policy's ``score_mode``: ``kvkernels.paged_decode_attention`` with a ``ScoreUpdate``, the op the
+    kvmodels caches decode with, on the request's keys and values gathered into one page (its output is
+    not used: vLLM's kernel gave the step's). Returns the ``[Hkv, stored + count]`` scores."""
+    import kvkernels
+    from kvkernels.paged_attention import ScoreUpdate
+
+    flat = kv_cache.view(-1)
+    index = slot_index(kv_cache, p.blocks, isa)
+    end = p.stored + p.count
+    slots = torch.arange(end)
+    k, v = flat[index(slots, 0)], flat[index(slots, 1)]  # [end, H, D] copies
+    scores = torch.cat([scores, scores.new_zeros(scores.shape[0], p.count)], dim=1)
+    ev = policy.eviction
+    decay = float(ev.decode_kwargs(0, 1).get("decay", 1.0))
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    for i in range(p.count):
+        n = p.stored + i + 1
+        page = scores[:, :n].t().contiguous()[None]  # [1, n, H]: the one page's slots
+        q = query[p.row + i][None].to(k.dtype).contiguous()
+        kvkernels.paged_decode_attention(q, k[None, :n], v[None, :n], table,
+                                         torch.tensor([n], dtype=torch.int32), scale=scale,
+                                         scores=ScoreUpdate(page, ev.score_mode, decay))
+        scores[:, :n] = page[0].t()
+    return scores
+
+
+def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str,
+          scores: torch.Tensor | None = None) -> torch.Tensor | None:
     """One decode-time eviction of one request in one layer's ``kv_cache``, in place: of its ``e.held``
     slots keep ``e.budget`` at slots ``[0, budget)`` in order, the ``e.pending`` slots after them right
     behind. A selection with no scores (``streaming``, ``window``: every kept slot forced) keeps the first
     ``n_sink`` and shifts the last ``n_recent`` and the pending slots down over the evicted ones; an open
-    score rule (``knorm``) scores the held keys and values (``token_scores``, per KV head) and selects
-    with ``kvkernels.topk_compact`` as the prompt's compaction does. Kept keys and values are moved, bit
-    for bit."""
+    score rule (``knorm``) scores the held keys and values (``token_scores``, per KV head), and a policy
+    that scores decode steps ranks by the held slots' ``scores [Hkv, held]`` (their mean over the KV heads
+    where the heads share one selection: ``eviction_scores``, which they keep, as kvmodels' caches do);
+    both select with ``kvkernels.topk_compact`` as the prompt's compaction does. Kept keys and values are
+    moved, bit for bit. Returns the kept slots' scores ``[Hkv, budget]`` (None without ``scores``)."""
     flat = kv_cache.view(-1)
     index = slot_index(kv_cache, e.blocks, isa)
+    if scores is not None:
+        scores = policy.eviction.eviction_scores(scores, head_dim=0).contiguous()
+    kept_scores = None
     if e.n_sink + e.n_recent >= e.budget and not policy.eviction.scores_tokens:
         first = e.held - e.n_recent  # the oldest recent slot kept
         src = torch.arange(first, e.held + e.pending)
         dst = src - (first - e.n_sink)
+        if scores is not None:
+            kept_scores = torch.cat([scores[:, :e.n_sink], scores[:, first:]], dim=1)
     else:
         held = torch.arange(e.held)
         k, v = flat[index(held, 0)], flat[index(held, 1)]  # [held, H, D] copies
-        scores = prompt_scores(policy, k, v, None, 0.0)
-        kk, vk, _ = select(k, v, scores, e.budget, e.n_sink, e.n_recent)
+        rank = prompt_scores(policy, k, v, None, 0.0) if scores is None else scores
+        kk, vk, positions = select(k, v, rank, e.budget, e.n_sink, e.n_recent)
+        if scores is not None:
+            kept_scores = scores.gather(1, positions)
         dest = torch.arange(e.budget)
         flat[index(dest, 0)] = kk
         flat[index(dest, 1)] = vk
@@ -476,6 +580,7 @@ def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str)
     if src.numel():
         for part in range(2):
             flat[index(dst, part)] = flat[index(src, part)]
+    return kept_scores
 
 
 def install() -> None:

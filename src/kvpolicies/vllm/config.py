@@ -17,6 +17,11 @@ from ..compose import ComposedPolicy, compose
 
 ENV = "KVPOLICIES_VLLM_POLICY"
 
+#: Decode-time score modes the workers apply (``kvkernels.SCORE_MODES`` but Keyformer's ``gumbel``): each
+#: decode query's attention updates its request's per-slot scores through ``kvkernels.paged_decode_attention``
+#: (``h2o``: accumulate, ``a2sf``: decay, ``tova``: replace, ``scissorhands``: count_low).
+DECODE_SCORE_MODES = ("accumulate", "decay", "replace", "count_low")
+
 
 class PolicySpecError(ValueError):
     """``KVPOLICIES_VLLM_POLICY`` names no policy this plugin can apply; the message is one line."""
@@ -48,7 +53,7 @@ def parse(raw: str) -> ComposedPolicy:
 def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
     """Refuse, in one line, what this slice of the plugin does not apply: a budget policy other than
     ``uniform`` (vLLM's one block table per KV-cache group holds every layer at one length), per-head budgets,
-    layer merging, eviction that scores decode steps (h2o, tova, ...), open score rules that read queries,
+    layer merging, Keyformer's noised decode scores, open score rules that read queries,
     ChunkKV's layer-wise index reuse, a reconstruction pass (kvzip) and quantized precision (kivi, zipcache,
     mikv)."""
     ev = policy.eviction
@@ -59,8 +64,9 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
         problems.append(f"head budgets {policy.heads.name!r}")
     if policy.merge.name != "none":
         problems.append(f"layer merging {policy.merge.name!r}")
-    if ev.score_mode != "none":
-        problems.append(f"eviction {ev.name!r} scores decode steps (score_mode={ev.score_mode!r})")
+    if ev.score_mode not in ("none", *DECODE_SCORE_MODES):
+        problems.append(f"eviction {ev.name!r}, whose decode-time score (score_mode={ev.score_mode!r}: "
+                        "Gumbel noise keyed by the cache's batch row and step) has no per-request key here")
     if ev.scores_tokens and ev.reads_queries:
         problems.append(f"eviction {ev.name!r} reads queries in its token_scores")
     if ev.score_source_layer(1) != 1:
@@ -72,8 +78,8 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
         problems.append(f"quantized storage {policy.precision.name!r}")
     if problems:
         raise PolicySpecError(f"{ENV}={raw or policy.name!r}: the vLLM plugin does not apply "
-                              f"{'; '.join(problems)} yet; use full, window, streaming, knorm, snapkv or "
-                              "chunkkv with uniform budgets (docs/vllm.md)")
+                              f"{'; '.join(problems)} yet; use full, window, streaming, knorm, snapkv, "
+                              "chunkkv, h2o, tova, a2sf or scissorhands with uniform budgets (docs/vllm.md)")
 
 
 def policy_from_env() -> ComposedPolicy | None:
@@ -175,13 +181,33 @@ def kept_lengths(policy: ComposedPolicy, prompt_len: int) -> KeptLengths:
 
 def decode_evicts(policy: ComposedPolicy) -> bool:
     """Whether the plugin evicts while decoding under ``policy``: its plan says so, the prompt is compressed
-    too, and the selection needs no scores (``streaming``, ``window``) or is ``knorm``, whose score (the key
-    norm) the workers recompute from the held keys. Other open score rules (which may read positions, which
-    a held slot does not record) stay prompt-only."""
+    too, and the selection needs no scores (``streaming``, ``window``), is ``knorm``, whose score (the key
+    norm) the workers recompute from the held keys, or scores decode steps by attention
+    (:func:`decode_scores`: ``h2o``, ``a2sf``, ``tova``, ``scissorhands``). Other open score rules (which may
+    read positions, which a held slot does not record) stay prompt-only."""
     ev, schedule = policy.eviction, policy.schedule
-    if not (schedule.decode_evict and schedule.prefill_compress) or ev.prefill_mode is not None:
+    if not (schedule.decode_evict and schedule.prefill_compress):
+        return False
+    if decode_scores(policy):
+        return True
+    if ev.prefill_mode is not None:
         return False
     return not ev.scores_tokens or ev.name == "knorm"
+
+
+def query_window(policy: ComposedPolicy, prompt_len: int) -> int:
+    """How many of a prompt's last queries score it (``prefill_window``, whose 0 means every row): the rows
+    a worker keeps across prefill chunks until the compaction reads them."""
+    window = policy.eviction.prefill_window(prompt_len)
+    return prompt_len if window <= 0 else min(window, prompt_len)
+
+
+def decode_scores(policy: ComposedPolicy) -> bool:
+    """Whether the workers keep per-slot scores that decode steps update (:data:`DECODE_SCORE_MODES`),
+    from the prompt's scores on: the policy evicts while decoding, by attention."""
+    schedule = policy.schedule
+    return (policy.eviction.score_mode in DECODE_SCORE_MODES and schedule.decode_evict
+            and schedule.prefill_compress)
 
 
 @dataclass(frozen=True)
