@@ -1,5 +1,5 @@
-"""Decode-time eviction under vLLM (``streaming``, ``window``, ``knorm``; ``h2o``, ``tova``, ``a2sf`` and
-``scissorhands``, scored by each decode query's attention) on the tiny random Llama: greedy
+"""Decode-time eviction under vLLM (``streaming``, ``window``, ``knorm``; ``h2o``, ``tova``, ``a2sf``,
+``scissorhands`` and ``keyformer``, scored by each decode query's attention) on the tiny random Llama: greedy
 outputs equal the transformers reference's with the same policy (which evicts every ``evict_every`` decode
 steps, as kvmodels does), over generations long enough for many evictions; blocks held follow the kept
 lengths, and blocks emptied while decoding go back to the pool; a request preempted after several evictions
@@ -28,6 +28,7 @@ CASES = {
     "tova-0.2-every1": ("tova", 0.2, 1, {}),
     "a2sf-0.3-every2": ("a2sf", 0.3, 2, {}),
     "scissorhands-0.2-every3-chunked": ("scissorhands", 0.2, 3, CHUNKED),
+    "keyformer-0.2-every1": ("keyformer", 0.2, 1, {}),  # kvmodels' noise of a batch's first row
 }
 
 

@@ -164,23 +164,22 @@ def test_eviction_in_vllm_cache_is_bit_identical(name):
 
 
 SCORED = [("h2o", 0.2, 1), ("h2o", 0.25, 3), ("a2sf", 0.2, 2), ("tova", 0.2, 1),
-          ("tova(per_head=True)", 0.3, 2), ("scissorhands", 0.2, 1), ("h2o", 12, 4)]
+          ("tova(per_head=True)", 0.3, 2), ("scissorhands", 0.2, 1), ("h2o", 12, 4), ("keyformer", 0.2, 1),
+          ("keyformer(recent=0.5)", 0.3, 3)]
 
 
 def test_scored_policies_evict_while_decoding():
-    """h2o, a2sf, tova and scissorhands evict while decoding in the plugin (scores updated by each decode
-    query); Keyformer's noised scores and prompt-only TOVA do not, and Keyformer is refused by name."""
-    from kvpolicies.vllm import PolicySpecError, decode_scores, parse
+    """h2o, a2sf, tova, scissorhands and keyformer evict while decoding in the plugin (scores updated by
+    each decode query); prompt-only TOVA does not."""
+    from kvpolicies.vllm import decode_scores
 
-    for spec in ["h2o", "a2sf", "tova", "scissorhands", "tova(per_head=True)"]:
+    for spec in ["h2o", "a2sf", "tova", "scissorhands", "tova(per_head=True)", "keyformer"]:
         policy = compose(spec, budget=0.2)
         assert decode_evicts(policy) and decode_scores(policy), spec
         assert kept_lengths(policy, 130).budget == 26
     for spec in ["tova(decode=False)", "h2o(recent=0.5)"]:
         policy = compose(spec, budget=0.2, evict_every=1)
         assert decode_scores(policy) == (spec != "tova(decode=False)")
-    with pytest.raises(PolicySpecError, match="keyformer.*Gumbel"):
-        parse('{"policies": ["keyformer"], "budget": 0.2}')
 
 
 def _reference_module():
@@ -200,24 +199,37 @@ def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every
     KV cache written by vLLM's own kernel (scattered blocks), against the dense reference of the papers
     (tests/reference_policies.py, float64): after every step each KV head holds the reference's tokens, in
     order, bit for bit, with its scores. Steps of one token, several tokens at once (a recomputed
-    request: several pieces and evictions in one step) and a step that ends the prompt and runs on."""
+    request: several pieces and evictions in one step) and a step that ends the prompt and runs on.
+    Keyformer's reference draws the noise the plugin's seeds name (kvmodels' for a batch's first row, at
+    layer 3 here), its temperature rising over the ``T`` new tokens."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvpolicies.vllm import backend
 
     ref = _reference_module()
+    from kvkernels import decode_keys, gumbel_noise_keyed, prefill_seed
+
     name = spec.split("(")[0]
     params = {"per_head": True} if "per_head=True" in spec else None
+    params = {"recent": 0.5} if "recent=0.5" in spec else params
     torch.manual_seed(1)
     nb, H, G, bs, D = 8, 2, 2, 32, 32
     L, T = 40, 36
     scale = D ** -0.5
     isa = _get_attn_isa(torch.float32, bs, D, "auto")
     q_all, k_all, v_all = torch.randn(L + T, H * G, D), torch.randn(L + T, H, D), torch.randn(L + T, H, D)
-    want = ref.simulate(name, params, q_all[:L], k_all[:L], q_all[L:], k_all[L:], budget,
-                        evict_every=every)
     policy = compose(spec, budget=budget, evict_every=every)
+    layer, ns = 3, backend.noise_seeds(policy)
+    noise = {}
+    if name == "keyformer":
+        def decode_noise(t: int, n: int) -> torch.Tensor:  # [Hq, n] of decode step t
+            return gumbel_noise_keyed(decode_keys(ns, t, layer + 1, 1, H * G)[layer], n)[0]
+
+        noise = dict(prefill_noise=ref.default_prefill_noise(prefill_seed(ns, layer, 0), H * G, L),
+                     decode_noise=decode_noise)
+    want = ref.simulate(name, params, q_all[:L], k_all[:L], q_all[L:], k_all[L:], budget,
+                        evict_every=every, max_new_tokens=T, **noise)
     lengths = kept_lengths(policy, L)
     rng = random.Random(0)
     for steps in ([L] + [1] * T, [L] + [5, 1, 9, 3, 1, 17], [L + 6] + [rng.randint(1, 6) for _ in range(12)]):
@@ -240,11 +252,12 @@ def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every
             if c < L <= end:
                 job = backend.Compaction("r", 0, 0, end, L, lengths.kept, lengths.n_sink, lengths.n_recent,
                                          blocks)
-                _, state = backend.compact(policy, job, query, kv_cache, scale, isa)
+                _, state = backend.compact(policy, job, query, kv_cache, scale, isa, layer=layer)
             row0 = 0 if c < L else c
             for piece in step_pieces(lengths, c, q):
-                p = backend.Scored("r", blocks, piece.start - row0, piece.end - piece.start, piece.stored)
-                state = backend.score_piece(policy, p, state, query, kv_cache, scale, isa)
+                p = backend.Scored("r", blocks, piece.start - row0, piece.end - piece.start, piece.stored,
+                                   piece.start - L, T)
+                state = backend.score_pieces(policy, [p], [state], query, kv_cache, scale, isa, layer)[0]
                 if piece.evicted:
                     e = backend.Eviction("r", blocks, piece.stored + p.count, lengths.budget,
                                          lengths.dec_sink, lengths.dec_recent, piece.pending)
@@ -265,3 +278,52 @@ def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every
             where = f"{spec} steps={steps} after {c} tokens"
             torch.testing.assert_close(state.double(), step.scores, rtol=1e-4, atol=1e-5,
                                        msg=lambda m, where=where: f"{m} ({where})")
+
+
+def test_keyformer_plumbing():
+    """What a worker hands Keyformer's update: the model's layer index from vLLM's layer name, the request's
+    ``max_tokens`` (1 when unknown), kvmodels' noise seed of a cache seeded 0."""
+    from types import SimpleNamespace
+
+    from kvkernels import noise_seed
+    from kvpolicies.vllm import backend
+
+    assert backend._layer_index(SimpleNamespace(layer_name="model.layers.3.self_attn.attn")) == 3
+    assert backend._max_tokens(SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=40))) == 40
+    assert backend._max_tokens(None) == backend._max_tokens(SimpleNamespace(sampling_params=None)) == 1
+    policy = compose("keyformer", budget=0.2, seed=7)
+    assert backend.noise_seeds(policy) == noise_seed(7, 0) != backend.noise_seeds(compose("keyformer"))
+
+
+@pytest.mark.parametrize("spec", ["h2o", "keyformer", "a2sf", "scissorhands"])
+def test_score_pieces_batched_equal_one_at_a_time(spec):
+    """One call for several requests' pieces (different held counts, piece lengths, decode steps: Keyformer
+    at different temperatures) updates each request's scores exactly as the call for that piece alone."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpolicies.vllm import backend
+
+    torch.manual_seed(2)
+    nb, H, bs, D, Hq = 16, 2, 32, 32, 4
+    isa = _get_attn_isa(torch.float32, bs, D, "auto")
+    kv_cache = torch.zeros(nb, H, bs, 2 * D)
+    k_cache, v_cache = kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+    policy = compose(spec, budget=0.2)
+    query = torch.randn(12, Hq, D)
+    pieces, states = [], []
+    for r, (blocks, stored, count, row, step) in enumerate([([3, 7], 40, 1, 0, 5), ([1], 9, 3, 1, 0),
+                                                            ([8, 2, 11], 70, 2, 4, 9), ([5], 0, 1, 6, 0)]):
+        blocks = torch.tensor(blocks)
+        n = stored + count
+        slots = blocks[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+        ops.cpu_attn_reshape_and_cache(torch.randn(n, H, D), torch.randn(n, H, D), k_cache, v_cache, slots,
+                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        pieces.append(backend.Scored(str(r), blocks, row, count, stored, step, 40))
+        states.append(torch.rand(H, stored))
+    together = backend.score_pieces(policy, pieces, states, query, kv_cache, 0.2, isa, 1)
+    for p, state, got in zip(pieces, states, together):
+        alone = backend.score_pieces(policy, [p], [state], query, kv_cache, 0.2, isa, 1)[0]
+        assert got.shape == (H, p.stored + p.count)
+        torch.testing.assert_close(got, alone, rtol=1e-6, atol=1e-7)
+        assert p.stored == 0 or not torch.equal(got[:, :p.stored], state) or spec == "scissorhands"

@@ -14,7 +14,6 @@ from kvpolicies.vllm import PolicySpecError, parse, prompt_budget
     ("keyfromer", "unknown policy 'keyfromer'; did you mean 'keyformer'?"),
     ('{"policies": ["snapkv"], "budget": 1.5}', "budget"),
     ("{not json", "Expecting property name"),
-    ("keyformer", "eviction 'keyformer', whose decode-time score (score_mode='gumbel'"),
     ("squeeze+snapkv", "layer budgets 'squeeze' (only 'uniform')"),
     ("adakv+snapkv", "head budgets 'adakv'"),
     ("minicache", "layer merging 'minicache'"),
@@ -29,7 +28,7 @@ def test_bad_spec_is_one_line(raw, part):
 
 
 @pytest.mark.parametrize("raw", ["full", "streaming", "knorm", "window", "snapkv(window=8)", "chunkkv",
-                                 "h2o", "tova", "a2sf", "scissorhands", "tova(decode=False)",
+                                 "h2o", "tova", "a2sf", "scissorhands", "tova(decode=False)", "keyformer",
                                  '{"policies": ["streaming"], "budget": 0.2}'])
 def test_supported_specs_parse(raw):
     assert parse(raw) == (compose(raw) if not raw.startswith("{") else compose(eval(raw)))

@@ -29,11 +29,12 @@ position ``p`` to slot ``p - d``. Positions are untouched: RoPE was applied befo
 keeps its original rotation wherever it is stored, and the attention kernel needs no positions.
 
 Decode-time eviction (``streaming``, ``window``, ``knorm``, and by attention scores ``h2o``, ``a2sf``,
-``tova``, ``scissorhands``): a request past its prompt with ``c`` tokens cached holds ``stored(c)`` slots
-(``KeptLengths``), reads ``seq_len - d(c)`` and writes new tokens ``d(c) = c - stored(c)`` slots earlier.
+``tova``, ``scissorhands``, ``keyformer``): a request past its prompt with ``c`` tokens cached holds
+``stored(c)`` slots (``KeptLengths``), reads ``seq_len - d(c)`` and writes new tokens ``d(c) = c -
+stored(c)`` slots earlier.
 The step's tokens past the prompt are split after each eviction point (``config.step_pieces``); after the
 batch's attention each layer runs rounds: a second attention for the pieces the batch's pass gave the wrong
-slots (a recomputed request's generated tokens), the score update of every piece (:func:`score_piece`),
+slots (a recomputed request's generated tokens), the score update of every piece (:func:`score_pieces`),
 then the evictions (:func:`evict`), which keep ``budget`` slots in order and move the step's later tokens
 behind them.
 
@@ -42,7 +43,10 @@ per held slot (``_SCORES``), as kvmodels' caches hold ``slot_score``: set from t
 compaction (also when the prompt is kept whole), extended with 0 for each new token, updated by each decode
 query's attention over the slots it sees (``kvkernels.paged_decode_attention`` with a ``ScoreUpdate``, the
 op kvmodels' decode runs, on the held keys gathered into one page), and moved with the tokens an eviction
-keeps.
+keeps. Keyformer's Gumbel noise is the one kvmodels' cache draws for the first sequence of a batch with the
+same seeds (:func:`noise_seeds`): the prompt's from ``prefill_seed(noise_seed, layer, 0)``, decode step
+``s``'s from ``decode_keys(noise_seed, s, ...)[layer, 0]``, its temperature from the request's
+``max_tokens``; so a request's noise depends on the policy's seed, the layer, the step and the slot only.
 
 ``kept`` and ``stored`` come from ``ComposedPolicy.plan`` (:func:`kvpolicies.vllm.config.kept_lengths`), as
 on the scheduler side. Only in-process state is kept here, per worker process: with chunked prefill, the
@@ -126,13 +130,16 @@ class Eviction:
 class Scored:
     """The decode-time score update of one piece of a request's tokens past its prompt: query rows
     ``[row, row + count)`` of the step's batch, whose tokens sit at slots ``[stored, stored + count)`` (in
-    ``blocks``) after the ``stored`` held ones; row ``i`` sees slots ``[0, stored + i]``."""
+    ``blocks``) after the ``stored`` held ones; row ``i`` sees slots ``[0, stored + i]`` and is decode step
+    ``step + i`` of a generation of ``max_new`` tokens (Keyformer's noise and temperature)."""
 
     request: str
     blocks: torch.Tensor
     row: int
     count: int
     stored: int
+    step: int = 0
+    max_new: int = 1
 
 
 @dataclass(frozen=True)
@@ -221,7 +228,7 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
                     scored.append([])
                 if self.scoring:
                     scored[k].append(Scored(rid, blocks, qsl[r] + piece.start - c, piece.end - piece.start,
-                                            piece.stored))
+                                            piece.stored, piece.start - L, _max_tokens(live.get(rid))))
                 if piece.redo:
                     redo[k].append((qsl[r] + piece.start - c, piece.end - piece.start, piece.stored, blocks))
                 if piece.evicted:
@@ -323,7 +330,8 @@ class CompressingImpl(CPUAttentionBackendImpl):
             for job in jobs:
                 held_key = (job.request, layer.layer_name)
                 earlier = _WINDOW_QUERIES.pop(held_key, [])
-                kept, scores = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier)
+                kept, scores = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier,
+                                       layer=_layer_index(layer))
                 if scoring:
                     _SCORES[held_key] = scores
                 if RECORD_KEPT and job.kept < job.prompt_len:
@@ -339,10 +347,10 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 policy = policy_from_env()
                 assert policy is not None
                 scoring = decode_scores(policy)
-                for p in rd.scored:
-                    held_key = (p.request, layer.layer_name)
-                    _SCORES[held_key] = score_piece(policy, p, _held_scores(held_key, p.stored), query,
-                                                    kv_cache, self.scale, layer.isa)
+                keys = [(p.request, layer.layer_name) for p in rd.scored]
+                held = [_held_scores(key, p.stored) for key, p in zip(keys, rd.scored)]
+                _SCORES.update(zip(keys, score_pieces(policy, rd.scored, held, query, kv_cache, self.scale,
+                                                      layer.isa, _layer_index(layer))))
                 for e in rd.evictions:
                     held_key = (e.request, layer.layer_name)
                     scores = _held_scores(held_key, e.held) if scoring else None
@@ -350,6 +358,29 @@ class CompressingImpl(CPUAttentionBackendImpl):
                     if kept_scores is not None:
                         _SCORES[held_key] = kept_scores
         return out
+
+
+def _layer_index(layer: Any) -> int:
+    """The model's layer index of an attention layer (``model.layers.3.self_attn.attn`` -> 3): the layer
+    kvmodels' noise seeds are drawn for."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer.layer_name)
+
+
+def _max_tokens(state: Any) -> int:
+    """The generation length a request asked for (``SamplingParams.max_tokens``; 1 when unknown): the length
+    Keyformer's temperature schedule rises over."""
+    params = getattr(state, "sampling_params", None)
+    return max(1, int(getattr(params, "max_tokens", None) or 1))
+
+
+def noise_seeds(policy: ComposedPolicy) -> int:
+    """The Gumbel noise seed of every request: kvmodels' cache's ``noise_seed(policy.seed, 0)`` (a cache or
+    generation seed of 0)."""
+    from kvkernels import noise_seed
+
+    return noise_seed(policy.seed, 0)
 
 
 def _held_scores(key: tuple[str, str], held: int) -> torch.Tensor:
@@ -385,12 +416,12 @@ def _metadata_of(layer: Any) -> Any:
 
 
 def prompt_scores(policy: ComposedPolicy, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, seed: int = 0) -> torch.Tensor:
     """``[Hkv, L]`` float32 scores of a prompt's keys ``k`` / values ``v`` ``[L, Hkv, D]``, ranked as the
     caches rank them: an open rule's ``token_scores``, or the queries ``q [L, Hq, D]`` (rows before the
     policy's window may be zeros: only the last ``prefill_window(L)`` are read) through
     ``kvkernels.prefill_scores`` and the policy's ``postprocess_prefill_scores``; zeros when the selection
-    needs no scores."""
+    needs no scores. ``seed``: the prompt's noise seed (Keyformer)."""
 
     ev = policy.eviction
     L, H = k.shape[0], k.shape[1]
@@ -399,7 +430,7 @@ def prompt_scores(policy: ComposedPolicy, k: torch.Tensor, v: torch.Tensor, q: t
         return ev.token_scores(new).to(torch.float32).transpose(0, 1).contiguous()
     if ev.prefill_mode is not None:
         assert q is not None
-        return ev.prompt_scores(q.contiguous(), k.contiguous(), scale=scale).to(torch.float32)
+        return ev.prompt_scores(q.contiguous(), k.contiguous(), scale=scale, seed=seed).to(torch.float32)
     return torch.zeros(H, L, dtype=torch.float32)
 
 
@@ -476,12 +507,13 @@ def slot_index(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> Any:
 
 
 def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cache: torch.Tensor,
-            scale: float, isa: str, earlier: list[tuple[int, torch.Tensor]] | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float, isa: str, earlier: list[tuple[int, torch.Tensor]] | None = None, *,
+            layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress one request's prompt in one layer's ``kv_cache [num_blocks, Hkv, bs, 2 * D]`` in place:
     its kept tokens to slots ``[0, kept)``, the tokens after the prompt (if any) right behind them (a
     prompt kept whole, ``kept == prompt_len``, is only scored). ``query``: the step's queries ``[tokens, Hq,
-    D]``; ``earlier``: ``(first position, [n, Hq, D])`` window queries of earlier prefill chunks. Returns
+    D]``; ``earlier``: ``(first position, [n, Hq, D])`` window queries of earlier prefill chunks; ``layer``:
+    the model's layer index (Keyformer's noise seed, :func:`noise_seeds`). Returns
     the kept positions ``[Hkv, kept]`` int64 and the kept tokens' scores ``[Hkv, kept]`` float32."""
     flat = kv_cache.view(-1)
     index = slot_index(kv_cache, job.blocks, isa)
@@ -501,7 +533,9 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
         if not bool(seen[first:].all()):
             raise RuntimeError(f"kvpolicies vLLM plugin: request {job.request!r} lacks queries of its "
                                f"observation window [{first}, {L}) (a prefill chunk was not seen)")
-    scores = prompt_scores(policy, k[:L], v[:L], q, scale)
+    from kvkernels import prefill_seed
+
+    scores = prompt_scores(policy, k[:L], v[:L], q, scale, seed=prefill_seed(noise_seeds(policy), layer, 0))
     if job.kept >= L:
         return torch.arange(L).expand(scores.shape[0], L), scores
     kk, vk, positions = select(k[:L], v[:L], scores, job.kept, job.n_sink, job.n_recent)
@@ -512,35 +546,58 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
     return positions, scores.gather(1, positions)
 
 
-def score_piece(policy: ComposedPolicy, p: Scored, scores: torch.Tensor, query: torch.Tensor,
-                kv_cache: torch.Tensor, scale: float, isa: str) -> torch.Tensor:
-    """The decode-time score update of one piece of a request's tokens in one layer: its ``p.stored`` held
-    slots' ``scores [Hkv, stored]``, extended with 0 for the piece's ``p.count`` tokens, then updated by
-    each of their queries (rows of ``query [tokens, Hq, D]``) in order, over the slots it sees, by the
-    policy's ``score_mode``: ``kvkernels.paged_decode_attention`` with a ``ScoreUpdate``, the op the
-    kvmodels caches decode with, on the request's keys and values gathered into one page (its output is
-    not used: vLLM's kernel gave the step's). Returns the ``[Hkv, stored + count]`` scores."""
+def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torch.Tensor],
+                 query: torch.Tensor, kv_cache: torch.Tensor, scale: float, isa: str,
+                 layer: int = 0) -> list[torch.Tensor]:
+    """The decode-time score updates of pieces of requests' tokens in one layer: each piece's ``stored``
+    held slots' scores (``scores``, ``[Hkv, stored]`` each), extended with 0 for its ``count`` tokens, then
+    updated by each of their queries (rows of ``query [tokens, Hq, D]``) in order, over the slots it sees,
+    by the policy's ``score_mode``: ``kvkernels.paged_decode_attention`` with a ``ScoreUpdate``, the op the
+    kvmodels caches decode with, with the policy's ``decode_kwargs`` of each row's decode step and, for
+    Keyformer, that step's noise keys of model layer ``layer`` (:func:`noise_seeds`). Every request's
+    keys are gathered once into one pool of one-slot pages, each request's row of the page table listing
+    its slots, so one call updates the ``i``-th rows of all pieces (one call per temperature for Keyformer,
+    whose requests are at different steps); the op's output is not used (vLLM's kernel gave the step's),
+    so the keys stand in for the values. Returns the ``[Hkv, stored + count]`` scores of each piece."""
     import kvkernels
     from kvkernels.paged_attention import ScoreUpdate
 
+    if not pieces:
+        return []
     flat = kv_cache.view(-1)
-    index = slot_index(kv_cache, p.blocks, isa)
-    end = p.stored + p.count
-    slots = torch.arange(end)
-    k, v = flat[index(slots, 0)], flat[index(slots, 1)]  # [end, H, D] copies
-    scores = torch.cat([scores, scores.new_zeros(scores.shape[0], p.count)], dim=1)
+    ends = [p.stored + p.count for p in pieces]
+    k = flat[torch.cat([slot_index(kv_cache, p.blocks, isa)(torch.arange(n), 0)
+                        for p, n in zip(pieces, ends)])][:, None]  # [sum(ends), 1, H, D]: one-slot pages
+    first = [0]
+    for n in ends:
+        first.append(first[-1] + n)
+    pool = torch.cat([torch.cat([sc, sc.new_zeros(sc.shape[0], p.count)], dim=1).t()
+                      for sc, p in zip(scores, pieces)]).contiguous()[:, None]  # [sum(ends), 1, H] float32
     ev = policy.eviction
-    decay = float(ev.decode_kwargs(0, 1).get("decay", 1.0))
-    table = torch.zeros(1, 1, dtype=torch.int32)
-    for i in range(p.count):
-        n = p.stored + i + 1
-        page = scores[:, :n].t().contiguous()[None]  # [1, n, H]: the one page's slots
-        q = query[p.row + i][None].to(k.dtype).contiguous()
-        kvkernels.paged_decode_attention(q, k[None, :n], v[None, :n], table,
-                                         torch.tensor([n], dtype=torch.int32), scale=scale,
-                                         scores=ScoreUpdate(page, ev.score_mode, decay))
-        scores[:, :n] = page[0].t()
-    return scores
+    gumbel = ev.score_mode == "gumbel"
+    for i in range(max(p.count for p in pieces)):
+        groups: dict[tuple[float, float], list[int]] = {}  # (temperature, decay) -> pieces with an i-th row
+        for j, p in enumerate(pieces):
+            if i < p.count:
+                kw = ev.decode_kwargs(p.step + i, p.max_new)
+                group = (float(kw.get("temperature", 1.0)), float(kw.get("decay", 1.0)))
+                groups.setdefault(group, []).append(j)
+        for (temperature, decay), rows in groups.items():
+            lens = [pieces[j].stored + i + 1 for j in rows]
+            table = torch.zeros(len(rows), max(lens), dtype=torch.int32)
+            for r, (j, n) in enumerate(zip(rows, lens)):
+                table[r, :n] = torch.arange(first[j], first[j] + n, dtype=torch.int32)
+            q = query[[pieces[j].row + i for j in rows]].to(k.dtype).contiguous()  # [rows, Hq, D]
+            key = temp = None
+            if gumbel:  # kvmodels' keys of each row's step, this layer, a batch's first row: [rows, Hq]
+                seed, Hq = noise_seeds(policy), q.shape[1]
+                key = torch.cat([kvkernels.decode_keys(seed, pieces[j].step + i, layer + 1, 1, Hq)[layer]
+                                 for j in rows])
+                temp = torch.tensor([temperature], dtype=torch.float32)
+            update = ScoreUpdate(pool, ev.score_mode, decay, key, temp)
+            kvkernels.paged_decode_attention(q, k, k, table, torch.tensor(lens, dtype=torch.int32),
+                                             scale=scale, scores=update)
+    return [pool[a:b, 0].t().contiguous() for a, b in zip(first, first[1:])]
 
 
 def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str,

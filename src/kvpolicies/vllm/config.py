@@ -17,10 +17,10 @@ from ..compose import ComposedPolicy, compose
 
 ENV = "KVPOLICIES_VLLM_POLICY"
 
-#: Decode-time score modes the workers apply (``kvkernels.SCORE_MODES`` but Keyformer's ``gumbel``): each
-#: decode query's attention updates its request's per-slot scores through ``kvkernels.paged_decode_attention``
-#: (``h2o``: accumulate, ``a2sf``: decay, ``tova``: replace, ``scissorhands``: count_low).
-DECODE_SCORE_MODES = ("accumulate", "decay", "replace", "count_low")
+#: Decode-time score modes the workers apply (every mode of ``kvkernels.SCORE_MODES``): each decode query's
+#: attention updates its request's per-slot scores through ``kvkernels.paged_decode_attention`` (``h2o``:
+#: accumulate, ``a2sf``: decay, ``tova``: replace, ``scissorhands``: count_low, ``keyformer``: gumbel).
+DECODE_SCORE_MODES = ("accumulate", "decay", "replace", "count_low", "gumbel")
 
 
 class PolicySpecError(ValueError):
@@ -53,7 +53,7 @@ def parse(raw: str) -> ComposedPolicy:
 def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
     """Refuse, in one line, what this slice of the plugin does not apply: a budget policy other than
     ``uniform`` (vLLM's one block table per KV-cache group holds every layer at one length), per-head budgets,
-    layer merging, Keyformer's noised decode scores, open score rules that read queries,
+    layer merging, a decode-time score mode the workers do not apply, open score rules that read queries,
     ChunkKV's layer-wise index reuse, a reconstruction pass (kvzip) and quantized precision (kivi, zipcache,
     mikv)."""
     ev = policy.eviction
@@ -65,8 +65,8 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
     if policy.merge.name != "none":
         problems.append(f"layer merging {policy.merge.name!r}")
     if ev.score_mode not in ("none", *DECODE_SCORE_MODES):
-        problems.append(f"eviction {ev.name!r}, whose decode-time score (score_mode={ev.score_mode!r}: "
-                        "Gumbel noise keyed by the cache's batch row and step) has no per-request key here")
+        problems.append(f"eviction {ev.name!r}, whose decode-time score mode {ev.score_mode!r} the workers "
+                        "do not apply")
     if ev.scores_tokens and ev.reads_queries:
         problems.append(f"eviction {ev.name!r} reads queries in its token_scores")
     if ev.score_source_layer(1) != 1:
@@ -79,7 +79,8 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
     if problems:
         raise PolicySpecError(f"{ENV}={raw or policy.name!r}: the vLLM plugin does not apply "
                               f"{'; '.join(problems)} yet; use full, window, streaming, knorm, snapkv, "
-                              "chunkkv, h2o, tova, a2sf or scissorhands with uniform budgets (docs/vllm.md)")
+                              "chunkkv, h2o, tova, a2sf, scissorhands or keyformer with uniform budgets "
+                              "(docs/vllm.md)")
 
 
 def policy_from_env() -> ComposedPolicy | None:
@@ -183,7 +184,8 @@ def decode_evicts(policy: ComposedPolicy) -> bool:
     """Whether the plugin evicts while decoding under ``policy``: its plan says so, the prompt is compressed
     too, and the selection needs no scores (``streaming``, ``window``), is ``knorm``, whose score (the key
     norm) the workers recompute from the held keys, or scores decode steps by attention
-    (:func:`decode_scores`: ``h2o``, ``a2sf``, ``tova``, ``scissorhands``). Other open score rules (which may
+    (:func:`decode_scores`: ``h2o``, ``a2sf``, ``tova``, ``scissorhands``, ``keyformer``). Other open score
+    rules (which may
     read positions, which a held slot does not record) stay prompt-only."""
     ev, schedule = policy.eviction, policy.schedule
     if not (schedule.decode_evict and schedule.prefill_compress):
