@@ -261,7 +261,7 @@ def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every
                 if piece.evicted:
                     e = backend.Eviction("r", blocks, piece.stored + p.count, lengths.budget,
                                          lengths.dec_sink, lengths.dec_recent, piece.pending)
-                    state = backend.evict(policy, e, kv_cache, isa, state)
+                    state = backend.evict_scored(policy, [e], [state], kv_cache, isa)[0]
             c = end
             if c < L:
                 continue
@@ -327,3 +327,38 @@ def test_score_pieces_batched_equal_one_at_a_time(spec):
         assert got.shape == (H, p.stored + p.count)
         torch.testing.assert_close(got, alone, rtol=1e-6, atol=1e-7)
         assert p.stored == 0 or not torch.equal(got[:, :p.stored], state) or spec == "scissorhands"
+
+
+@pytest.mark.parametrize("spec", ["h2o", "tova", "keyformer"])
+def test_evict_scored_batched_equal_one_at_a_time(spec):
+    """One selection for several requests' evictions (different held counts, budgets, forced counts,
+    pending tokens) leaves each request's slots and scores as its eviction alone does."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpolicies.vllm import backend
+
+    torch.manual_seed(3)
+    nb, H, bs, D = 16, 2, 32, 32
+    isa = _get_attn_isa(torch.float32, bs, D, "auto")
+    policy = compose(spec, budget=0.2)
+    caches = [torch.zeros(nb, H, bs, 2 * D) for _ in range(2)]
+    evs, states = [], []
+    cases = [([3, 7], 41, 20, 0, 10, 0), ([1], 9, 8, 0, 4, 0), ([8, 2, 11], 70, 33, 2, 6, 3),
+             ([5], 2, 1, 0, 0, 1)]  # (blocks, held, budget, n_sink, n_recent, pending)
+    for r, (blocks, held, budget, sink, recent, pending) in enumerate(cases):
+        blocks = torch.tensor(blocks)
+        n = held + pending
+        slots = blocks[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+        k, v = torch.randn(n, H, D), torch.randn(n, H, D)
+        for kv_cache in caches:
+            k_cache, v_cache = kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+        evs.append(backend.Eviction(str(r), blocks, held, budget, sink, recent, pending))
+        states.append(torch.rand(H, held))
+    together = backend.evict_scored(policy, evs, states, caches[0], isa)
+    alone = [backend.evict_scored(policy, [e], [sc], caches[1], isa)[0] for e, sc in zip(evs, states)]
+    assert torch.equal(caches[0], caches[1])
+    for got, want, e in zip(together, alone, evs):
+        assert got.shape == (H, e.budget) and torch.equal(got, want)

@@ -351,12 +351,12 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 held = [_held_scores(key, p.stored) for key, p in zip(keys, rd.scored)]
                 _SCORES.update(zip(keys, score_pieces(policy, rd.scored, held, query, kv_cache, self.scale,
                                                       layer.isa, _layer_index(layer))))
-                for e in rd.evictions:
-                    held_key = (e.request, layer.layer_name)
-                    scores = _held_scores(held_key, e.held) if scoring else None
-                    kept_scores = evict(policy, e, kv_cache, layer.isa, scores)
-                    if kept_scores is not None:
-                        _SCORES[held_key] = kept_scores
+                if scoring:  # every request's eviction in one selection
+                    keys = [(e.request, layer.layer_name) for e in rd.evictions]
+                    held = [_held_scores(key, e.held) for key, e in zip(keys, rd.evictions)]
+                    _SCORES.update(zip(keys, evict_scored(policy, rd.evictions, held, kv_cache, layer.isa)))
+                for e in rd.evictions if not scoring else ():
+                    evict(policy, e, kv_cache, layer.isa)
         return out
 
 
@@ -600,35 +600,79 @@ def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torc
     return [pool[a:b, 0].t().contiguous() for a, b in zip(first, first[1:])]
 
 
-def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str,
-          scores: torch.Tensor | None = None) -> torch.Tensor | None:
+def evict_scored(policy: ComposedPolicy, evs: list[Eviction], scores: list[torch.Tensor],
+                 kv_cache: torch.Tensor, isa: str) -> list[torch.Tensor]:
+    """The decode-time evictions of several requests in one layer under a policy that scores decode steps,
+    in place, as :func:`evict` does them one at a time (``scores``: each request's ``[Hkv, held]``; TOVA's
+    shared selection ranks by, and keeps, their mean over the KV heads): every request's held keys and
+    values gathered once, one ``kvkernels.topk_compact`` over each (request, KV head) as a one-page
+    sequence, one scatter of the kept tokens to slots ``[0, budget)``; a request's pending slots (later
+    tokens of its step) move behind them. Returns each request's kept scores ``[Hkv, budget]``."""
+    import kvkernels
+
+    if not evs:
+        return []
+    flat = kv_cache.view(-1)
+    H, D = kv_cache.shape[1], kv_cache.shape[3] // 2
+    B, M = len(evs), max(e.held for e in evs)
+    index = [slot_index(kv_cache, e.blocks, isa) for e in evs]
+    ranks = [policy.eviction.eviction_scores(sc, head_dim=0).contiguous() for sc in scores]
+    held = [[ix(torch.arange(e.held), part) for ix, e in zip(index, evs)] for part in range(2)]
+    kp = kv_cache.new_zeros(B * H, M, 1, D)  # sequence b * H + h: request b's KV head h, one page
+    vp = kv_cache.new_zeros(B * H, M, 1, D)
+    score = torch.zeros(B * H, M, 1)
+    for b, e in enumerate(evs):
+        rows = slice(b * H, (b + 1) * H)
+        kp[rows, :e.held, 0] = flat[held[0][b]].transpose(0, 1)
+        vp[rows, :e.held, 0] = flat[held[1][b]].transpose(0, 1)
+        score[rows, :e.held, 0] = ranks[b]
+    pos = torch.arange(M, dtype=torch.int32)[None, :, None].expand(B * H, M, 1).contiguous()
+
+    def per_seq(f) -> torch.Tensor:  # [B * H] int32: a request's count for each of its heads
+        return torch.tensor([f(e) for e in evs for _ in range(H)], dtype=torch.int32)
+
+    table = torch.arange(B * H, dtype=torch.int32)[:, None]
+    kvkernels.topk_compact(kp, vp, pos, score, table, per_seq(lambda e: e.held), per_seq(lambda e: e.budget),
+                           per_seq(lambda e: e.n_sink), per_seq(lambda e: e.n_recent),
+                           torch.zeros(B * H + 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+    dest_k, dest_v, new_k, new_v, kept = [], [], [], [], []
+    for b, (e, ix) in enumerate(zip(evs, index)):
+        rows = slice(b * H, (b + 1) * H)
+        dest = torch.arange(e.budget)
+        dest_k.append(ix(dest, 0))
+        dest_v.append(ix(dest, 1))
+        new_k.append(kp[rows, :e.budget, 0].transpose(0, 1))
+        new_v.append(vp[rows, :e.budget, 0].transpose(0, 1))
+        kept.append(ranks[b].gather(1, pos[rows, :e.budget, 0].to(torch.int64)))
+    flat[torch.cat(dest_k)] = torch.cat(new_k)
+    flat[torch.cat(dest_v)] = torch.cat(new_v)
+    for e, ix in zip(evs, index):  # a recomputed request's later tokens of this step, behind the kept ones
+        if e.pending:
+            src = torch.arange(e.held, e.held + e.pending)
+            for part in range(2):
+                flat[ix(src - (e.held - e.budget), part)] = flat[ix(src, part)]
+    return kept
+
+
+def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str) -> None:
     """One decode-time eviction of one request in one layer's ``kv_cache``, in place: of its ``e.held``
     slots keep ``e.budget`` at slots ``[0, budget)`` in order, the ``e.pending`` slots after them right
     behind. A selection with no scores (``streaming``, ``window``: every kept slot forced) keeps the first
     ``n_sink`` and shifts the last ``n_recent`` and the pending slots down over the evicted ones; an open
-    score rule (``knorm``) scores the held keys and values (``token_scores``, per KV head), and a policy
-    that scores decode steps ranks by the held slots' ``scores [Hkv, held]`` (their mean over the KV heads
-    where the heads share one selection: ``eviction_scores``, which they keep, as kvmodels' caches do);
-    both select with ``kvkernels.topk_compact`` as the prompt's compaction does. Kept keys and values are
-    moved, bit for bit. Returns the kept slots' scores ``[Hkv, budget]`` (None without ``scores``)."""
+    score rule (``knorm``) scores the held keys and values (``token_scores``, per KV head) and selects
+    with ``kvkernels.topk_compact`` as the prompt's compaction does. Kept keys and values are moved, bit
+    for bit."""
     flat = kv_cache.view(-1)
     index = slot_index(kv_cache, e.blocks, isa)
-    if scores is not None:
-        scores = policy.eviction.eviction_scores(scores, head_dim=0).contiguous()
-    kept_scores = None
     if e.n_sink + e.n_recent >= e.budget and not policy.eviction.scores_tokens:
         first = e.held - e.n_recent  # the oldest recent slot kept
         src = torch.arange(first, e.held + e.pending)
         dst = src - (first - e.n_sink)
-        if scores is not None:
-            kept_scores = torch.cat([scores[:, :e.n_sink], scores[:, first:]], dim=1)
     else:
         held = torch.arange(e.held)
         k, v = flat[index(held, 0)], flat[index(held, 1)]  # [held, H, D] copies
-        rank = prompt_scores(policy, k, v, None, 0.0) if scores is None else scores
-        kk, vk, positions = select(k, v, rank, e.budget, e.n_sink, e.n_recent)
-        if scores is not None:
-            kept_scores = scores.gather(1, positions)
+        scores = prompt_scores(policy, k, v, None, 0.0)
+        kk, vk, _ = select(k, v, scores, e.budget, e.n_sink, e.n_recent)
         dest = torch.arange(e.budget)
         flat[index(dest, 0)] = kk
         flat[index(dest, 1)] = vk
@@ -637,7 +681,6 @@ def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str,
     if src.numel():
         for part in range(2):
             flat[index(dst, part)] = flat[index(src, part)]
-    return kept_scores
 
 
 def install() -> None:
