@@ -4,6 +4,7 @@ the pieces / evictions the workers run, against a token-by-token simulation of t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -146,7 +147,7 @@ def test_eviction_in_vllm_cache_is_bit_identical(name):
     ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
     e = backend.Eviction("r", blocks, held, lengths.budget, lengths.dec_sink, lengths.dec_recent, pending)
-    backend.evict(policy, e, kv_cache, isa)
+    backend.evict_many(policy, [e], kv_cache, isa)
     if name == "knorm":
         scores = backend.prompt_scores(policy, k[:held], v[:held], None, 0.0)
         want_k, want_v, pos = backend.select(k[:held], v[:held], scores, lengths.budget, 0, 0)
@@ -261,7 +262,7 @@ def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every
                 if piece.evicted:
                     e = backend.Eviction("r", blocks, piece.stored + p.count, lengths.budget,
                                          lengths.dec_sink, lengths.dec_recent, piece.pending)
-                    state = backend.evict_scored(policy, [e], [state], kv_cache, isa)[0]
+                    state = backend.evict_many(policy, [e], kv_cache, isa, [state])[0]
             c = end
             if c < L:
                 continue
@@ -329,8 +330,8 @@ def test_score_pieces_batched_equal_one_at_a_time(spec):
         assert p.stored == 0 or not torch.equal(got[:, :p.stored], state) or spec == "scissorhands"
 
 
-@pytest.mark.parametrize("spec", ["h2o", "tova", "keyformer"])
-def test_evict_scored_batched_equal_one_at_a_time(spec):
+@pytest.mark.parametrize("spec", ["h2o", "tova", "keyformer", "streaming", "knorm"])
+def test_evict_many_batched_equal_one_at_a_time(spec):
     """One selection for several requests' evictions (different held counts, budgets, forced counts,
     pending tokens) leaves each request's slots and scores as its eviction alone does."""
     from vllm import _custom_ops as ops
@@ -357,8 +358,16 @@ def test_evict_scored_batched_equal_one_at_a_time(spec):
                                            kv_cache_dtype="auto")
         evs.append(backend.Eviction(str(r), blocks, held, budget, sink, recent, pending))
         states.append(torch.rand(H, held))
-    together = backend.evict_scored(policy, evs, states, caches[0], isa)
-    alone = [backend.evict_scored(policy, [e], [sc], caches[1], isa)[0] for e, sc in zip(evs, states)]
+    scored = spec not in ("streaming", "knorm")
+    if spec == "streaming":  # streaming's evictions keep their forced slots only
+        evs = [dataclasses.replace(e, n_sink=min(4, e.budget), n_recent=e.budget - min(4, e.budget))
+               for e in evs]
+    together = backend.evict_many(policy, evs, caches[0], isa, states if scored else None)
+    alone = [backend.evict_many(policy, [e], caches[1], isa, [sc] if scored else None)
+             for e, sc in zip(evs, states)]
     assert torch.equal(caches[0], caches[1])
-    for got, want, e in zip(together, alone, evs):
-        assert got.shape == (H, e.budget) and torch.equal(got, want)
+    if scored:
+        for got, want, e in zip(together, alone, evs):
+            assert got.shape == (H, e.budget) and torch.equal(got, want[0])
+    else:
+        assert together is None

@@ -35,7 +35,7 @@ stored(c)`` slots earlier.
 The step's tokens past the prompt are split after each eviction point (``config.step_pieces``); after the
 batch's attention each layer runs rounds: a second attention for the pieces the batch's pass gave the wrong
 slots (a recomputed request's generated tokens), the score update of every piece (:func:`score_pieces`),
-then the evictions (:func:`evict`), which keep ``budget`` slots in order and move the step's later tokens
+then the evictions (:func:`evict_many`), which keep ``budget`` slots in order and move the step's later tokens
 behind them.
 
 Scores (``config.decode_scores``): per (request, layer) the worker holds a ``[Hkv, stored]`` float32 score
@@ -351,12 +351,11 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 held = [_held_scores(key, p.stored) for key, p in zip(keys, rd.scored)]
                 _SCORES.update(zip(keys, score_pieces(policy, rd.scored, held, query, kv_cache, self.scale,
                                                       layer.isa, _layer_index(layer))))
-                if scoring:  # every request's eviction in one selection
-                    keys = [(e.request, layer.layer_name) for e in rd.evictions]
-                    held = [_held_scores(key, e.held) for key, e in zip(keys, rd.evictions)]
-                    _SCORES.update(zip(keys, evict_scored(policy, rd.evictions, held, kv_cache, layer.isa)))
-                for e in rd.evictions if not scoring else ():
-                    evict(policy, e, kv_cache, layer.isa)
+                keys = [(e.request, layer.layer_name) for e in rd.evictions]
+                held = [_held_scores(key, e.held) for key, e in zip(keys, rd.evictions)] if scoring else None
+                kept = evict_many(policy, rd.evictions, kv_cache, layer.isa, held)  # one selection for all
+                if kept is not None:
+                    _SCORES.update(zip(keys, kept))
         return out
 
 
@@ -493,17 +492,24 @@ def slot_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -
 def slot_index(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> Any:
     """``index(slots, part)``: the ``[T, Hkv, D]`` positions in ``kv_cache.view(-1)`` of the keys (part 0)
     or values (1) of a request's ``slots [T]`` (slot ``j``: slot ``j % bs`` of block ``blocks[j // bs]``)."""
+    def index(slots: torch.Tensor, part: int) -> torch.Tensor:
+        return slots_index(kv_cache, isa, [(blocks, slots)], part)
+
+    return index
+
+
+def slots_index(kv_cache: torch.Tensor, isa: str, requests: list[tuple[torch.Tensor, torch.Tensor]],
+                part: int) -> torch.Tensor:
+    """The ``[sum T, Hkv, D]`` positions in ``kv_cache.view(-1)`` of the keys (``part`` 0) or values (1) of
+    several requests' slots, ``(blocks, slots [T])`` each, one request after the other: the index of one
+    gather or scatter for all of them."""
     nb, H, bs, two_d = kv_cache.shape
     D = two_d // 2
     offsets = slot_layout(isa, kv_cache.dtype, bs, D)  # [2, bs, D] within one (block, head)
-    heads = torch.arange(H)
-
-    def index(slots: torch.Tensor, part: int) -> torch.Tensor:
-        unit = blocks[slots // bs][:, None] * H + heads[None, :]  # [T, H]: (block, head) of each element
-        base = unit * (2 * bs * D) + part * bs * D
-        return base[:, :, None] + offsets[part, slots % bs][:, None, :]
-
-    return index
+    slots = torch.cat([s for _, s in requests])
+    block = torch.cat([b[s // bs] for b, s in requests])
+    unit = block[:, None] * H + torch.arange(H)[None, :]  # [T, H]: (block, head) of each element
+    return (unit * (2 * bs * D) + part * bs * D)[:, :, None] + offsets[part, slots % bs][:, None, :]
 
 
 def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -566,8 +572,8 @@ def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torc
         return []
     flat = kv_cache.view(-1)
     ends = [p.stored + p.count for p in pieces]
-    k = flat[torch.cat([slot_index(kv_cache, p.blocks, isa)(torch.arange(n), 0)
-                        for p, n in zip(pieces, ends)])][:, None]  # [sum(ends), 1, H, D]: one-slot pages
+    k = flat[slots_index(kv_cache, isa, [(p.blocks, torch.arange(n)) for p, n in zip(pieces, ends)], 0)]
+    k = k[:, None]  # [sum(ends), 1, H, D]: one-slot pages
     first = [0]
     for n in ends:
         first.append(first[-1] + n)
@@ -600,87 +606,72 @@ def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torc
     return [pool[a:b, 0].t().contiguous() for a, b in zip(first, first[1:])]
 
 
-def evict_scored(policy: ComposedPolicy, evs: list[Eviction], scores: list[torch.Tensor],
-                 kv_cache: torch.Tensor, isa: str) -> list[torch.Tensor]:
-    """The decode-time evictions of several requests in one layer under a policy that scores decode steps,
-    in place, as :func:`evict` does them one at a time (``scores``: each request's ``[Hkv, held]``; TOVA's
-    shared selection ranks by, and keeps, their mean over the KV heads): every request's held keys and
-    values gathered once, one ``kvkernels.topk_compact`` over each (request, KV head) as a one-page
-    sequence, one scatter of the kept tokens to slots ``[0, budget)``; a request's pending slots (later
-    tokens of its step) move behind them. Returns each request's kept scores ``[Hkv, budget]``."""
+def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tensor, isa: str,
+               scores: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+    """The decode-time evictions of several requests in one layer's ``kv_cache``, in place: of each one's
+    ``held`` slots keep ``budget`` at slots ``[0, budget)`` in order (its first ``n_sink``, its last
+    ``n_recent``, then the top scores, ties to the earlier slot), its ``pending`` slots (later tokens of its
+    step) right behind. Ranked by the held slots' ``scores`` (``[Hkv, held]`` each) for a policy that scores
+    decode steps (their mean over the KV heads where the heads share one selection: ``eviction_scores``,
+    which they keep, as kvmodels' caches do), by an open score rule's ``token_scores`` of the held keys and
+    values (``knorm``), or by nothing (``streaming``, ``window``: every kept slot forced). Every request's
+    held keys and values are gathered at once, one ``kvkernels.topk_compact`` selects over each (request, KV
+    head) as a one-page sequence, as the prompt's compaction does, and one scatter writes the kept tokens
+    back, bit for bit. Returns each request's kept scores ``[Hkv, budget]`` (None without ``scores``)."""
     import kvkernels
 
     if not evs:
-        return []
+        return [] if scores is not None else None
     flat = kv_cache.view(-1)
     H, D = kv_cache.shape[1], kv_cache.shape[3] // 2
     B, M = len(evs), max(e.held for e in evs)
-    index = [slot_index(kv_cache, e.blocks, isa) for e in evs]
-    ranks = [policy.eviction.eviction_scores(sc, head_dim=0).contiguous() for sc in scores]
-    held = [[ix(torch.arange(e.held), part) for ix, e in zip(index, evs)] for part in range(2)]
-    kp = kv_cache.new_zeros(B * H, M, 1, D)  # sequence b * H + h: request b's KV head h, one page
-    vp = kv_cache.new_zeros(B * H, M, 1, D)
-    score = torch.zeros(B * H, M, 1)
-    for b, e in enumerate(evs):
-        rows = slice(b * H, (b + 1) * H)
-        kp[rows, :e.held, 0] = flat[held[0][b]].transpose(0, 1)
-        vp[rows, :e.held, 0] = flat[held[1][b]].transpose(0, 1)
-        score[rows, :e.held, 0] = ranks[b]
+    held = [(e.blocks, torch.arange(e.held)) for e in evs]
+    k = flat[slots_index(kv_cache, isa, held, 0)]  # [sum(held), H, D]
+    v = flat[slots_index(kv_cache, isa, held, 1)]
+    first = torch.tensor([0] + [e.held for e in evs]).cumsum(0)
+    ranks = None
+    if scores is not None:
+        ranks = [policy.eviction.eviction_scores(sc, head_dim=0).contiguous() for sc in scores]
+        rank = torch.cat(ranks, dim=1)  # [H, sum(held)]
+    elif policy.eviction.scores_tokens:
+        rank = torch.cat([prompt_scores(policy, k[a:b], v[a:b], None, 0.0)
+                          for a, b in zip(first.tolist(), first[1:].tolist())], dim=1)
+    else:
+        rank = torch.zeros(H, k.shape[0])
+    # Request b's slot j sits at row first[b] + j; past its held slots the rows are another request's, never
+    # read (topk_compact reads each sequence's first `held` slots).
+    rows = (first[:-1, None] + torch.arange(M)[None, :]).clamp(max=k.shape[0] - 1)  # [B, M]
+
+    def per_head(x: torch.Tensor) -> torch.Tensor:  # [B, M, H, ...] -> [B * H, M, 1, ...]
+        return x.transpose(1, 2).reshape(B * H, M, 1, *x.shape[3:]).contiguous()
+
+    kp, vp = per_head(k[rows]), per_head(v[rows])
+    score = per_head(rank.t()[rows])  # [B * H, M, 1]
     pos = torch.arange(M, dtype=torch.int32)[None, :, None].expand(B * H, M, 1).contiguous()
 
-    def per_seq(f) -> torch.Tensor:  # [B * H] int32: a request's count for each of its heads
-        return torch.tensor([f(e) for e in evs for _ in range(H)], dtype=torch.int32)
+    def per_seq(values: list[int]) -> torch.Tensor:  # [B * H] int32: each request's count for its heads
+        return torch.tensor(values, dtype=torch.int32).repeat_interleave(H)
 
-    table = torch.arange(B * H, dtype=torch.int32)[:, None]
-    kvkernels.topk_compact(kp, vp, pos, score, table, per_seq(lambda e: e.held), per_seq(lambda e: e.budget),
-                           per_seq(lambda e: e.n_sink), per_seq(lambda e: e.n_recent),
+    kvkernels.topk_compact(kp, vp, pos, score, torch.arange(B * H, dtype=torch.int32)[:, None],
+                           per_seq([e.held for e in evs]), per_seq([e.budget for e in evs]),
+                           per_seq([e.n_sink for e in evs]), per_seq([e.n_recent for e in evs]),
                            torch.zeros(B * H + 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
-    dest_k, dest_v, new_k, new_v, kept = [], [], [], [], []
-    for b, (e, ix) in enumerate(zip(evs, index)):
-        rows = slice(b * H, (b + 1) * H)
-        dest = torch.arange(e.budget)
-        dest_k.append(ix(dest, 0))
-        dest_v.append(ix(dest, 1))
-        new_k.append(kp[rows, :e.budget, 0].transpose(0, 1))
-        new_v.append(vp[rows, :e.budget, 0].transpose(0, 1))
-        kept.append(ranks[b].gather(1, pos[rows, :e.budget, 0].to(torch.int64)))
-    flat[torch.cat(dest_k)] = torch.cat(new_k)
-    flat[torch.cat(dest_v)] = torch.cat(new_v)
-    for e, ix in zip(evs, index):  # a recomputed request's later tokens of this step, behind the kept ones
-        if e.pending:
-            src = torch.arange(e.held, e.held + e.pending)
-            for part in range(2):
-                flat[ix(src - (e.held - e.budget), part)] = flat[ix(src, part)]
-    return kept
-
-
-def evict(policy: ComposedPolicy, e: Eviction, kv_cache: torch.Tensor, isa: str) -> None:
-    """One decode-time eviction of one request in one layer's ``kv_cache``, in place: of its ``e.held``
-    slots keep ``e.budget`` at slots ``[0, budget)`` in order, the ``e.pending`` slots after them right
-    behind. A selection with no scores (``streaming``, ``window``: every kept slot forced) keeps the first
-    ``n_sink`` and shifts the last ``n_recent`` and the pending slots down over the evicted ones; an open
-    score rule (``knorm``) scores the held keys and values (``token_scores``, per KV head) and selects
-    with ``kvkernels.topk_compact`` as the prompt's compaction does. Kept keys and values are moved, bit
-    for bit."""
-    flat = kv_cache.view(-1)
-    index = slot_index(kv_cache, e.blocks, isa)
-    if e.n_sink + e.n_recent >= e.budget and not policy.eviction.scores_tokens:
-        first = e.held - e.n_recent  # the oldest recent slot kept
-        src = torch.arange(first, e.held + e.pending)
-        dst = src - (first - e.n_sink)
-    else:
-        held = torch.arange(e.held)
-        k, v = flat[index(held, 0)], flat[index(held, 1)]  # [held, H, D] copies
-        scores = prompt_scores(policy, k, v, None, 0.0)
-        kk, vk, _ = select(k, v, scores, e.budget, e.n_sink, e.n_recent)
-        dest = torch.arange(e.budget)
-        flat[index(dest, 0)] = kk
-        flat[index(dest, 1)] = vk
-        src = torch.arange(e.held, e.held + e.pending)
-        dst = src - (e.held - e.budget)
-    if src.numel():
+    which = torch.cat([torch.full((e.budget,), b) for b, e in enumerate(evs)])  # request of each kept slot
+    slot = torch.cat([torch.arange(e.budget) for e in evs])
+    dest = [(e.blocks, torch.arange(e.budget)) for e in evs]
+    flat[slots_index(kv_cache, isa, dest, 0)] = kp.view(B, H, M, D)[which, :, slot]  # [sum(budget), H, D]
+    flat[slots_index(kv_cache, isa, dest, 1)] = vp.view(B, H, M, D)[which, :, slot]
+    moved = [(e.blocks, torch.arange(e.held, e.held + e.pending), e.held - e.budget)
+             for e in evs if e.pending]
+    if moved:  # a recomputed request's later tokens of this step, right behind its kept ones
+        src = [(blocks, s) for blocks, s, _ in moved]
+        dst = [(blocks, s - shift) for blocks, s, shift in moved]
         for part in range(2):
-            flat[index(dst, part)] = flat[index(src, part)]
+            flat[slots_index(kv_cache, isa, dst, part)] = flat[slots_index(kv_cache, isa, src, part)]
+    if ranks is None:
+        return None
+    kept = pos.view(B, H, M).to(torch.int64)
+    return [r.gather(1, kept[b, :, :e.budget]) for b, (r, e) in enumerate(zip(ranks, evs))]
 
 
 def install() -> None:
