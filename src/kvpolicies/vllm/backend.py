@@ -623,6 +623,15 @@ def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tens
     if not evs:
         return [] if scores is not None else None
     flat = kv_cache.view(-1)
+    if scores is None and not policy.eviction.scores_tokens and all(e.n_sink + e.n_recent >= e.budget
+                                                                     for e in evs):
+        # Every kept slot forced (streaming, window): the last n_recent held slots and the pending ones
+        # shift down over the evicted ones, in one gather and one scatter; nothing else moves.
+        src = [(e.blocks, torch.arange(e.held - e.n_recent, e.held + e.pending)) for e in evs]
+        dst = [(e.blocks, s - (e.held - e.n_recent - e.n_sink)) for e, (_, s) in zip(evs, src)]
+        for part in range(2):
+            flat[slots_index(kv_cache, isa, dst, part)] = flat[slots_index(kv_cache, isa, src, part)]
+        return None
     H, D = kv_cache.shape[1], kv_cache.shape[3] // 2
     B, M = len(evs), max(e.held for e in evs)
     held = [(e.blocks, torch.arange(e.held)) for e in evs]
