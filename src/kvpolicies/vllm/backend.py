@@ -614,10 +614,11 @@ def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tens
     step) right behind. Ranked by the held slots' ``scores`` (``[Hkv, held]`` each) for a policy that scores
     decode steps (their mean over the KV heads where the heads share one selection: ``eviction_scores``,
     which they keep, as kvmodels' caches do), by an open score rule's ``token_scores`` of the held keys and
-    values (``knorm``), or by nothing (``streaming``, ``window``: every kept slot forced). Every request's
-    held keys and values are gathered at once, one ``kvkernels.topk_compact`` selects over each (request, KV
-    head) as a one-page sequence, as the prompt's compaction does, and one scatter writes the kept tokens
-    back, bit for bit. Returns each request's kept scores ``[Hkv, budget]`` (None without ``scores``)."""
+    values (``knorm``), or by nothing (``streaming``, ``window``: every kept slot forced, so the recent
+    slots of every request shift down in one gather and one scatter). Otherwise every request's held keys
+    and values are gathered at once, one ``kvkernels.topk_compact`` selects over each (request, KV head) as
+    a one-page sequence, as the prompt's compaction does, and one scatter writes the kept tokens back, bit
+    for bit. Returns each request's kept scores ``[Hkv, budget]`` (None without ``scores``)."""
     import kvkernels
 
     if not evs:
