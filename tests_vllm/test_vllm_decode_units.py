@@ -221,7 +221,7 @@ def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every
     isa = _get_attn_isa(torch.float32, bs, D, "auto")
     q_all, k_all, v_all = torch.randn(L + T, H * G, D), torch.randn(L + T, H, D), torch.randn(L + T, H, D)
     policy = compose(spec, budget=budget, evict_every=every)
-    layer, ns = 3, backend.noise_seeds(policy)
+    layer, ns = 3, backend.request_noise_seed(policy)
     noise = {}
     if name == "keyformer":
         def decode_noise(t: int, n: int) -> torch.Tensor:  # [Hq, n] of decode step t
@@ -289,11 +289,12 @@ def test_keyformer_plumbing():
     from kvkernels import noise_seed
     from kvpolicies.vllm import backend
 
-    assert backend._layer_index(SimpleNamespace(layer_name="model.layers.3.self_attn.attn")) == 3
+    assert backend._layer_index("model.layers.3.self_attn.attn") == 3
     assert backend._max_tokens(SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=40))) == 40
     assert backend._max_tokens(None) == backend._max_tokens(SimpleNamespace(sampling_params=None)) == 1
     policy = compose("keyformer", budget=0.2, seed=7)
-    assert backend.noise_seeds(policy) == noise_seed(7, 0) != backend.noise_seeds(compose("keyformer"))
+    seed = backend.request_noise_seed
+    assert seed(policy) == noise_seed(7, 0) != seed(compose("keyformer"))
 
 
 @pytest.mark.parametrize("spec", ["h2o", "keyformer", "a2sf", "scissorhands"])

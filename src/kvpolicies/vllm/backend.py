@@ -44,7 +44,7 @@ compaction (also when the prompt is kept whole), extended with 0 for each new to
 query's attention over the slots it sees (``kvkernels.paged_decode_attention`` with a ``ScoreUpdate``, the
 op kvmodels' decode runs, on the held keys gathered into one page), and moved with the tokens an eviction
 keeps. Keyformer's Gumbel noise is the one kvmodels' cache draws for the first sequence of a batch with the
-same seeds (:func:`noise_seeds`): the prompt's from ``prefill_seed(noise_seed, layer, 0)``, decode step
+same seeds (:func:`request_noise_seed`): the prompt's from ``prefill_seed(noise_seed, layer, 0)``, decode step
 ``s``'s from ``decode_keys(noise_seed, s, ...)[layer, 0]``, its temperature from the request's
 ``max_tokens``; so a request's noise depends on the policy's seed, the layer, the step and the slot only.
 
@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -331,7 +331,7 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 held_key = (job.request, layer.layer_name)
                 earlier = _WINDOW_QUERIES.pop(held_key, [])
                 kept, scores = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier,
-                                       layer=_layer_index(layer))
+                                       layer=_layer_index(layer.layer_name))
                 if scoring:
                     _SCORES[held_key] = scores
                 if RECORD_KEPT and job.kept < job.prompt_len:
@@ -350,7 +350,7 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 keys = [(p.request, layer.layer_name) for p in rd.scored]
                 held = [_held_scores(key, p.stored) for key, p in zip(keys, rd.scored)]
                 _SCORES.update(zip(keys, score_pieces(policy, rd.scored, held, query, kv_cache, self.scale,
-                                                      layer.isa, _layer_index(layer))))
+                                                      layer.isa, _layer_index(layer.layer_name))))
                 keys = [(e.request, layer.layer_name) for e in rd.evictions]
                 held = [_held_scores(key, e.held) for key, e in zip(keys, rd.evictions)] if scoring else None
                 kept = evict_many(policy, rd.evictions, kv_cache, layer.isa, held)  # one selection for all
@@ -359,12 +359,13 @@ class CompressingImpl(CPUAttentionBackendImpl):
         return out
 
 
-def _layer_index(layer: Any) -> int:
-    """The model's layer index of an attention layer (``model.layers.3.self_attn.attn`` -> 3): the layer
-    kvmodels' noise seeds are drawn for."""
+@cache
+def _layer_index(layer_name: str) -> int:
+    """The model's layer index of an attention layer's name (``model.layers.3.self_attn.attn`` -> 3): the
+    layer kvmodels' noise seeds are drawn for (read once per layer, not every step)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    return extract_layer_index(layer.layer_name)
+    return extract_layer_index(layer_name)
 
 
 def _max_tokens(state: Any) -> int:
@@ -374,7 +375,7 @@ def _max_tokens(state: Any) -> int:
     return max(1, int(getattr(params, "max_tokens", None) or 1))
 
 
-def noise_seeds(policy: ComposedPolicy) -> int:
+def request_noise_seed(policy: ComposedPolicy) -> int:
     """The Gumbel noise seed of every request: kvmodels' cache's ``noise_seed(policy.seed, 0)`` (a cache or
     generation seed of 0)."""
     from kvkernels import noise_seed
@@ -519,7 +520,7 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
     its kept tokens to slots ``[0, kept)``, the tokens after the prompt (if any) right behind them (a
     prompt kept whole, ``kept == prompt_len``, is only scored). ``query``: the step's queries ``[tokens, Hq,
     D]``; ``earlier``: ``(first position, [n, Hq, D])`` window queries of earlier prefill chunks; ``layer``:
-    the model's layer index (Keyformer's noise seed, :func:`noise_seeds`). Returns
+    the model's layer index (Keyformer's noise seed, :func:`request_noise_seed`). Returns
     the kept positions ``[Hkv, kept]`` int64 and the kept tokens' scores ``[Hkv, kept]`` float32."""
     flat = kv_cache.view(-1)
     index = slot_index(kv_cache, job.blocks, isa)
@@ -541,7 +542,8 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
                                f"observation window [{first}, {L}) (a prefill chunk was not seen)")
     from kvkernels import prefill_seed
 
-    scores = prompt_scores(policy, k[:L], v[:L], q, scale, seed=prefill_seed(noise_seeds(policy), layer, 0))
+    seed = prefill_seed(request_noise_seed(policy), layer, 0)
+    scores = prompt_scores(policy, k[:L], v[:L], q, scale, seed=seed)
     if job.kept >= L:
         return torch.arange(L).expand(scores.shape[0], L), scores
     kk, vk, positions = select(k[:L], v[:L], scores, job.kept, job.n_sink, job.n_recent)
@@ -560,7 +562,7 @@ def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torc
     updated by each of their queries (rows of ``query [tokens, Hq, D]``) in order, over the slots it sees,
     by the policy's ``score_mode``: ``kvkernels.paged_decode_attention`` with a ``ScoreUpdate``, the op the
     kvmodels caches decode with, with the policy's ``decode_kwargs`` of each row's decode step and, for
-    Keyformer, that step's noise keys of model layer ``layer`` (:func:`noise_seeds`). Every request's
+    Keyformer, that step's noise keys of model layer ``layer`` (:func:`request_noise_seed`). Every request's
     keys are gathered once into one pool of one-slot pages, each request's row of the page table listing
     its slots, so one call updates the ``i``-th rows of all pieces (one call per temperature for Keyformer,
     whose requests are at different steps); the op's output is not used (vLLM's kernel gave the step's),
@@ -590,13 +592,13 @@ def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torc
                 groups.setdefault(group, []).append(j)
         for (temperature, decay), rows in groups.items():
             lens = [pieces[j].stored + i + 1 for j in rows]
-            table = torch.zeros(len(rows), max(lens), dtype=torch.int32)
-            for r, (j, n) in enumerate(zip(rows, lens)):
-                table[r, :n] = torch.arange(first[j], first[j] + n, dtype=torch.int32)
+            # Row r lists its piece's one-slot pages; past its length, pages the op never reads (clamped).
+            table = (torch.tensor([first[j] for j in rows])[:, None] + torch.arange(max(lens))[None, :])
+            table = table.clamp(max=first[-1] - 1).to(torch.int32)
             q = query[[pieces[j].row + i for j in rows]].to(k.dtype).contiguous()  # [rows, Hq, D]
             key = temp = None
             if gumbel:  # kvmodels' keys of each row's step, this layer, a batch's first row: [rows, Hq]
-                seed, Hq = noise_seeds(policy), q.shape[1]
+                seed, Hq = request_noise_seed(policy), q.shape[1]
                 key = torch.cat([kvkernels.decode_keys(seed, pieces[j].step + i, layer + 1, 1, Hq)[layer]
                                  for j in rows])
                 temp = torch.tensor([temperature], dtype=torch.float32)
@@ -604,6 +606,19 @@ def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torc
             kvkernels.paged_decode_attention(q, k, k, table, torch.tensor(lens, dtype=torch.int32),
                                              scale=scale, scores=update)
     return [pool[a:b, 0].t().contiguous() for a, b in zip(first, first[1:])]
+
+
+def _move_slots(kv_cache: torch.Tensor, isa: str,
+                moves: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    """For requests' ``(blocks, slots, shift)``: the keys and values at ``slots`` move ``shift`` slots down
+    (read before any is written, so the ranges may overlap), one gather and one scatter for all."""
+    if not moves:
+        return
+    flat = kv_cache.view(-1)
+    src = [(blocks, slots) for blocks, slots, _ in moves]
+    dst = [(blocks, slots - shift) for blocks, slots, shift in moves]
+    for part in range(2):
+        flat[slots_index(kv_cache, isa, dst, part)] = flat[slots_index(kv_cache, isa, src, part)]
 
 
 def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tensor, isa: str,
@@ -628,10 +643,8 @@ def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tens
                                                                      for e in evs):
         # Every kept slot forced (streaming, window): the last n_recent held slots and the pending ones
         # shift down over the evicted ones, in one gather and one scatter; nothing else moves.
-        src = [(e.blocks, torch.arange(e.held - e.n_recent, e.held + e.pending)) for e in evs]
-        dst = [(e.blocks, s - (e.held - e.n_recent - e.n_sink)) for e, (_, s) in zip(evs, src)]
-        for part in range(2):
-            flat[slots_index(kv_cache, isa, dst, part)] = flat[slots_index(kv_cache, isa, src, part)]
+        _move_slots(kv_cache, isa, [(e.blocks, torch.arange(e.held - e.n_recent, e.held + e.pending),
+                                     e.held - e.n_recent - e.n_sink) for e in evs])
         return None
     H, D = kv_cache.shape[1], kv_cache.shape[3] // 2
     B, M = len(evs), max(e.held for e in evs)
@@ -671,13 +684,9 @@ def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tens
     dest = [(e.blocks, torch.arange(e.budget)) for e in evs]
     flat[slots_index(kv_cache, isa, dest, 0)] = kp.view(B, H, M, D)[which, :, slot]  # [sum(budget), H, D]
     flat[slots_index(kv_cache, isa, dest, 1)] = vp.view(B, H, M, D)[which, :, slot]
-    moved = [(e.blocks, torch.arange(e.held, e.held + e.pending), e.held - e.budget)
-             for e in evs if e.pending]
-    if moved:  # a recomputed request's later tokens of this step, right behind its kept ones
-        src = [(blocks, s) for blocks, s, _ in moved]
-        dst = [(blocks, s - shift) for blocks, s, shift in moved]
-        for part in range(2):
-            flat[slots_index(kv_cache, isa, dst, part)] = flat[slots_index(kv_cache, isa, src, part)]
+    # A recomputed request's later tokens of this step, right behind its kept ones.
+    _move_slots(kv_cache, isa, [(e.blocks, torch.arange(e.held, e.held + e.pending), e.held - e.budget)
+                                for e in evs if e.pending])
     if ranks is None:
         return None
     kept = pos.view(B, H, M).to(torch.int64)
