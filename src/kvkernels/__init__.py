@@ -19,7 +19,7 @@ from .score_update import COLUMN_SUM_MODES, prefill_attention, prefill_attention
 
 # The submodule ``topk_compact`` shares its name with the op it defines; importing the op last binds
 # ``kvkernels.topk_compact`` to the function, not the module.
-from .topk_compact import topk_compact, topk_evict  # noqa: I001
+from .topk_compact import compaction_plan, topk_compact, topk_evict  # noqa: I001
 
 __all__ = [
     "COLUMN_SUM_MODES",
@@ -28,6 +28,7 @@ __all__ = [
     "Restore",
     "ScoreUpdate",
     "check_shape",
+    "compaction_plan",
     "check_tensor",
     "decode_keys",
     "gumbel_noise_keyed",

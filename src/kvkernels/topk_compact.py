@@ -249,6 +249,19 @@ def _plan_moves(slot_score: Tensor, page_table: Tensor, seq_lens: Tensor, budget
     return src_map, n_move, new_lens
 
 
+def compaction_plan(scores: Tensor, lens: Tensor, budgets: Tensor, n_sink: Tensor,
+                    n_recent: Tensor) -> tuple[Tensor, Tensor]:
+    """The selection :func:`topk_compact` makes, for callers that move the bytes in a layout of their own
+    (the vLLM plugin's blocks): ``scores [B, Hkv, M]`` of each sequence's slots (past ``lens[b]`` ignored),
+    ``lens``, ``budgets``, ``n_sink``, ``n_recent`` ``[B]``. Returns ``src [B, Hkv, M]`` int64, the slot whose
+    token lands in slot ``d`` (for ``d < n_move[b]``), and ``n_move [B]`` int64: ``budgets[b]`` where the
+    sequence is over its budget, else 0 (nothing moves). The same plan the op runs, ties to the lower slot."""
+    batch, _, width = scores.shape
+    table = torch.arange(batch, device=scores.device)[:, None]  # sequence b is page b, of `width` slots
+    src_map, n_move, _ = _plan_moves(scores.transpose(1, 2), table, lens, budgets, n_sink, n_recent)
+    return src_map[..., :width].long(), n_move.long()
+
+
 def _release_pages(page_table: Tensor, seq_lens: Tensor, new_lens: Tensor, free_pages: Tensor, n_free: Tensor,
                    page_size: int) -> None:
     """Push pages ``[ceil(new_len/S), ceil(len/S))`` of each sequence on the free stack, in (b, column)

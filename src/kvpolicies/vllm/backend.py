@@ -490,27 +490,91 @@ def slot_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -
     return offsets
 
 
-def slot_index(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> Any:
-    """``index(slots, part)``: the ``[T, Hkv, D]`` positions in ``kv_cache.view(-1)`` of the keys (part 0)
-    or values (1) of a request's ``slots [T]`` (slot ``j``: slot ``j % bs`` of block ``blocks[j // bs]``)."""
-    def index(slots: torch.Tensor, part: int) -> torch.Tensor:
-        return slots_index(kv_cache, isa, [(blocks, slots)], part)
+@lru_cache(maxsize=8)
+def slot_strides(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[tuple[int, int, int],
+                                                                                         ...] | None:
+    """``(offset, slot stride, dim stride)`` of the keys and of the values inside one (block, KV head) when
+    :func:`slot_layout` is affine in (slot, dim) (``vec``: keys ``[D, bs]``, values ``[bs, D]``), else None
+    (then tokens move through an element index)."""
+    offsets = slot_layout(isa, dtype, block_size, head_size)
+    found = []
+    for part in range(2):
+        o = offsets[part]
+        base = int(o[0, 0])
+        ss = int(o[1, 0]) - base if block_size > 1 else 0
+        sd = int(o[0, 1]) - base if head_size > 1 else 0
+        want = base + torch.arange(block_size)[:, None] * ss + torch.arange(head_size)[None, :] * sd
+        if not torch.equal(o, want):
+            return None
+        found.append((base, ss, sd))
+    return tuple(found)
 
-    return index
 
-
-def slots_index(kv_cache: torch.Tensor, isa: str, requests: list[tuple[torch.Tensor, torch.Tensor]],
-                part: int) -> torch.Tensor:
-    """The ``[sum T, Hkv, D]`` positions in ``kv_cache.view(-1)`` of the keys (``part`` 0) or values (1) of
-    several requests' slots, ``(blocks, slots [T])`` each, one request after the other: the index of one
-    gather or scatter for all of them."""
+def _part_view(kv_cache: torch.Tensor, isa: str, part: int) -> torch.Tensor | None:
+    """The keys (``part`` 0) or values (1) of ``kv_cache [num_blocks, Hkv, bs, 2 * D]`` as a ``[num_blocks,
+    Hkv, bs, D]`` view, when the ISA's layout is affine (:func:`slot_strides`)."""
     nb, H, bs, two_d = kv_cache.shape
+    strides = slot_strides(isa, kv_cache.dtype, bs, two_d // 2)
+    if strides is None:
+        return None
+    base, ss, sd = strides[part]
+    return kv_cache.as_strided((nb, H, bs, two_d // 2), (H * bs * two_d, bs * two_d, ss, sd),
+                               kv_cache.storage_offset() + part * bs * (two_d // 2) + base)
+
+
+def _element_index(kv_cache: torch.Tensor, isa: str, part: int, block: torch.Tensor, head: torch.Tensor,
+                   slot: torch.Tensor) -> torch.Tensor:
+    """The ``[*shape, D]`` positions in ``kv_cache.view(-1)`` of (block, head, slot in block) triples of one
+    broadcast ``shape``: the path for a layout that is not affine."""
+    _, H, bs, two_d = kv_cache.shape
     D = two_d // 2
     offsets = slot_layout(isa, kv_cache.dtype, bs, D)  # [2, bs, D] within one (block, head)
+    return ((block * H + head) * (2 * bs * D) + part * bs * D)[..., None] + offsets[part, slot]
+
+
+def read_slots(kv_cache: torch.Tensor, isa: str, part: int, block: torch.Tensor, head: torch.Tensor,
+               slot: torch.Tensor) -> torch.Tensor:
+    """The keys (``part`` 0) or values (1) at (block, KV head, slot in block) triples (index tensors of one
+    broadcast shape), ``[*shape, D]``, a copy."""
+    view = _part_view(kv_cache, isa, part)
+    if view is not None:
+        return view[block, head, slot]
+    return kv_cache.view(-1)[_element_index(kv_cache, isa, part, block, head, slot)]
+
+
+def write_slots(kv_cache: torch.Tensor, isa: str, part: int, block: torch.Tensor, head: torch.Tensor,
+                slot: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values [*shape, D]`` to the keys (``part`` 0) or values (1) at (block, KV head, slot in
+    block) triples, in place."""
+    view = _part_view(kv_cache, isa, part)
+    if view is not None:
+        view[block, head, slot] = values
+    else:
+        kv_cache.view(-1)[_element_index(kv_cache, isa, part, block, head, slot)] = values
+
+
+def request_slots(kv_cache: torch.Tensor, requests: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Several requests' slots, ``(blocks, slots [T])`` each (slot ``j``: slot ``j % bs`` of block
+    ``blocks[j // bs]``), one request after the other, as the (block ``[sum T, 1]``, KV head ``[1, Hkv]``,
+    slot in block ``[sum T, 1]``) triples of :func:`read_slots` for all heads: ``[sum T, Hkv, D]``."""
+    bs = kv_cache.shape[2]
     slots = torch.cat([s for _, s in requests])
     block = torch.cat([b[s // bs] for b, s in requests])
-    unit = block[:, None] * H + torch.arange(H)[None, :]  # [T, H]: (block, head) of each element
-    return (unit * (2 * bs * D) + part * bs * D)[:, :, None] + offsets[part, slots % bs][:, None, :]
+    return block[:, None], torch.arange(kv_cache.shape[1])[None, :], (slots % bs)[:, None]
+
+
+def read_requests(kv_cache: torch.Tensor, isa: str, part: int,
+                  requests: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The keys (``part`` 0) or values (1) of several requests' slots (:func:`request_slots`), ``[sum T,
+    Hkv, D]``: one gather for all of them."""
+    return read_slots(kv_cache, isa, part, *request_slots(kv_cache, requests))
+
+
+def write_requests(kv_cache: torch.Tensor, isa: str, part: int,
+                   requests: list[tuple[torch.Tensor, torch.Tensor]], values: torch.Tensor) -> None:
+    """Write ``values [sum T, Hkv, D]`` to several requests' slots (:func:`request_slots`): one scatter."""
+    write_slots(kv_cache, isa, part, *request_slots(kv_cache, requests), values)
 
 
 def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -522,10 +586,8 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
     D]``; ``earlier``: ``(first position, [n, Hq, D])`` window queries of earlier prefill chunks; ``layer``:
     the model's layer index (Keyformer's noise seed, :func:`request_noise_seed`). Returns
     the kept positions ``[Hkv, kept]`` int64 and the kept tokens' scores ``[Hkv, kept]`` float32."""
-    flat = kv_cache.view(-1)
-    index = slot_index(kv_cache, job.blocks, isa)
-    slots = torch.arange(job.total)
-    k, v = flat[index(slots, 0)], flat[index(slots, 1)]  # [total, H, D] copies
+    held = [(job.blocks, torch.arange(job.total))]
+    k, v = read_requests(kv_cache, isa, 0, held), read_requests(kv_cache, isa, 1, held)  # [total, H, D]
     L = job.prompt_len
     q = None
     if policy.eviction.prefill_mode is not None:
@@ -548,9 +610,9 @@ def compact(policy: ComposedPolicy, job: Compaction, query: torch.Tensor, kv_cac
         return torch.arange(L).expand(scores.shape[0], L), scores
     kk, vk, positions = select(k[:L], v[:L], scores, job.kept, job.n_sink, job.n_recent)
     new_k, new_v = torch.cat([kk, k[L:]]), torch.cat([vk, v[L:]])
-    dest = torch.arange(new_k.shape[0])
-    flat[index(dest, 0)] = new_k
-    flat[index(dest, 1)] = new_v
+    dest = [(job.blocks, torch.arange(new_k.shape[0]))]
+    write_requests(kv_cache, isa, 0, dest, new_k)
+    write_requests(kv_cache, isa, 1, dest, new_v)
     return positions, scores.gather(1, positions)
 
 
@@ -572,9 +634,8 @@ def score_pieces(policy: ComposedPolicy, pieces: list[Scored], scores: list[torc
 
     if not pieces:
         return []
-    flat = kv_cache.view(-1)
     ends = [p.stored + p.count for p in pieces]
-    k = flat[slots_index(kv_cache, isa, [(p.blocks, torch.arange(n)) for p, n in zip(pieces, ends)], 0)]
+    k = read_requests(kv_cache, isa, 0, [(p.blocks, torch.arange(n)) for p, n in zip(pieces, ends)])
     k = k[:, None]  # [sum(ends), 1, H, D]: one-slot pages
     first = [0]
     for n in ends:
@@ -614,11 +675,10 @@ def _move_slots(kv_cache: torch.Tensor, isa: str,
     (read before any is written, so the ranges may overlap), one gather and one scatter for all."""
     if not moves:
         return
-    flat = kv_cache.view(-1)
     src = [(blocks, slots) for blocks, slots, _ in moves]
     dst = [(blocks, slots - shift) for blocks, slots, shift in moves]
     for part in range(2):
-        flat[slots_index(kv_cache, isa, dst, part)] = flat[slots_index(kv_cache, isa, src, part)]
+        write_requests(kv_cache, isa, part, dst, read_requests(kv_cache, isa, part, src))
 
 
 def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tensor, isa: str,
@@ -629,16 +689,15 @@ def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tens
     step) right behind. Ranked by the held slots' ``scores`` (``[Hkv, held]`` each) for a policy that scores
     decode steps (their mean over the KV heads where the heads share one selection: ``eviction_scores``,
     which they keep, as kvmodels' caches do), by an open score rule's ``token_scores`` of the held keys and
-    values (``knorm``), or by nothing (``streaming``, ``window``: every kept slot forced, so the recent
-    slots of every request shift down in one gather and one scatter). Otherwise every request's held keys
-    and values are gathered at once, one ``kvkernels.topk_compact`` selects over each (request, KV head) as
-    a one-page sequence, as the prompt's compaction does, and one scatter writes the kept tokens back, bit
-    for bit. Returns each request's kept scores ``[Hkv, budget]`` (None without ``scores``)."""
+    values (``knorm``: they are gathered for it), or by nothing (``streaming``, ``window``: every kept slot
+    forced, so the recent slots of every request shift down in one gather and one scatter). Otherwise one
+    ``kvkernels.compaction_plan`` (``topk_compact``'s selection) ranks every (request, KV head) at once and
+    only the (slot, head) rows whose token changes are moved, in one gather and one scatter, bit for bit.
+    Returns each request's kept scores ``[Hkv, budget]`` (None without ``scores``)."""
     import kvkernels
 
     if not evs:
         return [] if scores is not None else None
-    flat = kv_cache.view(-1)
     if scores is None and not policy.eviction.scores_tokens and all(e.n_sink + e.n_recent >= e.budget
                                                                      for e in evs):
         # Every kept slot forced (streaming, window): the last n_recent held slots and the pending ones
@@ -646,51 +705,40 @@ def evict_many(policy: ComposedPolicy, evs: list[Eviction], kv_cache: torch.Tens
         _move_slots(kv_cache, isa, [(e.blocks, torch.arange(e.held - e.n_recent, e.held + e.pending),
                                      e.held - e.n_recent - e.n_sink) for e in evs])
         return None
-    H, D = kv_cache.shape[1], kv_cache.shape[3] // 2
-    B, M = len(evs), max(e.held for e in evs)
-    held = [(e.blocks, torch.arange(e.held)) for e in evs]
-    k = flat[slots_index(kv_cache, isa, held, 0)]  # [sum(held), H, D]
-    v = flat[slots_index(kv_cache, isa, held, 1)]
+    H, M = kv_cache.shape[1], max(e.held for e in evs)
     first = torch.tensor([0] + [e.held for e in evs]).cumsum(0)
     ranks = None
     if scores is not None:
         ranks = [policy.eviction.eviction_scores(sc, head_dim=0).contiguous() for sc in scores]
         rank = torch.cat(ranks, dim=1)  # [H, sum(held)]
     elif policy.eviction.scores_tokens:
+        held = [(e.blocks, torch.arange(e.held)) for e in evs]
+        k = read_requests(kv_cache, isa, 0, held)  # [sum(held), H, D]
+        v = read_requests(kv_cache, isa, 1, held)
         rank = torch.cat([prompt_scores(policy, k[a:b], v[a:b], None, 0.0)
                           for a, b in zip(first.tolist(), first[1:].tolist())], dim=1)
     else:
-        rank = torch.zeros(H, k.shape[0])
-    # Request b's slot j sits at row first[b] + j; past its held slots the rows are another request's, never
-    # read (topk_compact reads each sequence's first `held` slots).
-    rows = (first[:-1, None] + torch.arange(M)[None, :]).clamp(max=k.shape[0] - 1)  # [B, M]
-
-    def per_head(x: torch.Tensor) -> torch.Tensor:  # [B, M, H, ...] -> [B * H, M, 1, ...]
-        return x.transpose(1, 2).reshape(B * H, M, 1, *x.shape[3:]).contiguous()
-
-    kp, vp = per_head(k[rows]), per_head(v[rows])
-    score = per_head(rank.t()[rows])  # [B * H, M, 1]
-    pos = torch.arange(M, dtype=torch.int32)[None, :, None].expand(B * H, M, 1).contiguous()
-
-    def per_seq(values: list[int]) -> torch.Tensor:  # [B * H] int32: each request's count for its heads
-        return torch.tensor(values, dtype=torch.int32).repeat_interleave(H)
-
-    kvkernels.topk_compact(kp, vp, pos, score, torch.arange(B * H, dtype=torch.int32)[:, None],
-                           per_seq([e.held for e in evs]), per_seq([e.budget for e in evs]),
-                           per_seq([e.n_sink for e in evs]), per_seq([e.n_recent for e in evs]),
-                           torch.zeros(B * H + 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
-    which = torch.cat([torch.full((e.budget,), b) for b, e in enumerate(evs)])  # request of each kept slot
-    slot = torch.cat([torch.arange(e.budget) for e in evs])
-    dest = [(e.blocks, torch.arange(e.budget)) for e in evs]
-    flat[slots_index(kv_cache, isa, dest, 0)] = kp.view(B, H, M, D)[which, :, slot]  # [sum(budget), H, D]
-    flat[slots_index(kv_cache, isa, dest, 1)] = vp.view(B, H, M, D)[which, :, slot]
+        rank = torch.zeros(H, int(first[-1]))
+    # Request b's slot j is column first[b] + j; past its held slots the columns are another request's,
+    # never read (the plan ignores slots past each request's length).
+    cols = (first[:-1, None] + torch.arange(M)[None, :]).clamp(max=rank.shape[1] - 1)  # [B, M]
+    per_seq = [torch.tensor(x) for x in zip(*[(e.held, e.budget, e.n_sink, e.n_recent) for e in evs])]
+    src, n_move = kvkernels.compaction_plan(rank[:, cols].transpose(0, 1), *per_seq)  # [B, H, M], [B]
+    d = torch.arange(M)
+    b, h, dst = ((d < n_move[:, None, None]) & (src != d)).nonzero(as_tuple=True)  # the rows that change
+    if b.numel():
+        table = torch.nn.utils.rnn.pad_sequence([e.blocks for e in evs], batch_first=True)  # [B, blocks]
+        bs = kv_cache.shape[2]
+        j = src[b, h, dst]
+        for part in range(2):  # the sources are gathered before any destination is written
+            write_slots(kv_cache, isa, part, table[b, dst // bs], h, dst % bs,
+                        read_slots(kv_cache, isa, part, table[b, j // bs], h, j % bs))
     # A recomputed request's later tokens of this step, right behind its kept ones.
     _move_slots(kv_cache, isa, [(e.blocks, torch.arange(e.held, e.held + e.pending), e.held - e.budget)
                                 for e in evs if e.pending])
     if ranks is None:
         return None
-    kept = pos.view(B, H, M).to(torch.int64)
-    return [r.gather(1, kept[b, :, :e.budget]) for b, (r, e) in enumerate(zip(ranks, evs))]
+    return [r.gather(1, src[i, :, :e.budget]) for i, (r, e) in enumerate(zip(ranks, evs))]
 
 
 def install() -> None:
