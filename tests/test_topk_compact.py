@@ -16,8 +16,13 @@ from devices import DEVICE  # noqa: E402
 
 # Imported from the submodule: `from kvkernels import topk_compact` can yield the same-named submodule
 # (see the report on kvkernels/__init__.py).
-from kvkernels.topk_compact import (compaction_plan, topk_compact, topk_compact_ref, topk_compact_torch,
-                                   topk_compact_triton)
+from kvkernels.topk_compact import (
+    compaction_plan,
+    topk_compact,
+    topk_compact_ref,
+    topk_compact_torch,
+    topk_compact_triton,
+)
 
 N_LAYERS = 2  # layer 0 is compacted, layer 1 shares the pool and must stay untouched
 
