@@ -62,14 +62,18 @@ class VllmFailed(RuntimeError):
 
 
 def run_vllm(tmp_path: Path, model: str, batch: list[list[int]], max_tokens: int, policy: str | None,
-             engine: dict | None = None, timeout: float = 300, preempt: dict | None = None) -> dict:
+             engine: dict | None = None, timeout: float = 300, preempt: dict | None = None,
+             request_policies: list | None = None) -> dict:
     """Greedy tokens and block accounting of one vLLM engine (its own process) with ``policy`` in
     ``KVPOLICIES_VLLM_POLICY`` (None: plain vLLM); ``preempt``: ``{request index: tokens cached}`` at which to
-    preempt it once (tests_vllm/vllm_job.py). Raises :class:`VllmFailed` with the process's stderr."""
+    preempt it once; ``request_policies``: per prompt, the ``extra_args`` of its ``SamplingParams`` (a
+    request's own policy) or None (tests_vllm/vllm_job.py). Raises :class:`VllmFailed` with the process's
+    stderr."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"model": model, "prompts": batch, "max_tokens": max_tokens,
-                               "engine": engine or {}, "preempt": preempt or {}}))
+                               "engine": engine or {}, "preempt": preempt or {},
+                               "request_policies": request_policies}))
     env = {k: v for k, v in os.environ.items() if k != "KVPOLICIES_VLLM_POLICY"} | ENV
     if policy is not None:
         env["KVPOLICIES_VLLM_POLICY"] = policy
@@ -95,16 +99,18 @@ def run_transformers(model: transformers.LlamaForCausalLM, prompt: list[int], ma
 
 
 def assert_blocks_follow_kept_lengths(result: dict, policy) -> int:
-    """After every step each request holds the blocks the scheduler allocated for it in that step:
-    ``cdiv(c - dropped(c0), block_size)`` (``c0``/``c``: tokens cached before / after the step, ``dropped``:
-    ``kvpolicies.vllm.kept_lengths``, the prompt's evicted tokens and, with decode-time eviction, those
-    evicted while decoding; 0 before the prompt is processed); the blocks an eviction in the step emptied go
-    back to the pool when the scheduler next schedules the request. Returns how many times a request past
-    its prompt held fewer blocks than in the step before (blocks freed while decoding)."""
+    """After every step each request holds the blocks the scheduler allocated for it in that step (``policy``:
+    every request's, or a list of each request's by prompt index): ``cdiv(c - dropped(c0), block_size)``
+    (``c0``/``c``: tokens cached before / after the step, ``dropped``: ``kvpolicies.vllm.kept_lengths``,
+    the prompt's evicted tokens and, with decode-time eviction, those evicted while decoding; 0 before the
+    prompt is processed); the blocks an eviction in the step emptied go back to the pool when the scheduler
+    next schedules the request. Returns how many times a request past its prompt held fewer blocks than in
+    the step before (blocks freed while decoding)."""
     import math
 
     from kvpolicies.vllm import kept_lengths
 
+    policies = policy if isinstance(policy, list) else [policy] * len(result["tokens"])
     bs = result["block_size"]
     prev: dict[str, tuple[int, int]] = {}
     checked = shrank = 0
@@ -114,7 +120,8 @@ def assert_blocks_follow_kept_lengths(result: dict, policy) -> int:
             if computed < c0:  # preempted: recomputed from its first token
                 c0 = h0 = 0
             if computed:
-                assert held == math.ceil((computed - kept_lengths(policy, L).dropped(c0)) / bs), (
+                own = policies[int(rid.split("-")[0])]
+                assert held == math.ceil((computed - kept_lengths(own, L).dropped(c0)) / bs), (
                     rid, L, c0, computed, held)
                 checked += computed > L
                 shrank += c0 > L and held < h0

@@ -1,13 +1,16 @@
-"""Pieces of the vLLM plugin tested without an engine: the policy spec and its one-line errors, and the
-compaction of one request in a CPU KV cache laid out by vLLM's own kernel (bit-identical kept tokens)."""
+"""Pieces of the vLLM plugin tested without an engine: the policy spec and its one-line errors, a request's
+own policy, and the compaction of one request in a CPU KV cache laid out by vLLM's own kernel
+(bit-identical kept tokens)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from kvpolicies import compose
-from kvpolicies.vllm import PolicySpecError, parse, prompt_budget
+from kvpolicies.vllm import PolicySpecError, parse, prompt_budget, request_policy
 
 
 @pytest.mark.parametrize("raw,part", [
@@ -32,6 +35,44 @@ def test_bad_spec_is_one_line(raw, part):
                                  '{"policies": ["streaming"], "budget": 0.2}'])
 def test_supported_specs_parse(raw):
     assert parse(raw) == (compose(raw) if not raw.startswith("{") else compose(eval(raw)))
+
+
+class Params:
+    """What ``request_policy`` reads of vLLM's ``SamplingParams``."""
+
+    def __init__(self, extra_args: dict | None) -> None:
+        self.extra_args = extra_args
+
+
+def test_request_policy_names_the_requests_own():
+    server = compose("streaming", budget=0.2)
+    assert request_policy(Params(None), server) is server  # no extra_args: the server's
+    assert request_policy(Params({"other": 1}), server) is server
+    assert request_policy(None, None) is None
+    spec = {"policies": ["h2o"], "budget": 0.3, "evict_every": 2}
+    assert request_policy(Params({"kvpolicies": spec}), server) == compose(spec)
+    assert request_policy(Params({"kvpolicies": json.dumps(spec)}), server) == compose(spec)
+    assert request_policy(Params({"kvpolicies": "snapkv(window=8)"}), server) == compose("snapkv(window=8)")
+    assert request_policy(Params({"kvpolicies": compose("knorm").spec()}), server) == compose("knorm")
+    for whole in (None, "full"):
+        assert request_policy(Params({"kvpolicies": whole}), server) == compose("full")
+    # parsed once per spec: every call for the same spec is the same object (the workers group by it)
+    again = request_policy(Params({"kvpolicies": dict(spec)}), None)
+    assert again is request_policy(Params({"kvpolicies": spec}), server)
+
+
+@pytest.mark.parametrize("own,part", [
+    ({"policies": ["squeeze", "snapkv"], "budget": 0.2}, "layer budgets 'squeeze'"),
+    ("keyfromer", "did you mean 'keyformer'?"),
+    ({"policies": ["snapkv"], "budget": 2.5}, "budget"),
+    (3, "name a policy as a compose() spec"),
+    ({"policies": ["h2o"], "budget": float("nan")}, "budget"),
+])
+def test_bad_request_policy_is_one_line(own, part):
+    with pytest.raises(PolicySpecError) as err:
+        request_policy(Params({"kvpolicies": own}), compose("full"))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith('extra_args["kvpolicies"]=') and part in msg, msg
 
 
 def test_prompt_budget_reads_the_plan():

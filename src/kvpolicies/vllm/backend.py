@@ -72,7 +72,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..base import NewTokens
 from ..compose import ComposedPolicy
-from .config import decode_scores, kept_lengths, policy_from_env, query_window, step_pieces
+from .config import decode_scores, kept_lengths, policy_from_env, query_window, request_policy, step_pieces
 
 #: The model runner of this worker process (set when it is built; the builder reads its batch's requests).
 _RUNNER: Any = None
@@ -97,7 +97,8 @@ class Compaction:
     """One request whose prompt completes in this step: compress it in every layer after its attention.
 
     ``start``: its first query row in the step's batch; ``computed``: tokens cached before the step;
-    ``total``: after it; ``blocks``: its block ids ``[n]`` int64."""
+    ``total``: after it; ``blocks``: its block ids ``[n]`` int64; ``policy``: the request's (None: the
+    server's)."""
 
     request: str
     start: int
@@ -108,6 +109,7 @@ class Compaction:
     n_sink: int
     n_recent: int
     blocks: torch.Tensor
+    policy: ComposedPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class Eviction:
     """One decode-time eviction of one request, run in every layer after the attention of the tokens that
     precede it: of the request's first ``held`` slots (in its ``blocks``), keep ``budget`` (the first
     ``n_sink``, the last ``n_recent``, then the top scores of a scoring rule, in order) at slots
-    ``[0, budget)``; the ``pending`` slots after them (tokens of this step that come later) follow."""
+    ``[0, budget)``; the ``pending`` slots after them (tokens of this step that come later) follow.
+    ``policy``: the request's (None: the server's)."""
 
     request: str
     blocks: torch.Tensor
@@ -124,6 +127,7 @@ class Eviction:
     n_sink: int
     n_recent: int
     pending: int
+    policy: ComposedPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,8 @@ class Scored:
     """The decode-time score update of one piece of a request's tokens past its prompt: query rows
     ``[row, row + count)`` of the step's batch, whose tokens sit at slots ``[stored, stored + count)`` (in
     ``blocks``) after the ``stored`` held ones; row ``i`` sees slots ``[0, stored + i]`` and is decode step
-    ``step + i`` of a generation of ``max_new`` tokens (Keyformer's noise and temperature)."""
+    ``step + i`` of a generation of ``max_new`` tokens (Keyformer's noise and temperature). ``policy``:
+    the request's (None: the server's)."""
 
     request: str
     blocks: torch.Tensor
@@ -140,6 +145,7 @@ class Scored:
     stored: int
     step: int = 0
     max_new: int = 1
+    policy: ComposedPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,7 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.policy: ComposedPolicy | None = policy_from_env()
-        self.scoring = self.policy is not None and decode_scores(self.policy)
+        self.policy: ComposedPolicy | None = policy_from_env()  # the server's; a request may name its own
         if self.policy is not None and self.kv_cache_dtype != "auto":
             raise ValueError(f"kvpolicies vLLM plugin: kv_cache_dtype={self.kv_cache_dtype!r} is not "
                              "supported yet (compaction moves tokens of an unquantized cache); use 'auto'")
@@ -180,7 +185,6 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         for held_state in (_WINDOW_QUERIES, _SCORES):
             for key in [k for k in held_state if k[0] not in live]:
                 del held_state[key]
-        ev = self.policy.eviction
         bs = self.block_size
         qsl = cm.query_start_loc_cpu.tolist()
         held = batch.block_table[0].num_blocks_per_row
@@ -197,18 +201,22 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
         scored: list[list[Scored]] = []
         for r in range(n):
             rid = batch.req_ids[r]
+            policy = request_policy(getattr(live.get(rid), "sampling_params", None), self.policy)
+            if policy is None:
+                continue
             L, c = int(batch.num_prompt_tokens[r]), int(batch.num_computed_tokens_cpu[r])
             q = qsl[r + 1] - qsl[r]
             if c + q < L:  # a prompt chunk: keep its window queries
-                if ev.prefill_mode is not None:
+                if policy.eviction.prefill_mode is not None:
                     if c == 0:  # (re)starting: drop what a preempted run left
                         for key in [k for k in _WINDOW_QUERIES if k[0] == rid]:
                             del _WINDOW_QUERIES[key]
-                    first = max(c, L - query_window(self.policy, L))
+                    first = max(c, L - query_window(policy, L))
                     if c + q > first:
                         stash.append((rid, qsl[r] + first - c, first, c + q - first))
                 continue
-            lengths = kept_lengths(self.policy, L)
+            lengths = kept_lengths(policy, L)
+            scoring = decode_scores(policy)
             end = c + q
             blocks = table[r, :int(held[r])].to(torch.int64).clone()
             compacting = c < L and lengths.kept < L
@@ -218,23 +226,24 @@ class CompressingMetadataBuilder(CPUAttentionMetadataBuilder):
                 new_lens[r] -= d
                 pos = cm.positions[qsl[r]:qsl[r + 1]].to(torch.int64) - d  # logical slots
                 new_slots[qsl[r]:qsl[r + 1]] = (blocks[pos // bs] * bs + pos % bs).to(slots.dtype)
-            if compacting or (c < L and self.scoring):  # a scoring policy scores a prompt kept whole too
+            if compacting or (c < L and scoring):  # a scoring policy scores a prompt kept whole too
                 jobs.append(Compaction(rid, qsl[r], c, end, L, lengths.kept, lengths.n_sink,
-                                       lengths.n_recent, blocks))
+                                       lengths.n_recent, blocks, policy))
             for k, piece in enumerate(step_pieces(lengths, c, q)):
                 while len(redo) <= k:
                     redo.append([])
                     evictions.append([])
                     scored.append([])
-                if self.scoring:
+                if scoring:
                     scored[k].append(Scored(rid, blocks, qsl[r] + piece.start - c, piece.end - piece.start,
-                                            piece.stored, piece.start - L, _max_tokens(live.get(rid))))
+                                            piece.stored, piece.start - L, _max_tokens(live.get(rid)),
+                                            policy))
                 if piece.redo:
                     redo[k].append((qsl[r] + piece.start - c, piece.end - piece.start, piece.stored, blocks))
                 if piece.evicted:
                     evictions[k].append(Eviction(rid, blocks, piece.stored + piece.end - piece.start,
                                                  lengths.budget, lengths.dec_sink, lengths.dec_recent,
-                                                 piece.pending))
+                                                 piece.pending, policy))
             keep = cdiv(lengths.stored(end), bs)
             if keep < int(held[r]):
                 cuts.append((r, rid, keep))
@@ -322,20 +331,16 @@ class CompressingImpl(CPUAttentionBackendImpl):
         for rid, row, first, n in getattr(attn_metadata, "kvp_window_queries", ()):
             piece = query[row:row + n].clone()  # [n, Hq, D]
             _WINDOW_QUERIES.setdefault((rid, layer.layer_name), []).append((first, piece))
-        jobs = getattr(attn_metadata, "kvp_compactions", None)
-        if jobs:
-            policy = policy_from_env()
-            assert policy is not None
-            scoring = decode_scores(policy)
-            for job in jobs:
-                held_key = (job.request, layer.layer_name)
-                earlier = _WINDOW_QUERIES.pop(held_key, [])
-                kept, scores = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier,
-                                       layer=_layer_index(layer.layer_name))
-                if scoring:
-                    _SCORES[held_key] = scores
-                if RECORD_KEPT and job.kept < job.prompt_len:
-                    KEPT[held_key] = kept
+        for job in getattr(attn_metadata, "kvp_compactions", ()):
+            policy = _policy_of(job)
+            held_key = (job.request, layer.layer_name)
+            earlier = _WINDOW_QUERIES.pop(held_key, [])
+            kept, scores = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier,
+                                   layer=_layer_index(layer.layer_name))
+            if decode_scores(policy):
+                _SCORES[held_key] = scores
+            if RECORD_KEPT and job.kept < job.prompt_len:
+                KEPT[held_key] = kept
         for rd in getattr(attn_metadata, "kvp_rounds", ()):
             if rd.redo is not None:  # tokens that must attend to the held slots only: attend again
                 idx, meta = rd.redo
@@ -343,20 +348,38 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 super().forward(layer, query[idx].contiguous(), key[idx].contiguous(),
                                 value[idx].contiguous(), kv_cache, meta, again, *args, **kwargs)
                 output[idx] = again
-            if rd.scored or rd.evictions:
-                policy = policy_from_env()
-                assert policy is not None
-                scoring = decode_scores(policy)
-                keys = [(p.request, layer.layer_name) for p in rd.scored]
-                held = [_held_scores(key, p.stored) for key, p in zip(keys, rd.scored)]
-                _SCORES.update(zip(keys, score_pieces(policy, rd.scored, held, query, kv_cache, self.scale,
+            # One score update and one eviction per policy for all its requests (a request may name its
+            # own policy in its SamplingParams, so a batch can hold several).
+            for policy, pieces, evictions in _by_policy(rd.scored, rd.evictions):
+                keys = [(p.request, layer.layer_name) for p in pieces]
+                held = [_held_scores(key, p.stored) for key, p in zip(keys, pieces)]
+                _SCORES.update(zip(keys, score_pieces(policy, pieces, held, query, kv_cache, self.scale,
                                                       layer.isa, _layer_index(layer.layer_name))))
-                keys = [(e.request, layer.layer_name) for e in rd.evictions]
-                held = [_held_scores(key, e.held) for key, e in zip(keys, rd.evictions)] if scoring else None
-                kept = evict_many(policy, rd.evictions, kv_cache, layer.isa, held)  # one selection for all
+                keys = [(e.request, layer.layer_name) for e in evictions]
+                held = ([_held_scores(key, e.held) for key, e in zip(keys, evictions)]
+                        if decode_scores(policy) else None)
+                kept = evict_many(policy, evictions, kv_cache, layer.isa, held)  # one selection for all
                 if kept is not None:
                     _SCORES.update(zip(keys, kept))
         return out
+
+
+def _policy_of(item: Compaction | Eviction | Scored) -> ComposedPolicy:
+    """The policy of a compaction, eviction or score update: its request's, or the server's."""
+    policy = item.policy if item.policy is not None else policy_from_env()
+    assert policy is not None  # the builder lists work only for requests with a policy
+    return policy
+
+
+def _by_policy(pieces: list[Scored], evictions: list[Eviction]
+               ) -> list[tuple[ComposedPolicy, list[Scored], list[Eviction]]]:
+    """A round's score updates and evictions grouped by their requests' policy, in first-seen order."""
+    groups: dict[int, tuple[ComposedPolicy, list[Scored], list[Eviction]]] = {}
+    for item in [*pieces, *evictions]:
+        policy = _policy_of(item)
+        group = groups.setdefault(id(policy), (policy, [], []))
+        (group[1] if isinstance(item, Scored) else group[2]).append(item)
+    return list(groups.values())
 
 
 @cache

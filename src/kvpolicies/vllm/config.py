@@ -1,5 +1,6 @@
-"""The plugin's policy: read from ``KVPOLICIES_VLLM_POLICY``, checked once, and the one per-prompt decision
-(how many tokens each layer keeps) that the scheduler and the workers both derive from it.
+"""The plugin's policies: the server's, read from ``KVPOLICIES_VLLM_POLICY``, and a request's own, named in
+its ``SamplingParams(extra_args={"kvpolicies": ...})``, each checked once; and the one per-prompt decision
+(how many tokens each layer keeps) that the scheduler and the workers both derive from a request's policy.
 
 This module imports no vLLM, so it is tested and used without it.
 """
@@ -16,6 +17,8 @@ import torch
 from ..compose import ComposedPolicy, compose
 
 ENV = "KVPOLICIES_VLLM_POLICY"
+#: The key of ``SamplingParams.extra_args`` under which a request names its own policy.
+REQUEST_KEY = "kvpolicies"
 
 #: Decode-time score modes the workers apply (every mode of ``kvkernels.SCORE_MODES``): each decode query's
 #: attention updates its request's per-slot scores through ``kvkernels.paged_decode_attention`` (``h2o``:
@@ -24,18 +27,19 @@ DECODE_SCORE_MODES = ("accumulate", "decay", "replace", "count_low", "gumbel")
 
 
 class PolicySpecError(ValueError):
-    """``KVPOLICIES_VLLM_POLICY`` names no policy this plugin can apply; the message is one line."""
+    """``KVPOLICIES_VLLM_POLICY`` or a request's ``extra_args["kvpolicies"]`` names no policy this plugin can
+    apply; the message is one line."""
 
 
-def parse(raw: str) -> ComposedPolicy:
+def parse(raw: str, where: str = ENV) -> ComposedPolicy:
     """The composed policy of ``raw``: a ``compose`` spec as JSON (``'{"policies": ["streaming"], "budget":
     0.2}'``, what ``ComposedPolicy.to_json()`` writes) or a name (``"snapkv(window=16)"``, budget 1.0).
 
     Raises
     ------
     PolicySpecError
-        One line naming the variable, the value and what to change: an unknown policy or parameter, bad
-        JSON, or a policy the plugin does not apply yet (:func:`check_supported`).
+        One line naming the variable (``where``), the value and what to change: an unknown policy or
+        parameter, bad JSON, or a policy the plugin does not apply yet (:func:`check_supported`).
     """
     text = raw.strip()
     try:
@@ -45,12 +49,12 @@ def parse(raw: str) -> ComposedPolicy:
             policy = compose(text)
     except (KeyError, ValueError, TypeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        raise PolicySpecError(f"{ENV}={raw!r}: {msg}".replace("\n", " ")) from None
-    check_supported(policy, raw)
+        raise PolicySpecError(f"{where}={raw!r}: {msg}".replace("\n", " ")) from None
+    check_supported(policy, raw, where)
     return policy
 
 
-def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
+def check_supported(policy: ComposedPolicy, raw: str = "", where: str = ENV) -> None:
     """Refuse, in one line, what this slice of the plugin does not apply: a budget policy other than
     ``uniform`` (vLLM's one block table per KV-cache group holds every layer at one length), per-head budgets,
     layer merging, a decode-time score mode the workers do not apply, open score rules that read queries,
@@ -77,7 +81,7 @@ def check_supported(policy: ComposedPolicy, raw: str = "") -> None:
     if policy.precision.quantizes:
         problems.append(f"quantized storage {policy.precision.name!r}")
     if problems:
-        raise PolicySpecError(f"{ENV}={raw or policy.name!r}: the vLLM plugin does not apply "
+        raise PolicySpecError(f"{where}={raw or policy.name!r}: the vLLM plugin does not apply "
                               f"{'; '.join(problems)} yet; use full, window, streaming, knorm, snapkv, "
                               "chunkkv, h2o, tova, a2sf, scissorhands or keyformer with uniform budgets "
                               "(docs/vllm.md)")
@@ -92,6 +96,41 @@ def policy_from_env() -> ComposedPolicy | None:
 @lru_cache(maxsize=8)
 def _parsed(raw: str) -> ComposedPolicy:
     return parse(raw)
+
+
+def request_policy(params: object, default: ComposedPolicy | None) -> ComposedPolicy | None:
+    """The policy of one request: ``params.extra_args["kvpolicies"]`` (``params``: its ``SamplingParams``)
+    when the key is present, else the server's ``default``. The value is a ``compose`` spec as a dict
+    (``{"policies": ["h2o"], "budget": 0.1}``, what ``ComposedPolicy.spec()`` returns) or a string (a
+    name, or that dict as JSON); ``None`` or ``"full"`` keeps the request's cache whole. The scheduler and
+    the workers both call this, so they agree on each request's kept lengths.
+
+    Raises
+    ------
+    PolicySpecError
+        One line naming ``extra_args["kvpolicies"]``, the value and what to change.
+    """
+    extra = getattr(params, "extra_args", None) or {}
+    if REQUEST_KEY not in extra:
+        return default
+    spec = extra[REQUEST_KEY]
+    if spec is None:
+        spec = "full"
+    if isinstance(spec, dict):
+        try:
+            spec = json.dumps(spec, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise PolicySpecError(f'extra_args["{REQUEST_KEY}"]={spec!r}: not a JSON object ({e})') from None
+    if not isinstance(spec, str):
+        raise PolicySpecError(f'extra_args["{REQUEST_KEY}"]={spec!r}: name a policy as a compose() spec (a '
+                              'dict such as {"policies": ["h2o"], "budget": 0.2}, or a string), or None for '
+                              "the full cache")
+    return _parsed_request(spec)
+
+
+@lru_cache(maxsize=64)
+def _parsed_request(raw: str) -> ComposedPolicy:
+    return parse(raw, f'extra_args["{REQUEST_KEY}"]')
 
 
 def prompt_budget(policy: ComposedPolicy, prompt_len: int) -> tuple[int, int, int]:

@@ -12,10 +12,12 @@ With decode-time eviction (``streaming``, ``window``, ``knorm``) ``d`` grows whi
 stored(c)`` (:class:`kvpolicies.vllm.config.KeptLengths`), recomputed at every scheduling of the request, so
 the blocks an eviction emptied in the previous step go back to the pool too.
 
-Both sides derive ``d(c)`` from the prompt length and the tokens processed alone
-(:func:`kvpolicies.vllm.config.kept_lengths`), and the workers cut their block table to its first
-``cdiv(c - d(c), bs)`` blocks in the step that empties blocks (``vllm.backend``), before any block allocated
-after it is appended, so both sides hold the same blocks of every request without a message between them.
+Both sides derive ``d(c)`` from the request's policy (the server's, or its own from ``SamplingParams``'
+``extra_args["kvpolicies"]``: :func:`kvpolicies.vllm.config.request_policy`), its prompt length and the
+tokens processed alone (:func:`kvpolicies.vllm.config.kept_lengths`), and the workers cut their block
+table to its first ``cdiv(c - d(c), bs)`` blocks in the step that empties blocks (``vllm.backend``), before
+any block allocated after it is appended, so both sides hold the same blocks of every request without a
+message between them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from typing import Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from .config import kept_lengths, policy_from_env
+from .config import kept_lengths, policy_from_env, request_policy
+
+#: Each scheduled request's policy (None: its cache is kept whole), set when the scheduler allocates its
+#: slots (:func:`install` wraps ``KVCacheManager.allocate_slots``, which sees the request) and dropped when
+#: its blocks are freed (finished or preempted; a preempted request is set again when it is rescheduled).
+POLICIES: dict[str, Any] = {}
 
 
 class CompressingManager(FullAttentionManager):
@@ -51,8 +58,11 @@ class CompressingManager(FullAttentionManager):
         if (self.policy is None or num_prompt_tokens is None
                 or processed_computed_tokens < num_prompt_tokens):
             return
+        policy = POLICIES.get(request_id, self.policy)
+        if policy is None:
+            return
         c = processed_computed_tokens
-        lengths = kept_lengths(self.policy, num_prompt_tokens)
+        lengths = kept_lengths(policy, num_prompt_tokens)
         if lengths.kept == num_prompt_tokens and lengths.budget <= 0:
             return  # nothing is ever evicted
         self.dropped[request_id] = dropped = lengths.dropped(c)
@@ -81,6 +91,7 @@ class CompressingManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str) -> list:
         self.dropped.pop(request_id, None)  # finished or preempted: a resumed request starts over
+        POLICIES.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
 
@@ -88,11 +99,20 @@ def install() -> None:
     """Make :class:`CompressingManager` the manager of full-attention KV-cache groups: vLLM's spec registry
     refuses a second manager for ``FullAttentionSpec`` (and the engine registers the built-in ones again at
     start-up), so its lookup is wrapped instead, swapping the built-in class for this subclass."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     lookup = KVCacheSpecRegistry.get_manager_class
     if getattr(lookup, "_kvpolicies", False):
         return
+    allocate = KVCacheManager.allocate_slots
+    default = policy_from_env()
+
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        POLICIES[request.request_id] = request_policy(request.sampling_params, default)
+        return allocate(self, request, *args, **kwargs)
+
+    KVCacheManager.allocate_slots = allocate_slots  # type: ignore[method-assign]
 
     def get_manager_class(kvcache_spec: Any, role: str | None = None) -> Any:
         found = lookup(kvcache_spec, role)
