@@ -212,9 +212,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--job":
-        with open(sys.argv[3], "w") as f:
-            json.dump(run_job(json.loads(Path(sys.argv[2]).read_text())), f)
-        os._exit(0)  # the result is written: skip vLLM's interpreter teardown
-    else:
-        main()
+    from vllm_savings import engine_or_driver
+
+    engine_or_driver(run_job, main)

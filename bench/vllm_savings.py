@@ -363,10 +363,15 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-if __name__ == "__main__":
+def engine_or_driver(run_job, main) -> None:
+    """A benchmark script's entry point: ``SCRIPT --job JOB.json OUT.json`` runs one engine in this process
+    (``run_job`` of the job, written to OUT); anything else runs the driver (``main``), which starts them."""
     if len(sys.argv) == 4 and sys.argv[1] == "--job":
         with open(sys.argv[3], "w") as f:
             json.dump(run_job(json.loads(Path(sys.argv[2]).read_text())), f)
         os._exit(0)  # the result is written: skip vLLM's interpreter teardown
-    else:
-        main()
+    main()
+
+
+if __name__ == "__main__":
+    engine_or_driver(run_job, main)
