@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from evals.tasks import Corpus, exact_match, load_text, passkey_samples
     from kvmodels.loading import load_checkpoint
-    from vllm_savings import engine_env
+    from vllm_savings import engine_env, write_json
 
     torch.set_num_threads(setting["threads"])
     lm = load_checkpoint()  # the bundled GGUF, converted once to a Hugging Face directory vLLM loads
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "prompt_lengths": [len(p) for p in prompts[c]]}
             report["engines"][name] = engine
             print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_json(out / f"{args.name}.json", report)
     table = markdown(report)
     (out / f"{args.name}.md").write_text(table)
     print(table)

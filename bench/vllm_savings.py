@@ -354,13 +354,18 @@ def main(argv: list[str] | None = None) -> dict:
                 report["engines"][name] = json.loads((tmp / f"out-{i}.json").read_text())
                 report["engines"][name]["load_average_after"] = os.getloadavg()  # other work on the machine
             print(f"{' + '.join(wave)}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    text = json.dumps(report, indent=1)  # lists of numbers (the per-step series) on one line each
-    text = re.sub(r"\[\s+([-0-9.e,\s]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
-    (out / f"{args.name}.json").write_text(text + "\n")
+    write_json(out / f"{args.name}.json", report)
     table = markdown(report)
     (out / f"{args.name}.md").write_text(table)
     print(table)
     return report
+
+
+def write_json(path: Path, report: dict) -> None:
+    """``report`` as indented JSON, each list of numbers (a per-step series, a token list) on one line."""
+    text = json.dumps(report, indent=1)
+    text = re.sub(r"\[\s+([-0-9.e,\s]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+    path.write_text(text + "\n")
 
 
 def engine_or_driver(run_job, main) -> None:
