@@ -73,8 +73,8 @@ def register() -> None:
 
 def _check_requests(default: object) -> None:
     """Check each request's own policy where vLLM validates its parameters (``InputProcessor``, in the process
-    that takes requests), so a bad spec is the request's error (a ``ValueError``: an HTTP 400 from the
-    server), not a crash of the engine that schedules it. With the plugin off (``default`` None) a request
+    that takes requests), so a bad spec is the request's error (a ``ValueError`` raised to the caller),
+    not a crash of the engine that schedules it. With the plugin off (``default`` None) a request
     that names a policy is refused: nothing would apply it."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor

@@ -97,8 +97,8 @@ class Compaction:
     """One request whose prompt completes in this step: compress it in every layer after its attention.
 
     ``start``: its first query row in the step's batch; ``computed``: tokens cached before the step;
-    ``total``: after it; ``blocks``: its block ids ``[n]`` int64; ``policy``: the request's (None: the
-    server's)."""
+    ``total``: after it; ``blocks``: its block ids ``[n]`` int64; ``policy``: the request's (the builder
+    sets it; the functions below take the policy as an argument)."""
 
     request: str
     start: int
@@ -118,7 +118,7 @@ class Eviction:
     precede it: of the request's first ``held`` slots (in its ``blocks``), keep ``budget`` (the first
     ``n_sink``, the last ``n_recent``, then the top scores of a scoring rule, in order) at slots
     ``[0, budget)``; the ``pending`` slots after them (tokens of this step that come later) follow.
-    ``policy``: the request's (None: the server's)."""
+    ``policy``: the request's (the builder sets it)."""
 
     request: str
     blocks: torch.Tensor
@@ -136,7 +136,7 @@ class Scored:
     ``[row, row + count)`` of the step's batch, whose tokens sit at slots ``[stored, stored + count)`` (in
     ``blocks``) after the ``stored`` held ones; row ``i`` sees slots ``[0, stored + i]`` and is decode step
     ``step + i`` of a generation of ``max_new`` tokens (Keyformer's noise and temperature). ``policy``:
-    the request's (None: the server's)."""
+    the request's (the builder sets it)."""
 
     request: str
     blocks: torch.Tensor
@@ -332,7 +332,8 @@ class CompressingImpl(CPUAttentionBackendImpl):
             piece = query[row:row + n].clone()  # [n, Hq, D]
             _WINDOW_QUERIES.setdefault((rid, layer.layer_name), []).append((first, piece))
         for job in getattr(attn_metadata, "kvp_compactions", ()):
-            policy = _policy_of(job)
+            policy = job.policy
+            assert policy is not None  # the builder names every listed request's policy
             held_key = (job.request, layer.layer_name)
             earlier = _WINDOW_QUERIES.pop(held_key, [])
             kept, scores = compact(policy, job, query, kv_cache, self.scale, layer.isa, earlier,
@@ -364,19 +365,13 @@ class CompressingImpl(CPUAttentionBackendImpl):
         return out
 
 
-def _policy_of(item: Compaction | Eviction | Scored) -> ComposedPolicy:
-    """The policy of a compaction, eviction or score update: its request's, or the server's."""
-    policy = item.policy if item.policy is not None else policy_from_env()
-    assert policy is not None  # the builder lists work only for requests with a policy
-    return policy
-
-
 def _by_policy(pieces: list[Scored], evictions: list[Eviction]
                ) -> list[tuple[ComposedPolicy, list[Scored], list[Eviction]]]:
     """A round's score updates and evictions grouped by their requests' policy, in first-seen order."""
     groups: dict[int, tuple[ComposedPolicy, list[Scored], list[Eviction]]] = {}
     for item in [*pieces, *evictions]:
-        policy = _policy_of(item)
+        policy = item.policy
+        assert policy is not None  # the builder names every listed request's policy
         group = groups.setdefault(id(policy), (policy, [], []))
         (group[1] if isinstance(item, Scored) else group[2]).append(item)
     return list(groups.values())
