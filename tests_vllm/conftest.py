@@ -84,6 +84,15 @@ def run_vllm(tmp_path: Path, model: str, batch: list[list[int]], max_tokens: int
     return json.loads(out.read_text())
 
 
+def run_bench_smoke(name: str, out: Path, timeout: float) -> None:
+    """Run ``bench/NAME --smoke --out OUT`` (it starts its engines in their own processes) with the
+    engines' environment and no server policy; it must succeed."""
+    env = {k: v for k, v in os.environ.items() if k != "KVPOLICIES_VLLM_POLICY"} | ENV
+    proc = subprocess.run([sys.executable, str(HERE.parent / "bench" / name), "--smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def run_transformers(model: transformers.LlamaForCausalLM, prompt: list[int], max_tokens: int, policy):
     """Greedy tokens of the transformers model for one prompt under ``generate`` with kvmodels' paged cache
     (``kvmodels.hf.paged_cache``; the retired transformers bridge until 2026-11-28), and the cache."""

@@ -7,23 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from conftest import ENV
+from conftest import run_bench_smoke
 from kvpolicies import compose
 from kvpolicies.vllm import prompt_budget
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "vllm_savings.py"
-
 
 def test_smoke_run_reports_fewer_blocks_and_more_concurrency(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "KVPOLICIES_VLLM_POLICY"} | ENV
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_bench_smoke("vllm_savings.py", tmp_path, timeout=300)
     report = json.loads((tmp_path / "vllm-savings.json").read_text())
     table = (tmp_path / "vllm-savings.md").read_text()
     s = report["setting"]

@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from conftest import ENV
+from conftest import run_bench_smoke
 from kvpolicies import compose
 from kvpolicies.vllm import kept_lengths
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "vllm_passkey.py"
-
 
 def test_real_model_answers_equal_kvmodels(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "KVPOLICIES_VLLM_POLICY"} | ENV
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_bench_smoke("vllm_passkey.py", tmp_path, timeout=600)
     report = json.loads((tmp_path / "vllm-passkey.json").read_text())
     s = report["setting"]
     budget = s["budget"]
