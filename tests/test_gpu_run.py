@@ -76,9 +76,10 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert [r["variant"] for r in probe] == [label for label, _ in gpu.PROBE_VARIANTS]
     assert all(r["ok"] for r in probe), probe  # the interpreter passes every variant (the GPU did not)
     loops = {r["variant"]: r["loop"] for r in probe}
-    assert loops["base"] == "without prefetching" and loops["prefetched"] == "prefetched"
-    assert loops["head dim 48, gathered"] == "without prefetching"  # no prefetching for gathered rows
-    assert loops["head dim 96, 4-bit g32, gathered"] == "without prefetching"
+    assert loops["base"] == "words, without prefetching" and loops["prefetched"] == "prefetched"
+    assert loops["bytes"] == loops["4-bit, bytes"] == "bytes, without prefetching"  # pools off 4 bytes
+    assert loops["head dim 48, gathered"] == "bytes, without prefetching"  # no words for gathered rows
+    assert loops["head dim 96, 4-bit g32, gathered"] == "bytes, without prefetching"
     for kind in ("hf_wrap", "hf_paged_cache"):  # the transformers model, compressed, both ways
         rec = next(r for r in records if r["kind"] == kind)
         assert rec["decode_tok_s"] > 0 and 0 < rec["kv_kept"] < 1, rec

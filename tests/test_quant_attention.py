@@ -40,9 +40,30 @@ def prefetching(impl, bits: int = 8):
     return run
 
 
+def pools_off_four(impl):
+    """``impl`` on the same K and V pools placed 1 byte into a buffer: pools that do not start on 4 bytes,
+    whose packed rows the kernel reads a code byte per channel (``quant_attention._loads`` 0) where it
+    otherwise reads int32 words."""
+
+    def off(pool):
+        buf = torch.zeros(pool.numel() + 4, dtype=pool.dtype, device=pool.device)
+        out = buf[1:1 + pool.numel()].view(pool.shape)
+        out.copy_(pool)
+        return out
+
+    @functools.wraps(impl)
+    def run(q, k_pages, v_pages, *args, **kwargs):
+        if k_pages.dtype == torch.uint8:
+            k_pages, v_pages = off(k_pages), off(v_pages)
+            assert quant_attention._loads(k_pages, v_pages, QuantFormat(), QuantFormat(), 64) == 0
+        return impl(q, k_pages, v_pages, *args, **kwargs)
+
+    return run
+
+
 # Every implementation: the torch path, the op (Triton on CUDA), the Triton launcher (the interpreter on CPU)
 # with one split and with three, with its loads prefetched by hand for every width and for none
-# (PREFETCH_TILES; the default prefetches every width).
+# (PREFETCH_TILES; the default prefetches every width), and on pools off 4 bytes.
 IMPLS = pytest.mark.parametrize("impl,device", [
     (quant_decode_attention_torch, "cpu"),
     (quant_decode_attention, DEVICE),
@@ -53,7 +74,8 @@ IMPLS = pytest.mark.parametrize("impl,device", [
                  marks=pytest.mark.interpret),
     pytest.param(prefetching(functools.partial(quant_decode_attention_triton, num_splits=3), bits=0), DEVICE,
                  marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton", "triton-3-splits", "triton-prefetch", "triton-no-prefetch"])
+    pytest.param(pools_off_four(quant_decode_attention_triton), DEVICE, marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton", "triton-3-splits", "triton-prefetch", "triton-no-prefetch", "triton-bytes"])
 
 
 @st.composite
@@ -126,7 +148,8 @@ def reference(impl, device, q, kq, vq, table, lens, *, scale, k_format, v_format
 # Failing examples the H200 found (bench/results/nvidia-h200-2026-11-28/run1, compiled by Triton 3.6 for
 # sm_90; the interpreter passes them): the loop without prefetching ([triton-no-prefetch], and [op] when a
 # region took that loop: 8-bit values then) was far off the reference (0.22 and 0.62 absolute) on one or two
-# slots of 2-bit keys at head dim 16 in pages of one slot.
+# slots of 2-bit keys at head dim 16 in pages of one slot, when it read contiguous code bytes (it reads int32
+# words since, as the prefetched loop does; pools off 4 bytes gather each channel's byte: [triton-bytes]).
 _GPU_FOUND = (1, 1, 1, 16, QuantFormat(2, 8, torch.float16), QuantFormat(2, 8, torch.float16), [2],
               torch.float16, torch.float16, 0)
 _GPU_FOUND_TWO = ((1, 1, 1, 16, QuantFormat(2, 8, torch.float16), QuantFormat(8, 8, torch.float16), [1],

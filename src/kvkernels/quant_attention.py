@@ -28,7 +28,7 @@ per element, float32 products on the CUDA cores) ran 36x slower than bf16 pages 
 (bench/results/nvidia-h200-2026-11-26/run6); ``python bench/sass.py`` shows what changed without a GPU.
 The second (run 8) took 1.73x bf16 pages' time at B64/4k while reading 3.2x fewer bytes, and twice its
 time at half the tile: each loop step waited on its own loads. A variant runs its loads a tile ahead of the
-arithmetic by hand (``_attend_region``'s ``PREFETCH``; static counts in ``bench/sass.py``): run 10 timed it
+arithmetic by hand (``_attend_region``'s ``LOADS``; static counts in ``bench/sass.py``): run 10 timed it
 at 364 us (1.48x bf16 pages' 246 us) for 4-bit pages; the 2026-11-28 run found 8-bit pages faster
 prefetched too (415 against 446 us), and the loop without it failing GPU-only examples that the prefetched
 variants pass, so it is on for every width (:data:`PREFETCH_TILES`; ``bench/gpu.py``'s quant stage times
@@ -91,21 +91,26 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_rows(pages_ptr, row, in_seq, offs_d, d_ok, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PARAM_F32: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PARAM_F32: tl.constexpr,
+                   WORDS: tl.constexpr):
         """``[BLOCK_N, BLOCK_D]`` float32 values of the rows ``row`` (``[BLOCK_N]`` indices into ``[P, S,
         Hkv]``; 0 where not ``in_seq``): float rows ``[P, S, Hkv, D]`` (``BITS == 0``), or packed rows
         ``codes | scale | zero`` (:func:`kvkernels.quant.pack`) dequantized as ``code * scale + zero``.
 
-        A power-of-two head dim (``BLOCK_D == D``) reads each row's code bytes, scales and zero points once,
-        as contiguous runs, and unpacks in registers (:func:`_unpack`); any other head dim reads each code
-        byte once per channel it holds and each parameter once per channel (a gather; cached reads)."""
+        ``WORDS`` (packed rows of a power-of-two head dim in a pool starting on 4 bytes, :func:`_loads`) reads
+        each row's codes as contiguous int32 words, its scales and zero points as contiguous runs, and unpacks
+        in registers (:func:`_fetch_rows`, :func:`_decode_rows`: the prefetched loop's own loads); other
+        packed rows read each code byte once per channel it holds and each parameter once per channel (a
+        gather; cached reads; :func:`_dequant_rows`)."""
         ok = in_seq[:, None] & d_ok[None, :]
-        if BITS == 0:
+        if WORDS:
+            word, s, z = _fetch_rows(pages_ptr, row, in_seq, D, BITS, GROUP, PARAM_F32)
+            return _decode_rows(word, s, z, D, BLOCK_N, BITS, GROUP)
+        elif BITS == 0:
             return tl.load(pages_ptr + row.to(tl.int64)[:, None] * D + offs_d[None, :], mask=ok,
                            other=0.0).to(tl.float32)
         else:
-            return _dequant_rows(pages_ptr, row, in_seq, ok, offs_d, D, BLOCK_N, BLOCK_D, BITS, GROUP,
-                                 PARAM_F32)
+            return _dequant_rows(pages_ptr, row, ok, offs_d, D, BITS, GROUP, PARAM_F32)
 
     @triton.jit
     def _row_starts(pages_ptr, row, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -122,28 +127,24 @@ if HAS_TRITON:
         return base, params
 
     @triton.jit
-    def _dequant_rows(pages_ptr, row, in_seq, ok, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    def _dequant_rows(pages_ptr, row, ok, offs_d, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       PARAM_F32: tl.constexpr):
-        """The packed branch of :func:`_load_rows`."""
+        """The packed branch of :func:`_load_rows` without ``WORDS``: channel ``c`` of a row is part
+        ``c // CODES`` of code byte ``c % CODES`` (planar packing, :func:`kvkernels.quant.pack`), gathered per
+        channel with its group's scale and zero point (any head dim, any pool start).
+
+        Contiguous byte runs unpacked in registers (as the words are) failed the reference on an H200 (run 1
+        of 2026-11-28: runs of 4 and 8 bytes, 2- and 4-bit rows of head dim 16, far off on some slots; the
+        interpreter passed) where the word loads passed: pools off 4 bytes take this gather instead."""
         CODES: tl.constexpr = D * BITS // 8  # code bytes per row
         N_GROUPS: tl.constexpr = D // GROUP
         base, params = _row_starts(pages_ptr, row, D, BITS, GROUP, PARAM_F32)
-        if BLOCK_D == D:
-            byte = tl.load(base[:, None] + tl.arange(0, CODES)[None, :], mask=in_seq[:, None], other=0)
-            code = _unpack(byte, BITS, BLOCK_N, D).to(tl.float32)
-            offs_g = tl.arange(0, N_GROUPS)[None, :]
-            s = tl.load(params[:, None] + offs_g, mask=in_seq[:, None], other=0.0).to(tl.float32)
-            z = tl.load(params[:, None] + N_GROUPS + offs_g, mask=in_seq[:, None], other=0.0).to(tl.float32)
-            x = tl.reshape(code, (BLOCK_N, N_GROUPS, GROUP)) * s[:, :, None] + z[:, :, None]
-            return tl.reshape(x, (BLOCK_N, D))
-        else:
-            byte = tl.load(base[:, None] + (offs_d % CODES)[None, :], mask=ok, other=0)
-            code = (byte.to(tl.int32) >> ((offs_d // CODES) * BITS)[None, :]) & ((1 << BITS) - 1)
-            g = (offs_d // GROUP)[None, :]
-            s = tl.load(params[:, None] + g, mask=ok, other=0.0).to(tl.float32)
-            z = tl.load(params[:, None] + N_GROUPS + g, mask=ok, other=0.0).to(tl.float32)
-            return code.to(tl.float32) * s + z
+        byte = tl.load(base[:, None] + (offs_d % CODES)[None, :], mask=ok, other=0)
+        code = (byte.to(tl.int32) >> ((offs_d // CODES) * BITS)[None, :]) & ((1 << BITS) - 1)
+        g = (offs_d // GROUP)[None, :]
+        s = tl.load(params[:, None] + g, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(params[:, None] + N_GROUPS + g, mask=ok, other=0.0).to(tl.float32)
+        return code.to(tl.float32) * s + z
 
     @triton.jit
     def _word_bytes(word, BLOCK_N: tl.constexpr, CODES: tl.constexpr):
@@ -159,11 +160,11 @@ if HAS_TRITON:
                     PARAM_F32: tl.constexpr):
         """The stored parts of the packed rows ``row`` (``[BLOCK_N]`` indices into ``[P, S, Hkv]``; 0 where
         not ``in_seq``), before any arithmetic: ``[BLOCK_N, D * BITS / 32]`` int32 words of codes,
-        ``[BLOCK_N, D / GROUP]`` scales and zero points. The loads of :func:`_dequant_rows` (power-of-two
-        head dims), apart from its arithmetic (:func:`_decode_rows`), so that ``_attend_region``'s
-        ``PREFETCH`` can issue them a tile early and carry them to the next step: as words, four code bytes
-        to a register where a byte tensor holds one per register. Rows and code runs are multiples of 4
-        bytes at power-of-two head dims >= 16, and the launcher checks the pool's start."""
+        ``[BLOCK_N, D / GROUP]`` scales and zero points, apart from their arithmetic (:func:`_decode_rows`),
+        so that ``_attend_region``'s prefetched loop can issue them a tile early and carry them to the next
+        step: as words, four code bytes to a register where a byte tensor holds one per register. Rows and
+        code runs are multiples of 4 bytes at power-of-two head dims >= 16, and the launcher checks the
+        pool's start."""
         CODES: tl.constexpr = D * BITS // 8  # code bytes per row
         N_GROUPS: tl.constexpr = D // GROUP
         base, params = _row_starts(pages_ptr, row, D, BITS, GROUP, PARAM_F32)
@@ -177,8 +178,8 @@ if HAS_TRITON:
     @triton.jit
     def _decode_rows(word, s, z, D: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr):
-        """``[BLOCK_N, D]`` float32 values ``code * scale + zero`` of :func:`_fetch_rows`'s parts: the
-        arithmetic of :func:`_dequant_rows`, op for op, after splitting the words into their bytes."""
+        """``[BLOCK_N, D]`` float32 values ``code * scale + zero`` of :func:`_fetch_rows`'s parts (the words
+        split into their bytes, then into their codes)."""
         N_GROUPS: tl.constexpr = D // GROUP
         code = _unpack(_word_bytes(word, BLOCK_N, D * BITS // 8), BITS, BLOCK_N, D).to(tl.float32)
         x = (tl.reshape(code, (BLOCK_N, N_GROUPS, GROUP)) * s.to(tl.float32)[:, :, None]
@@ -224,21 +225,22 @@ if HAS_TRITON:
                        K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
                        V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, PREFETCH: tl.constexpr):
+                       KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, LOADS: tl.constexpr):
         """The online softmax state ``(m_i, l_i, acc)`` after slots ``[start, end)`` of one region of
         sequence ``b``. Each tile is dequantized in float32, rounded once to the query's dtype and multiplied
         on the tensor cores (fp32 queries: exact fp32 products). ``KEEP_LOGITS``: the fp32 logits go to
         the scratch by slot, with the visible count ``n_vis`` and (``GUMBEL``) the noised running max and
         sum ``(gm_i, gl_i)``, for the reduce kernel's score update (as in the native decode kernel).
 
-        ``PREFETCH`` (the launcher's choice, :func:`_prefetch`): the loads run one tile ahead of the
+        ``LOADS`` (the launcher's choice, :func:`_loads`): 2, the loads run one tile ahead of the
         arithmetic, by hand. The loop carries the next tile's raw K and V rows (:func:`_fetch_rows`: code
         words, scales, zero points; a few registers each) and the page-table entries of the tile after it.
         A step decodes its K tile and at once issues the next tile's K loads, computes the logits, decodes
         its V tile and issues the next tile's V loads and the page-table entries of the tile after next,
         then multiplies V: each load has about a step's arithmetic to arrive in, and one copy of each raw
         tile is live at a time. Triton's pipeliner leaves these loads alone (they feed no product in the
-        step that issues them). Without it, each step's loads are its own and the pipeliner overlaps what
+        step that issues them). Otherwise each step's loads are its own (1: the same word loads, 0: code
+        bytes, :func:`_load_rows`) and the pipeliner overlaps what
         it can, which on sm_90 is little (``bench/sass.py``, TTGIR): it issues the next tile's copies
         after the current tile's products and waits for them first thing in the next step, behind a plain
         page-table load (2 stages) or plain loads of the scales and zero points (3 stages): each step
@@ -247,8 +249,8 @@ if HAS_TRITON:
         (sm_90, run 10: 4-bit differs in the last bits).
         """
         offs_n = tl.arange(0, BLOCK_N)
-        if PREFETCH:
-            tl.static_assert(K_BITS > 0 and V_BITS > 0 and BLOCK_D == D, "PREFETCH: packed rows, D = 2^k")
+        if LOADS == 2:
+            tl.static_assert(K_BITS > 0 and V_BITS > 0 and BLOCK_D == D, "prefetching: packed rows, D = 2^k")
             slots = start + offs_n
             in_seq = slots < end
             page = _slot_pages(page_table_ptr, b, slots, in_seq, max_pages, S).to(tl.int64)
@@ -281,9 +283,11 @@ if HAS_TRITON:
                 in_seq = slots < end
                 page = _slot_pages(page_table_ptr, b, slots, in_seq, max_pages, S).to(tl.int64)
                 row = (page * S + slots % S) * HKV + kvh  # [BLOCK_N] into [P, S, Hkv]
-                k = _load_rows(k_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, K_BITS, K_GROUP, K_F32)
+                k = _load_rows(k_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, K_BITS, K_GROUP, K_F32,
+                               LOADS == 1)
                 x, m_new, alpha, p, l_i = _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION)
-                v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32)
+                v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32,
+                               LOADS == 1)
                 acc, gm_i, gl_i, n_vis = _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr,
                                                     noise_key, noise_offset, q_rows, g_ok, slots, in_seq,
                                                     tau, logits_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
@@ -303,15 +307,15 @@ if HAS_TRITON:
         V2_BITS: tl.constexpr, V2_GROUP: tl.constexpr, V2_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
         ONE_SPLIT: tl.constexpr, KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr,
-        PREFETCH: tl.constexpr, PREFETCH2: tl.constexpr, G_P2: tl.constexpr,
+        LOADS: tl.constexpr, LOADS2: tl.constexpr, G_P2: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's slots, the first
         region's then (``HAS2``) the second's, laid end to end; the group's query heads together (one
         ``tl.dot`` per tile). One split normalises and writes the output; several write the partials (and,
         ``KEEP_LOGITS``, both regions' logits: the second's after the first's ``max_pages * S`` slots of
         each scratch row) that ``paged_attention.reduce_splits`` combines and scores, as for native pages.
-        ``PREFETCH``/``PREFETCH2``: each region's loads run a tile ahead of its arithmetic
-        (:func:`_attend_region`)."""
+        ``LOADS``/``LOADS2``: how each region's loop reads its rows (:func:`_attend_region`,
+        :func:`_loads`)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -344,7 +348,7 @@ if HAS_TRITON:
             q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr, noise_key, 0,
             q_rows, g_ok, b, kvh, start, tl.minimum(end, len1), scale, tau, max_pages, logits_len, offs_d,
             d_ok, HKV, D, S, K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            KEEP_LOGITS, GUMBEL, PREFETCH)
+            KEEP_LOGITS, GUMBEL, LOADS)
         if HAS2:  # the second region's slots follow the first's: [len1, total) of the sequence
             # KEEP_LOGITS: its logits go to each scratch row after the first region's max_pages * S slots,
             # and n_vis counts its slots too; Gumbel's noise takes the sequence's logical slot, len1 + j.
@@ -353,7 +357,7 @@ if HAS_TRITON:
                 logits_ptr + max_pages * S, noise_key, len1, q_rows, g_ok, b, kvh,
                 tl.maximum(start, len1) - len1, end - len1, scale, tau, max_pages2, logits_len, offs_d, d_ok,
                 HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS, V2_GROUP, V2_F32, BLOCK_N, BLOCK_D,
-                DOT_PRECISION, KEEP_LOGITS, GUMBEL, PREFETCH2)
+                DOT_PRECISION, KEEP_LOGITS, GUMBEL, LOADS2)
         _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
                       n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
                       KEEP_LOGITS, GUMBEL)
@@ -567,8 +571,8 @@ def _scored_two_torch(q: Tensor, first: Region, second: Region, scale: float, sc
     return out
 
 
-#: The largest bit width whose packed regions the launcher prefetches by hand (``PREFETCH``, see
-#: ``_attend_region``; :func:`_prefetch` says where it can): 8, every width. On an H200 (B64/4k and B8/4k,
+#: The largest bit width whose packed regions the launcher prefetches by hand (``LOADS == 2``, see
+#: ``_attend_region``; :func:`_loads` says where it can): 8, every width. On an H200 (B64/4k and B8/4k,
 #: ``bench/results/nvidia-h200-2026-11-28/run1``) prefetching decoded 4-bit pages in 367 us against 418 us
 #: without and 8-bit pages in 415 us against 446 us (B8: 63.6 / 73.2 us, 75.6 / 80.8 us), bit for bit the
 #: same 8-bit outputs; and on that GPU the loop without it failed the tests' reference (two Hypothesis
@@ -594,17 +598,20 @@ def prefetch_tiles(bits: int) -> Iterator[None]:
         PREFETCH_TILES = old
 
 
-def _prefetch(k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None,
-              head_dim: int) -> bool:
-    """Whether a region's tiles are prefetched by hand: K and V packed at no more than :data:`PREFETCH_TILES`
-    bits, of a power-of-two head dim (contiguous code runs, carried as int32 words: a few registers a tile)
-    in pools starting on 4 bytes. Float rows feed the products directly, and Triton's pipeliner already
-    turns their loads into asynchronous copies to shared memory; gathered rows (other head dims) would carry
-    a code byte and two parameters per channel in registers."""
-    return (k_format is not None and v_format is not None
-            and max(k_format.bits, v_format.bits) <= PREFETCH_TILES
-            and head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16
-            and k_pages.data_ptr() % 4 == 0 and v_pages.data_ptr() % 4 == 0)
+def _loads(k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None,
+           head_dim: int) -> int:
+    """How a region's kernel loop reads its rows (``_attend_region``'s ``LOADS``): 2, its tiles prefetched by
+    hand; 1, as int32 words in each step; 0, code bytes (or float rows). Words need K and V packed, a
+    power-of-two head dim >= 16 (contiguous code runs, rows of a multiple of 4 bytes) and pools starting on 4
+    bytes; prefetching also needs both widths at most :data:`PREFETCH_TILES`. Float rows feed the products
+    directly, and Triton's pipeliner already turns their loads into asynchronous copies to shared memory;
+    gathered rows (other head dims) would carry a code byte and two parameters per channel in registers.
+    0 gathers each channel's code byte (``_dequant_rows``): other head dims, pools off 4 bytes, a region of
+    one packed and one float pool."""
+    if (k_format is None or v_format is None or head_dim != triton.next_power_of_2(head_dim) or head_dim < 16
+            or k_pages.data_ptr() % 4 or v_pages.data_ptr() % 4):
+        return 0
+    return 2 if max(k_format.bits, v_format.bits) <= PREFETCH_TILES else 1
 
 
 def _launch_format(fmt: QuantFormat | None) -> tuple[int, int, bool]:
@@ -658,8 +665,8 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
            for what, value in zip(("BITS", "GROUP", "F32"), fmt, strict=True)},
         HAS2=second is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ONE_SPLIT=one_split, KEEP_LOGITS=keep_logits, GUMBEL=gumbel, HAS_TEMP=temperature is not None,
-        PREFETCH=_prefetch(k_pages, v_pages, k_format, v_format, d),
-        PREFETCH2=_prefetch(two.k_pages, two.v_pages, two.k_format, two.v_format, d),
+        LOADS=_loads(k_pages, v_pages, k_format, v_format, d),
+        LOADS2=_loads(two.k_pages, two.v_pages, two.k_format, two.v_format, d),
         G_P2=triton.next_power_of_2(group),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
     )
