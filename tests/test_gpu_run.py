@@ -363,6 +363,15 @@ def test_stage_boxes():
                                                                    / gpu.SHARES["capacity"])
 
 
+def test_only_runs_env_first_and_refuses_unknown_stages():
+    gpu = _gpu_module()
+    assert gpu.stages_to_run(None) == gpu.STAGES
+    assert gpu.stages_to_run("correctness, quant_probe") == ("env", "quant_probe", "correctness")
+    assert gpu.stages_to_run("env") == ("env",)
+    with pytest.raises(ValueError, match=r"unknown stages \['kernel'\]"):
+        gpu.stages_to_run("kernel,quant")
+
+
 def test_wait_ticks_then_kills_at_the_timeout():
     """While a stage runs the driver ticks (rewrites the results and the pack); past its box it is killed."""
     gpu = _gpu_module()

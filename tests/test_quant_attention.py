@@ -40,21 +40,25 @@ def prefetching(impl, bits: int = 8):
     return run
 
 
-def pools_off_four(impl):
-    """``impl`` on the same K and V pools placed 1 byte into a buffer: pools that do not start on 4 bytes,
-    whose packed rows the kernel reads a code byte per channel (``quant_attention._loads`` 0) where it
-    otherwise reads int32 words."""
+def off_by(pool, offset: int):
+    """``pool``'s rows in a pool ``offset`` bytes into a buffer (a view that starts off 4 bytes)."""
+    buf = torch.zeros(pool.numel() + 4, dtype=pool.dtype, device=pool.device)
+    out = buf[offset:offset + pool.numel()].view(pool.shape)
+    out.copy_(pool)
+    return out
 
-    def off(pool):
-        buf = torch.zeros(pool.numel() + 4, dtype=pool.dtype, device=pool.device)
-        out = buf[1:1 + pool.numel()].view(pool.shape)
-        out.copy_(pool)
-        return out
+
+def pools_off_four(impl):
+    """``impl`` on the same K and V pools placed 2 bytes into a buffer (with float16 parameters: float32 ones
+    must start on 4 bytes): pools that do not start on 4 bytes, whose packed rows the kernel reads a code
+    byte per channel (``quant_attention._loads`` 0) where it otherwise reads int32 words."""
 
     @functools.wraps(impl)
     def run(q, k_pages, v_pages, *args, **kwargs):
-        if k_pages.dtype == torch.uint8:
-            k_pages, v_pages = off(k_pages), off(v_pages)
+        fp16 = all(f is not None and f.param_dtype == torch.float16
+                   for f in (kwargs.get("k_format"), kwargs.get("v_format")))
+        if k_pages.dtype == torch.uint8 and fp16:
+            k_pages, v_pages = off_by(k_pages, 2), off_by(v_pages, 2)
             assert quant_attention._loads(k_pages, v_pages, QuantFormat(), QuantFormat(), 64) == 0
         return impl(q, k_pages, v_pages, *args, **kwargs)
 
@@ -148,8 +152,9 @@ def reference(impl, device, q, kq, vq, table, lens, *, scale, k_format, v_format
 # Failing examples the H200 found (bench/results/nvidia-h200-2026-11-28/run1, compiled by Triton 3.6 for
 # sm_90; the interpreter passes them): the loop without prefetching ([triton-no-prefetch], and [op] when a
 # region took that loop: 8-bit values then) was far off the reference (0.22 and 0.62 absolute) on one or two
-# slots of 2-bit keys at head dim 16 in pages of one slot, when it read contiguous code bytes (it reads int32
-# words since, as the prefetched loop does; pools off 4 bytes gather each channel's byte: [triton-bytes]).
+# slots of 2-bit keys at head dim 16 in pages of one slot, when it read contiguous code bytes. It reads int32
+# words since, as the prefetched loop does, and passed them on the H200 (run 2); pools off 4 bytes gather
+# each channel's byte ([triton-bytes]; that gather at power-of-two head dims is not yet run on a GPU).
 _GPU_FOUND = (1, 1, 1, 16, QuantFormat(2, 8, torch.float16), QuantFormat(2, 8, torch.float16), [2],
               torch.float16, torch.float16, 0)
 _GPU_FOUND_TWO = ((1, 1, 1, 16, QuantFormat(2, 8, torch.float16), QuantFormat(8, 8, torch.float16), [1],
@@ -199,6 +204,26 @@ def test_bad_input_names_the_argument():
         quant_decode_attention(q[:, :3], kq, vq, table, lens, scale=1.0, k_format=k_fmt, v_format=v_fmt)
     with pytest.raises(ValueError, match="seq_lens"):
         quant_decode_attention(q, kq, vq, table, lens[:1], scale=1.0, k_format=k_fmt, v_format=v_fmt)
+
+
+@pytest.mark.interpret
+def test_a_pool_off_its_parameters_size_names_the_pool():
+    """The kernel reads float16/float32 parameters where they lie: a pool starting off their size is refused
+    before the launch (on the GPU a misaligned read ends the CUDA context); off 4 bytes but on 2, float16
+    parameters are read by the per-channel gather ([triton-bytes])."""
+    case = (4, 2, 2, 32, QuantFormat(4, 16), QuantFormat(4, 16, torch.float32), [5, 3], torch.float16,
+            torch.float16, 0)
+    q, kq, vq, table, lens, k_fmt, v_fmt, *_ = build(case, DEVICE)
+    kw = dict(scale=1.0, k_format=k_fmt, v_format=v_fmt)
+    with pytest.raises(ValueError, match="k_pages starts at address .* not a multiple of the 2-byte"):
+        quant_decode_attention_triton(q, off_by(kq, 1), vq, table, lens, **kw)
+    with pytest.raises(ValueError, match="v_pages starts at address .* 4-byte torch.float32"):
+        quant_decode_attention_triton(q, kq, off_by(vq, 2), table, lens, **kw)
+    second = Region(off_by(kq, 1), vq, table, lens, k_fmt, v_fmt)
+    with pytest.raises(ValueError, match="second.k_pages starts at address"):
+        quant_decode_attention_triton(q, kq, vq, table, lens, second=second, **kw)
+    torch.testing.assert_close(quant_decode_attention_triton(q, off_by(kq, 2), vq, table, lens, **kw),
+                               quant_decode_attention_triton(q, kq, vq, table, lens, **kw))
 
 
 def test_compiles_fullgraph():

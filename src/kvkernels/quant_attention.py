@@ -614,6 +614,22 @@ def _loads(k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None, v_for
     return 2 if max(k_format.bits, v_format.bits) <= PREFETCH_TILES else 1
 
 
+def _check_start(name: str, pages: Tensor, fmt: QuantFormat | None) -> None:
+    """A packed pool must start on a multiple of its parameters' size: the kernel reads each row's float16
+    or float32 scales and zero points as such, and a misaligned read is a CUDA error (``misaligned
+    address``, which ends the process's CUDA context) on the GPU. Rows keep the alignment
+    (:meth:`QuantFormat.check`); a pool that ``torch`` allocated whole starts on 256 bytes, so only a view
+    into a byte buffer at an odd offset can fail this. Checked in the launcher, on real tensors (the op's
+    checks also run traced)."""
+    if fmt is None:
+        return
+    size = torch.empty(0, dtype=fmt.param_dtype).element_size()
+    if pages.data_ptr() % size:
+        raise ValueError(f"{name} starts at address {pages.data_ptr():#x}, not a multiple of the {size}-byte "
+                         f"{fmt.param_dtype} scales and zero points in its rows; allocate the pool whole "
+                         "(kvkernels.quant.quantize_rows, torch.empty) or pass pages.clone()")
+
+
 def _launch_format(fmt: QuantFormat | None) -> tuple[int, int, bool]:
     """``(BITS, GROUP, PARAM_F32)`` of a region's pool for the kernel; ``BITS = 0``: float rows."""
     if fmt is None:
@@ -625,11 +641,16 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
                                   seq_lens: Tensor, *, scale: float, k_format: QuantFormat,
                                   v_format: QuantFormat, second: Region | None = None,
                                   scores: ScoreUpdate | None = None, num_splits: int = 0) -> Tensor:
-    """Triton launcher (no input checks): one program per (sequence, KV head, split); ``num_splits`` 0
-    picks the split count as for native pages (enough programs to fill the GPU twice)."""
+    """Triton launcher (no input checks but the pools' start, :func:`_check_start`): one program per
+    (sequence, KV head, split); ``num_splits`` 0 picks the split count as for native pages (enough programs
+    to fill the GPU twice)."""
     require_triton()
     batch, n_q, d = q.shape
     page_size, n_kv = k_pages.shape[1], k_pages.shape[2]
+    for name, pool, fmt in (("k_pages", k_pages, k_format), ("v_pages", v_pages, v_format)) + (
+            (("second.k_pages", second.k_pages, second.k_format),
+             ("second.v_pages", second.v_pages, second.v_format)) if second is not None else ()):
+        _check_start(name, pool, fmt)
     out = torch.empty_like(q)
     if batch == 0:
         return out
