@@ -101,10 +101,13 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert {(r["batch"], r["policy"]) for r in gen} == {(b, p) for b, _ in [(1, 0), (2, 0)]
                                                         for p in ("full", "h2o", "snapkv", "streaming")}
     assert all(r["decode_tok_s"] > 0 for r in gen)
+    # torch.compile's phases: the first run compiles (Dynamo's trace among them)
+    assert gen[0]["compile_s"] > 0 and "_compile.compile_inner" in gen[0]["compile_phases"], gen[0]
     assert all(r["kv_kept"] < 0.5 for r in gen if r["policy"] != "full")
     assert [(r["batch"], r["policy"]) for r in gen] == [(b, p) for b, _, p in gpu.generation_order(gpu.SMOKE)]
     summary = (out / "summary.md").read_text()
     assert "## Targets (issues 33 and 36)" in summary and "| verdict |" in summary
+    assert "torch.compile's phases in each run's first step" in summary
     assert "| 4-bit pages decode <= float32 pages, B2-L64 |" in summary and "## Quantized pages" in summary
 
 
@@ -372,6 +375,26 @@ def test_only_runs_env_first_and_refuses_unknown_stages():
         gpu.stages_to_run("kernel,quant")
 
 
+def test_inductor_settings_parse_apply_and_refuse_bad_ones():
+    gpu = _gpu_module()
+    assert gpu.parse_inductor("triton.autotune_pointwise=False, fx_graph_cache = True") == {
+        "triton.autotune_pointwise": False, "fx_graph_cache": True}
+    assert gpu.parse_inductor("") == {}
+    for bad in ("triton.autotune_pointwise", "x=not a literal", "=1"):
+        with pytest.raises(ValueError, match="--inductor: .* is not NAME=VALUE"):
+            gpu.parse_inductor(bad)
+    import torch._inductor.config as config
+
+    old = config.triton.autotune_pointwise
+    try:
+        gpu.apply_inductor({"triton.autotune_pointwise": not old})
+        assert config.triton.autotune_pointwise is (not old)
+    finally:
+        config.triton.autotune_pointwise = old
+    with pytest.raises(ValueError, match="has no 'triton.no_such_setting'"):
+        gpu.apply_inductor({"triton.no_such_setting": 1})
+
+
 def test_wait_ticks_then_kills_at_the_timeout():
     """While a stage runs the driver ticks (rewrites the results and the pack); past its box it is killed."""
     gpu = _gpu_module()
@@ -401,6 +424,15 @@ def test_only_rerun_keeps_the_other_stages(tmp_path):
     with tarfile.open(tmp_path / "gpu.tgz") as tar:
         summary = tar.extractfile(f"{tmp_path.name}/summary.md").read().decode()
     assert "| capacity | ok | 5 | 60 | old |" in summary
+
+
+def test_inductor_settings_reach_each_stage(tmp_path):
+    gpu = _gpu_module()
+    assert gpu.main(["--smoke", "--out", str(tmp_path), "--only", "env", "--inductor",
+                     "triton.autotune_pointwise=False"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "env.jsonl").read_text().splitlines()]
+    rec = next(r for r in records if r["kind"] == "inductor_config")
+    assert rec["settings"] == {"triton.autotune_pointwise": False}
 
 
 def test_results_leave_out_a_line_being_written(tmp_path):
