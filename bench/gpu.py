@@ -550,17 +550,21 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
         return (k.clone(), v.clone(), pos.clone(), score.clone(), used.clone(), *counts, free,
                 torch.zeros(1, device=dev, dtype=torch.int64))
 
-    # As the cache calls it every step: no eager value checks (each reads the device back).
+    # As the cache calls it every step: no eager value checks (each reads the device back). Events around one
+    # eager call: the host's launches of its ~20-40 small kernels included (run 4 of 2026-11-28: 686 us where
+    # its kernels ran 46 us), which a compiled decode step captured as a CUDA graph does not pay; the device
+    # time by kernel (torch.profiler) is the number to compare with topk + gather's CUDA-graph time.
     s_op = st.mutating_seconds(setup, lambda a: fn(*a, validate=False, **kw))
-    if op != "topk_evict":  # the op's device time by kernel (eager: the wall time above adds launches)
-        try:
-            inputs = [setup() for _ in range(5)]
-            st.emit("compaction_kernels", op=op, batch=batch, tokens=fill, keep=budget, **_kernel_times(
-                st, lambda: fn(*setup(), validate=False, **kw),
-                calls=[functools.partial(fn, *a, validate=False, **kw) for a in inputs]))
-            del inputs
-        except Exception:  # noqa: BLE001 -- the profiler: recorded, the timing above stands
-            st.error(f"compaction_kernels {op}")
+    device_us = None
+    try:
+        inputs = [setup() for _ in range(5)]
+        times = _kernel_times(st, lambda: fn(*setup(), validate=False, **kw),
+                              calls=[functools.partial(fn, *a, validate=False, **kw) for a in inputs])
+        del inputs
+        device_us = times["total_us"]
+        st.emit("compaction_kernels", op=op, batch=batch, tokens=fill, keep=budget, **times)
+    except Exception:  # noqa: BLE001 -- the profiler: recorded, the timing above stands
+        st.error(f"compaction_kernels {op}")
     # Dense: the same tokens in logical order, [B, Hkv, fill, D]; keep `budget` per head.
     rows = table.long()
     dk = k[rows].reshape(batch, -1, hkv, d)[:, :fill].transpose(1, 2).contiguous()
@@ -572,8 +576,11 @@ def _compaction(st: Stage, op: str, batch: int, length: int, fill: int, budget: 
         return dk.gather(2, idx), dv.gather(2, idx)
 
     s_dense, how = st.seconds(dense)
-    st.emit("compaction", op=op, batch=batch, tokens=fill, keep=budget, op_us=s_op * 1e6,
-            topk_gather_us=s_dense * 1e6, op_over_topk_gather=s_op / s_dense, timed_by=how)
+    st.emit("compaction", op=op, batch=batch, tokens=fill, keep=budget, op_device_us=device_us,
+            topk_gather_us=s_dense * 1e6,
+            device_over_topk_gather=None if device_us is None else device_us / (s_dense * 1e6),
+            op_eager_us=s_op * 1e6, op_eager_over_topk_gather=s_op / s_dense,
+            timed_by=f"op: torch.profiler device time (eager: events around one call); topk + gather: {how}")
 
 
 def _prefill_inputs(st: Stage):
@@ -1389,6 +1396,24 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
+def _short_kernels(rows: list[dict[str, Any]], top: int = 6, width: int = 40) -> list[dict[str, Any]]:
+    """Profiler records with ``kernels_us`` cut for the summary: the ``top`` largest kernels, each name to
+    ``width`` characters after its template arguments and namespaces (``results.json`` keeps every one)."""
+    def short(name: str) -> str:
+        name = name.split("(")[0].split("<")[0].removeprefix("void ").split("::")[-1] or name
+        return name[:width]
+
+    out = []
+    for r in rows:
+        shown: dict[str, float] = {}
+        for k, v in list((r.get("kernels_us") or {}).items())[:top]:
+            shown[short(k)] = round(shown.get(short(k), 0.0) + v, 2)
+        rest = len(r.get("kernels_us") or {}) - top
+        out.append({**r, "kernels_us": ", ".join(f"{k} {v}" for k, v in shown.items())
+                    + (f", {rest} more" if rest > 0 else "")})
+    return out
+
+
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> list[str]:
     if not rows:
         return ["(none)"]
@@ -1638,7 +1663,8 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     lines += ["", "## Decode attention", ""]
     lines += _table(kinds.get("decode", []), ["shape", "impl", "us", "gb_s", "pct_of_copy", "timed_by"])
     lines += ["", "Each kernel's share of a decode call (torch.profiler, 20 calls):", ""]
-    lines += _table(kinds.get("decode_kernels", []), ["shape", "impl", "total_us", "kernels_us"])
+    lines += _table(_short_kernels(kinds.get("decode_kernels", [])),
+                    ["shape", "impl", "total_us", "kernels_us"])
     best = best_decode(records)
     if best:
         lines += ["", "Best of the sweep per shape:", ""]
@@ -1696,12 +1722,13 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
                 lines.append(f"# kvkernels/quant_attention.py: {prefetch_tiles_line(best_quant, kinds)}")
         lines.append("```")
     lines += ["", "## Compaction and eviction", ""]
-    lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_us", "topk_gather_us",
-                                                  "op_over_topk_gather"])
-    lines += ["", "Device time by kernel (torch.profiler, 5 calls): prompt compaction and the cache's "
-              "per-step eviction:", ""]
-    lines += _table(kinds.get("compaction_kernels", []), ["op", "batch", "tokens", "keep", "total_us",
-                                                          "kernels_us"])
+    lines += _table(kinds.get("compaction", []), ["op", "batch", "tokens", "keep", "op_device_us",
+                                                  "topk_gather_us", "device_over_topk_gather", "op_eager_us"])
+    lines += ["", "(`op_device_us`: its kernels' device time, torch.profiler, as a CUDA graph runs them; "
+              "`op_eager_us`: events around one eager call, the host's launches included.) Device time by "
+              "kernel (5 calls), the largest:", ""]
+    lines += _table(_short_kernels(kinds.get("compaction_kernels", [])),
+                    ["op", "batch", "tokens", "keep", "total_us", "kernels_us"])
     lines += ["", "## Generation", ""]
     lines += _table(kinds.get("prefill_policy", []), ["policy", "budget", "prompt_len", "prefill_s"])
     lines += [""]

@@ -65,8 +65,11 @@ def test_smoke_run_every_stage_ok(tmp_path):
                                                                          "paged+keyformer-score")}
     assert all(r["kernels_us"] and r["total_us"] > 0 for r in breakdown), breakdown
     compaction = [r for r in records if r["kind"] == "compaction_kernels"]
-    assert [r["op"] for r in compaction] == ["topk_compact", "topk_evict max_excess=1"]
+    assert [r["op"] for r in compaction] == ["topk_compact", "topk_evict", "topk_evict max_excess=1"]
     assert all(r["total_us"] > 0 for r in compaction), compaction
+    timed = {r["op"]: r for r in records if r["kind"] == "compaction"}  # the profiler's total, compared
+    assert all(timed[r["op"]]["op_device_us"] == r["total_us"] > 0 for r in compaction)
+    assert all(t["device_over_topk_gather"] > 0 and t["op_eager_us"] > 0 for t in timed.values()), timed
     prefill = {(r["impl"], r["mode"]) for r in records if r["kind"] == "prefill"}
     assert {("attention", "none"), ("attention (need_lse)", "none"), ("attention+scorer", "accumulate"),
             ("attention+scorer, no lse", "accumulate"), ("attention+scorer, heads inner", "accumulate"),
