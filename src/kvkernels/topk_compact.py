@@ -7,8 +7,9 @@ order, and push the pages past ``ceil(budget / S)`` onto the free stack.
 The Triton launcher plans the move with torch on the device (one stable sort per row, no host sync) and
 moves the bytes with one Triton kernel per pool tensor (pure loads and stores masked to the row width, so
 K/V rows may be floats or uint8 packed rows of any width: a quantized pool's codes, scales and zero points,
-issue 36); page release is a masked scatter into the free stack whose index ``P`` is a write sink, so every
-shape is static. On CPU the op runs the same plan in batched torch (:func:`topk_compact_torch`);
+issue 36); page release is one more Triton launch (``_release_pages_kernel``: the released pages pushed on
+the free stack, their table entries cleared, the new lengths stored), so every shape is static and nothing
+reads the device back. On CPU the op runs the same plan in batched torch (:func:`topk_compact_torch`);
 :func:`topk_compact_ref` loops per (sequence, head) as the oracle.
 """
 
@@ -142,6 +143,41 @@ if HAS_TRITON:
                 tl.store(score_ptr + dst_slot, tl.load(score_ptr + src_slot))  # raw: NaN stays NaN
 
 
+    @triton.jit
+    def _release_pages_kernel(table_ptr, lens_ptr, new_ptr, free_ptr, n_free_ptr, batch, cols, stride_tb,
+                              PAGE_SIZE: tl.constexpr, CLAMP: tl.constexpr, BLOCK_B: tl.constexpr,
+                              BLOCK_M: tl.constexpr):
+        """:func:`_release_pages_torch` in one program (the free stack's order is sequence by sequence):
+        pages ``[ceil(new/S), min(ceil(len/S), cols))`` of each sequence pushed on the free stack in (b,
+        column) order, their table entries set to -1, and ``seq_lens = new``; ``new = new_lens[b]``, or
+        (``CLAMP``: ``new_ptr`` holds budgets) ``min(seq_lens[b], budgets[b])``. A sequence's released pages
+        are one run of columns, so each block of sequences loops over the longest run (one page or none
+        after a decode step's eviction) instead of the table's width."""
+        top = tl.load(n_free_ptr)
+        for b0 in range(0, batch, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            ok = b < batch
+            old = tl.load(lens_ptr + b, mask=ok, other=0)
+            new = tl.load(new_ptr + b, mask=ok, other=0).to(tl.int64)
+            if CLAMP:
+                new = tl.minimum(new, old.to(tl.int64))
+            first = (new + PAGE_SIZE - 1) // PAGE_SIZE
+            last = tl.minimum((old.to(tl.int64) + PAGE_SIZE - 1) // PAGE_SIZE, cols)
+            count = tl.where(ok, tl.maximum(last - first, 0), 0)
+            start = top + tl.cumsum(count, axis=0) - count  # each sequence's first slot on the stack
+            row = table_ptr + b.to(tl.int64) * stride_tb
+            for j0 in range(0, tl.max(count, axis=0), BLOCK_M):
+                j = j0 + tl.arange(0, BLOCK_M)
+                release = j[None, :] < count[:, None]
+                entry = row[:, None] + first[:, None] + j[None, :]
+                page = tl.load(entry, mask=release, other=-1)
+                tl.store(free_ptr + start[:, None] + j[None, :], page, mask=release)
+                tl.store(entry, tl.full([BLOCK_B, BLOCK_M], -1, page.dtype), mask=release)
+            tl.store(lens_ptr + b, new.to(old.dtype), mask=ok)
+            top += tl.sum(count, axis=0)
+        tl.store(n_free_ptr, top)
+
+
 def _ceil_div(a, b):
     return (a + b - 1) // b
 
@@ -262,8 +298,20 @@ def compaction_plan(scores: Tensor, lens: Tensor, budgets: Tensor, n_sink: Tenso
     return src_map[..., :width].long(), n_move.long()
 
 
-def _release_pages(page_table: Tensor, seq_lens: Tensor, new_lens: Tensor, free_pages: Tensor, n_free: Tensor,
-                   page_size: int) -> None:
+def _release_pages_triton(page_table: Tensor, seq_lens: Tensor, new_lens: Tensor, free_pages: Tensor,
+                          n_free: Tensor, page_size: int, clamp: bool = False) -> None:
+    """:func:`_release_pages_torch` as one Triton launch (:func:`_release_pages_kernel`); ``clamp``:
+    ``new_lens`` holds budgets, the new length of each sequence is ``min(seq_lens, budgets)``. The torch
+    version's ~15 small kernels took ~40 us of device time per layer and decode step on an H200 (run 4 of
+    2026-11-28: the cache's eviction, 46 us in all, of which the selection kernel 1 us)."""
+    batch, cols = page_table.shape
+    launch(_release_pages_kernel, (1,), page_table, seq_lens, new_lens, free_pages, n_free, batch, cols,
+           page_table.stride(0), PAGE_SIZE=page_size, CLAMP=clamp,
+           BLOCK_B=min(128, max(16, triton.next_power_of_2(batch))), BLOCK_M=16, num_warps=4)
+
+
+def _release_pages_torch(page_table: Tensor, seq_lens: Tensor, new_lens: Tensor, free_pages: Tensor,
+                         n_free: Tensor, page_size: int) -> None:
     """Push pages ``[ceil(new_len/S), ceil(len/S))`` of each sequence on the free stack, in (b, column)
     order, set their table entries to -1 and store the new lengths. Static shapes, no host sync."""
     num_pages = free_pages.shape[0] - 1
@@ -293,7 +341,7 @@ def topk_compact_triton(
         return
     src_map, n_move, new_lens = _plan_moves(slot_score, page_table, seq_lens, budgets, n_sink, n_recent)
     _move_slots(k_pages, v_pages, slot_pos, slot_score, extra, src_map, page_table, n_move)
-    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+    _release_pages_triton(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
 
 
 def _move_slots(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor,
@@ -354,7 +402,7 @@ def topk_compact_torch(
         rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]: D bytes packed, 1 per-slot
         # Gather into a temporary first, so sources that an earlier destination overwrites are still read.
         rows.index_copy_(0, dst_row, rows.index_select(0, src_row))
-    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+    _release_pages_torch(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -587,7 +635,7 @@ def topk_evict_torch(
     for x in (k_pages, v_pages, slot_pos, slot_score, *extra):
         rows = x.view(num_pages * page_size * n_heads, -1)  # [P*S*Hkv, D]: D bytes packed, 1 per-slot
         rows.index_copy_(0, dst_row, rows.index_select(0, src_row))  # sources and destinations are disjoint
-    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+    _release_pages_torch(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
 
 
 def _pair_holes(holes: Tensor, movers: Tensor) -> Tensor:
@@ -624,8 +672,7 @@ def _evict_excess(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score
         PAGE_SIZE=page_size, BLOCK_W=block_w, BLOCK_D=triton.next_power_of_2(kv_width),
         num_warps=4 if block_w <= 1024 else 8,
     )
-    new_lens = torch.where(seq_lens.long() > budgets.long(), budgets.long(), seq_lens.long())
-    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+    _release_pages_triton(page_table, seq_lens, budgets, free_pages, n_free, page_size, clamp=True)
 
 
 def topk_evict_triton(
@@ -655,7 +702,7 @@ def topk_evict_triton(
     src_map = _pair_holes(holes, movers)  # [B, Hkv, W]
     n_move = torch.where(seq_lens.long() > budgets.long(), budgets.long(), 0).to(torch.int32)
     _move_slots(k_pages, v_pages, slot_pos, slot_score, extra, src_map, page_table, n_move)
-    _release_pages(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+    _release_pages_triton(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
 
 
 @torch.library.custom_op(
