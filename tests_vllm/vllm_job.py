@@ -9,9 +9,10 @@ policy (``KVPOLICIES_VLLM_POLICY``) is fixed for the process's life.
 each step lists the free blocks and, per running request, ``[prompt_len, num_computed_tokens, blocks held]``;
 ``"preempted"``: how many times each preempted request was preempted. ``"request_policies"``: per prompt,
 the ``extra_args`` of its ``SamplingParams`` (``{"kvpolicies": spec}``: its own policy) or None.
-``"preempt": {"i": n}`` in the job preempts request ``i`` once, between steps, as soon as it has ``n`` tokens
-cached (vLLM's own ``Scheduler._preempt_request``: its blocks are freed and it is recomputed from its first
-token).
+``"generate": true``: only the tokens, through ``LLM.generate`` (the engine core may then run in its own
+process, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``). ``"preempt": {"i": n}`` in the job preempts request ``i``
+once, between steps, as soon as it has ``n`` tokens cached (vLLM's own ``Scheduler._preempt_request``: its
+blocks are freed and it is recomputed from its first token).
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ def main(job_path: str, out_path: str) -> None:
     engine_kwargs.update(job.get("engine", {}))
     llm = LLM(model=job["model"], **engine_kwargs)
     boot = time.perf_counter() - started
+    own = job.get("request_policies") or [None] * len(job["prompts"])  # {"kvpolicies": spec} or None
+    if job.get("generate"):  # tokens only, through LLM.generate: the engine core may run in its own process
+        params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
+                                 extra_args=extra) for extra in own]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
+        with open(out_path, "w") as f:
+            json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "boot_seconds": boot}, f)
+        return
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     kv = scheduler.kv_cache_manager
     manager = kv.coordinator.single_type_managers[0]
-    own = job.get("request_policies") or [None] * len(job["prompts"])  # {"kvpolicies": spec} or None
     for i, (ids, extra) in enumerate(zip(job["prompts"], own)):
         params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
                                 extra_args=extra)

@@ -73,9 +73,12 @@ def register() -> None:
 
 def _check_requests(default: object) -> None:
     """Check each request's own policy where vLLM validates its parameters (``InputProcessor``, in the process
-    that takes requests), so a bad spec is the request's error (a ``ValueError`` raised to the caller),
-    not a crash of the engine that schedules it. With the plugin off (``default`` None) a request
-    that names a policy is refused: nothing would apply it."""
+    that takes requests), so a bad spec is the request's error, not a crash of the engine that schedules
+    it: a :class:`PolicySpecError` that is also vLLM's ``VLLMValidationError``, which ``LLM`` raises to the
+    caller and ``vllm serve`` answers with HTTP 400 and the message (a plain ``ValueError`` there became an
+    opaque 500). With the plugin off (``default`` None) a request that names a policy is refused: nothing
+    would apply it."""
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -83,14 +86,26 @@ def _check_requests(default: object) -> None:
     if getattr(validate, "_kvpolicies", False):
         return
 
+    class RequestPolicySpecError(PolicySpecError, VLLMValidationError):
+        """A request's ``extra_args["kvpolicies"]`` the plugin cannot apply (HTTP 400 from vllm serve)."""
+
+        def __init__(self, message: str) -> None:
+            VLLMValidationError.__init__(self, message, parameter=f"vllm_xargs.{REQUEST_KEY}")
+
+    RequestPolicySpecError.__qualname__ = "RequestPolicySpecError"  # tracebacks: kvpolicies.vllm.Request...
+
     def _validate_params(self: object, params: object, *args: object, **kwargs: object) -> object:
         out = validate(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and REQUEST_KEY in (params.extra_args or {}):
             if default is None:
-                raise PolicySpecError(f'extra_args["{REQUEST_KEY}"] names a policy, but the kvpolicies vLLM '
-                                      f"plugin is off ({ENV} unset); start vLLM with {ENV}=full to let "
-                                      "requests name their own policy (no compression by default)")
-            request_policy(params, default)  # raises PolicySpecError
+                raise RequestPolicySpecError(
+                    f'extra_args["{REQUEST_KEY}"] names a policy, but the kvpolicies vLLM plugin is off '
+                    f"({ENV} unset); start vLLM with {ENV}=full to let requests name their own policy (no "
+                    "compression by default)")
+            try:
+                request_policy(params, default)
+            except PolicySpecError as e:
+                raise RequestPolicySpecError(str(e)) from None
         return out
 
     _validate_params._kvpolicies = True  # type: ignore[attr-defined]
