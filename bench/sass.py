@@ -38,11 +38,14 @@ BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
 # int4+float: KIVI's float residual as a second region; +h2o: the fused score update (logits kept);
 # +keyformer: Gumbel's, its noise hashed in the kernel.
 # "/prefetch": kvkernels.quant_attention.PREFETCH_TILES on (the loads a tile ahead by hand); without it, off.
+# "prefill": the prefill scorer's column pass (H2O's accumulate mode, the row log-sum-exp given, as the cache
+# runs it on CUDA after the flash kernel), one 4k prompt of the same heads (head dim 128).
 CASES = ("native", "native+h2o", "native+keyformer", "int8", "int4", "int2", "int4+float", "int4+h2o",
-         "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch")
-OPS = {"hmma": "HMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL", "stl": "STL",
-       "sts": "STS", "lds": "LDS", "ldsm": "LDSM", "bar": "BAR", "shfl": "SHFL", "prmt": "PRMT", "i2f": "I2F",
-       "f2fp": "F2FP"}  # shared-memory stores/loads, barriers, shuffles: layout conversions between steps
+         "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch", "prefill")
+# hmma: mma.sync tensor-core products; hgmma: sm_90's warpgroup ones (wgmma: the prefill scorer's tiles).
+OPS = {"hmma": "HMMA", "hgmma": "HGMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL",
+       "stl": "STL", "sts": "STS", "lds": "LDS", "ldsm": "LDSM", "bar": "BAR", "shfl": "SHFL", "prmt": "PRMT",
+       "i2f": "I2F", "f2fp": "F2FP"}  # shared-memory stores/loads, barriers, shuffles: layout conversions
 
 
 def _launch(case: str) -> None:
@@ -57,6 +60,14 @@ def _launch(case: str) -> None:
     case, prefetch = case.removesuffix("/prefetch"), case.endswith("/prefetch")
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
+    if case == "prefill":
+        from kvkernels.score_update import prefill_scores_triton
+
+        q = torch.empty(CONTEXT, HQ, D, dtype=bf16, device=meta)
+        k = torch.empty(CONTEXT, HKV, D, dtype=bf16, device=meta)
+        lse = torch.empty(HQ, CONTEXT, dtype=torch.float32, device=meta)
+        prefill_scores_triton(q, k, scale=D ** -0.5, mode="accumulate", lse=lse)
+        return
     pages, width = BATCH * CONTEXT // PAGE, CONTEXT // PAGE
 
     def t(*shape: int, dt: torch.dtype) -> torch.Tensor:
