@@ -340,7 +340,7 @@ def pytest_runtest_logreport(report: Any) -> None:
 def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
     """pytest hook: the tests in the order of the arguments that name them (``KVBENCH_TEST_ORDER``, a JSON
     list). pytest merges overlapping arguments (a test named alone and its whole file later) and runs them
-    where the file is, which put the first-listed tests of run 1, 2026-11-28 after the time box."""
+    where the file is, which put the first-listed tests of run 4, 2026-11-28 after the time box."""
     order = os.environ.get("KVBENCH_TEST_ORDER")
     if not order:
         return
@@ -696,7 +696,7 @@ def stage_kernels(st: Stage) -> None:
 # The example the H200 found (tests/test_quant_attention.py's _GPU_FOUND): one KV head, one query head, head
 # dim 16, 2-bit keys and values in groups of 8 (float16 parameters), float16 queries, pages of one slot, one
 # sequence of 2 slots, three splits; the loop without prefetching was 0.22 off the reference there when it
-# read contiguous code bytes (run 1 of 2026-11-28: 4- and 2-bit rows of head dim 16 failed, 8-bit rows, head
+# read contiguous code bytes (run 4 of 2026-11-28: 4- and 2-bit rows of head dim 16 failed, 8-bit rows, head
 # dim 64 and every prefetched variant, which reads int32 words, passed). It reads words since
 # (quant_attention._loads); a pool that does not start on 4 bytes gathers each channel's code byte ("bytes":
 # the pools placed 2 bytes into a buffer).
@@ -706,9 +706,9 @@ PROBE_BASE: dict[str, Any] = dict(page=1, n_kv=1, gqa=1, d=16, k=(2, 8), v=(2, 8
 # tail), each one change from the base; "gathered": rows of head dims that are not powers of two, which the
 # library runs without prefetching, a code byte per channel; "bytes" last (the gather on power-of-two rows,
 # never run on a GPU: a CUDA error there ends the process's CUDA context and with it the stage, as the
-# misaligned parameter reads of run 2, 2026-11-28, did).
+# misaligned parameter reads of run 5, 2026-11-28, did).
 PROBE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("base", {}),  # failed in run 1 of 2026-11-28 (code bytes); passed in run 2 (words)
+    ("base", {}),  # failed in runs 1 and 4 of 2026-11-28 (code bytes); passed in run 5 (words)
     ("4-bit", {"k": (4, 8), "v": (4, 8)}),
     ("GQA 4", {"gqa": 4}),
     ("40 slots", {"lens": (40,)}),
@@ -730,7 +730,7 @@ PROBE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
 def _off_four(pool):
     """``pool`` copied into a buffer 2 bytes past its start: the same rows in a pool off 4 bytes but on the
     float16 parameters' 2 (the kernel's per-channel gather, ``quant_attention._loads`` 0; off 1 byte the
-    launcher refuses it: run 2 of 2026-11-28 read its parameters misaligned, a CUDA error)."""
+    launcher refuses it: run 5 of 2026-11-28 read its parameters misaligned, a CUDA error)."""
     import torch
 
     buf = torch.empty(pool.numel() + 4, dtype=torch.uint8, device=pool.device)

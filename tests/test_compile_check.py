@@ -47,8 +47,8 @@ def test_the_quantized_decode_runs_on_the_tensor_cores_without_spills(tmp_path):
     """``bench/sass.py`` on the H200 bench's shape (bf16, head dim 128, GQA 4): the 4-bit decode, alone,
     with KIVI's float residual as a second region and with H2O's fused score update, compiles for sm_90 to
     tensor-core products (HMMA) with no spilled registers, as the native decode does, and so does the prefill
-    scorer's column pass. The first kernel held
-    no HMMA and 344 spilled bytes and ran 36x slower than bf16 pages on an H200; this fails on it."""
+    scorer's column pass (HGMMA). The first kernel held no HMMA and 344 spilled bytes and ran 36x slower than
+    bf16 pages on an H200; this fails on it."""
     cases = ("native", "int4", "int4+float", "int4+h2o", "int4/prefetch", "int4+h2o/prefetch", "prefill")
     proc = _run([str(Path(SRC).parent / "bench" / "sass.py"), *cases, "--json"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]

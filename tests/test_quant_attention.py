@@ -153,7 +153,7 @@ def reference(impl, device, q, kq, vq, table, lens, *, scale, k_format, v_format
 # sm_90; the interpreter passes them): the loop without prefetching ([triton-no-prefetch], and [op] when a
 # region took that loop: 8-bit values then) was far off the reference (0.22 and 0.62 absolute) on one or two
 # slots of 2-bit keys at head dim 16 in pages of one slot, when it read contiguous code bytes. It reads int32
-# words since, as the prefetched loop does, and passed them on the H200 (run 2); pools off 4 bytes gather
+# words since, as the prefetched loop does, and passed them on the H200 (run 5); pools off 4 bytes gather
 # each channel's byte ([triton-bytes]; that gather at power-of-two head dims is not yet run on a GPU).
 _GPU_FOUND = (1, 1, 1, 16, QuantFormat(2, 8, torch.float16), QuantFormat(2, 8, torch.float16), [2],
               torch.float16, torch.float16, 0)

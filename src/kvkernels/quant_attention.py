@@ -135,7 +135,7 @@ if HAS_TRITON:
         ``c // CODES`` of code byte ``c % CODES`` (planar packing, :func:`kvkernels.quant.pack`), gathered per
         channel with its group's scale and zero point (any head dim, any pool start).
 
-        Contiguous byte runs unpacked in registers (as the words are) failed the reference on an H200 (run 1
+        Contiguous byte runs unpacked in registers (as the words are) failed the reference on an H200 (run 4
         of 2026-11-28: runs of 4 and 8 bytes, 2- and 4-bit rows of head dim 16, far off on some slots; the
         interpreter passed) where the word loads passed: pools off 4 bytes take this gather instead."""
         CODES: tl.constexpr = D * BITS // 8  # code bytes per row
