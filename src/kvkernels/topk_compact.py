@@ -144,23 +144,20 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _release_pages_kernel(table_ptr, lens_ptr, new_ptr, free_ptr, n_free_ptr, batch, cols, stride_tb,
-                              PAGE_SIZE: tl.constexpr, CLAMP: tl.constexpr, BLOCK_B: tl.constexpr,
-                              BLOCK_M: tl.constexpr):
-        """:func:`_release_pages_torch` in one program (the free stack's order is sequence by sequence):
-        pages ``[ceil(new/S), min(ceil(len/S), cols))`` of each sequence pushed on the free stack in (b,
-        column) order, their table entries set to -1, and ``seq_lens = new``; ``new = new_lens[b]``, or
-        (``CLAMP``: ``new_ptr`` holds budgets) ``min(seq_lens[b], budgets[b])``. A sequence's released pages
-        are one run of columns, so each block of sequences loops over the longest run (one page or none
-        after a decode step's eviction) instead of the table's width."""
+    def _release_pages_kernel(table_ptr, lens_ptr, budgets_ptr, free_ptr, n_free_ptr, batch, cols, stride_tb,
+                              PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr):
+        """:func:`_release_pages_torch` in one program (the free stack's order is sequence by sequence), the
+        new lengths ``new = min(seq_lens[b], budgets[b])`` (the plans' ``new_lens``): pages ``[ceil(new/S),
+        min(ceil(len/S), cols))`` of each sequence pushed on the free stack in (b, column) order, their
+        table entries set to -1, and ``seq_lens = new``. A sequence's released pages are one run of columns,
+        so each block of sequences loops over the longest run (one page or none after a decode step's
+        eviction) instead of the table's width."""
         top = tl.load(n_free_ptr)
         for b0 in range(0, batch, BLOCK_B):
             b = b0 + tl.arange(0, BLOCK_B)
             ok = b < batch
             old = tl.load(lens_ptr + b, mask=ok, other=0)
-            new = tl.load(new_ptr + b, mask=ok, other=0).to(tl.int64)
-            if CLAMP:
-                new = tl.minimum(new, old.to(tl.int64))
+            new = tl.minimum(tl.load(budgets_ptr + b, mask=ok, other=0).to(tl.int64), old.to(tl.int64))
             first = (new + PAGE_SIZE - 1) // PAGE_SIZE
             last = tl.minimum((old.to(tl.int64) + PAGE_SIZE - 1) // PAGE_SIZE, cols)
             count = tl.where(ok, tl.maximum(last - first, 0), 0)
@@ -298,15 +295,15 @@ def compaction_plan(scores: Tensor, lens: Tensor, budgets: Tensor, n_sink: Tenso
     return src_map[..., :width].long(), n_move.long()
 
 
-def _release_pages_triton(page_table: Tensor, seq_lens: Tensor, new_lens: Tensor, free_pages: Tensor,
-                          n_free: Tensor, page_size: int, clamp: bool = False) -> None:
-    """:func:`_release_pages_torch` as one Triton launch (:func:`_release_pages_kernel`); ``clamp``:
-    ``new_lens`` holds budgets, the new length of each sequence is ``min(seq_lens, budgets)``. The torch
-    version's ~15 small kernels took ~40 us of device time per layer and decode step on an H200 (run 4 of
-    2026-11-28: the cache's eviction, 46 us in all, of which the selection kernel 1 us)."""
+def _release_pages_triton(page_table: Tensor, seq_lens: Tensor, budgets: Tensor, free_pages: Tensor,
+                          n_free: Tensor, page_size: int) -> None:
+    """:func:`_release_pages_torch` with ``new_lens = min(seq_lens, budgets)`` (what both plans compute) as
+    one Triton launch (:func:`_release_pages_kernel`). The torch version's ~15 small kernels took ~40 us of
+    device time per layer and decode step on an H200 (run 4 of 2026-11-28: the cache's eviction, 46 us in
+    all, of which the selection kernel 1 us)."""
     batch, cols = page_table.shape
-    launch(_release_pages_kernel, (1,), page_table, seq_lens, new_lens, free_pages, n_free, batch, cols,
-           page_table.stride(0), PAGE_SIZE=page_size, CLAMP=clamp,
+    launch(_release_pages_kernel, (1,), page_table, seq_lens, budgets, free_pages, n_free, batch, cols,
+           page_table.stride(0), PAGE_SIZE=page_size,
            BLOCK_B=min(128, max(16, triton.next_power_of_2(batch))), BLOCK_M=16, num_warps=4)
 
 
@@ -339,9 +336,9 @@ def topk_compact_triton(
     num_pages, page_size, n_heads = k_pages.shape[:3]
     if batch == 0 or num_pages == 0:  # nothing stored (an empty pool means every length is 0)
         return
-    src_map, n_move, new_lens = _plan_moves(slot_score, page_table, seq_lens, budgets, n_sink, n_recent)
+    src_map, n_move, _ = _plan_moves(slot_score, page_table, seq_lens, budgets, n_sink, n_recent)
     _move_slots(k_pages, v_pages, slot_pos, slot_score, extra, src_map, page_table, n_move)
-    _release_pages_triton(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+    _release_pages_triton(page_table, seq_lens, budgets, free_pages, n_free, page_size)
 
 
 def _move_slots(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score: Tensor,
@@ -672,7 +669,7 @@ def _evict_excess(k_pages: Tensor, v_pages: Tensor, slot_pos: Tensor, slot_score
         PAGE_SIZE=page_size, BLOCK_W=block_w, BLOCK_D=triton.next_power_of_2(kv_width),
         num_warps=4 if block_w <= 1024 else 8,
     )
-    _release_pages_triton(page_table, seq_lens, budgets, free_pages, n_free, page_size, clamp=True)
+    _release_pages_triton(page_table, seq_lens, budgets, free_pages, n_free, page_size)
 
 
 def topk_evict_triton(
@@ -697,12 +694,12 @@ def topk_evict_triton(
         _evict_excess(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, budgets, n_sink, n_recent,
                       free_pages, n_free)
         return
-    holes, movers, new_lens = _plan_evict(slot_score, slot_pos, page_table.long(), seq_lens, budgets, n_sink,
-                                          n_recent)
+    holes, movers, _ = _plan_evict(slot_score, slot_pos, page_table.long(), seq_lens, budgets, n_sink,
+                                   n_recent)
     src_map = _pair_holes(holes, movers)  # [B, Hkv, W]
     n_move = torch.where(seq_lens.long() > budgets.long(), budgets.long(), 0).to(torch.int32)
     _move_slots(k_pages, v_pages, slot_pos, slot_score, extra, src_map, page_table, n_move)
-    _release_pages_triton(page_table, seq_lens, new_lens, free_pages, n_free, page_size)
+    _release_pages_triton(page_table, seq_lens, budgets, free_pages, n_free, page_size)
 
 
 @torch.library.custom_op(
