@@ -100,15 +100,15 @@ SAVE_EVERY_S = 30  # results (and the --pack) rewritten this often while a stage
 # The kernel, cache, compile and transformers tests that run on CUDA, most telling first (the time box may cut
 # the tail; every test that finished is recorded).
 TEST_FILES = (
-    "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference",  # issue 36: never run on a GPU
-    "tests/test_gpu.py::test_quantized_cache_on_cuda_keeps_quantized_rows_and_matches_cpu",
-    # The prefill scorer's changes of 2026-11-28 (twelfth session), never run on a GPU: the flash kernel's lse
-    # (prefill_attention(need_lse=True)), the column pass's loop orders and Gumbel noise at temperature 1.
-    "tests/test_gpu.py::test_prefill_attention_returns_the_flash_kernels_lse",
-    "tests/test_score_update.py::test_column_pass_loop_orders_agree",
-    # Keyformer's decode noise hashed in the kernel (thirteenth session), never compiled for a GPU: every mode
-    # on the one-program and the split-K path against the reference.
+    # Never run on a GPU (2026-12-01, seventeenth session): the decode reduce kernel's wide tiles (every score
+    # mode on the one-program and split-K paths; 17 and 40 splits at 32k, more than one tile of splits) and
+    # cuDNN's attention as the prompt's lse (prefill_attention(need_lse=True)), each kernel alone.
     "tests/test_paged_attention.py::test_triton_each_mode_on_both_paths",
+    "tests/test_gpu.py::test_split_k_at_32k_context_bf16",
+    "tests/test_gpu.py::test_prefill_attention_returns_a_kernels_lse",
+    "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference",  # issue 36
+    "tests/test_gpu.py::test_quantized_cache_on_cuda_keeps_quantized_rows_and_matches_cpu",
+    "tests/test_score_update.py::test_column_pass_loop_orders_agree",
     # Run 10's correctness stage never reached test_quant_attention.py (cut in test_cache_quantized.py, ~90 s
     # there); a pytest run by hand after it, cut too, showed GPU-only failures in its first 17 tests.
     "tests/test_quant_attention.py",
@@ -117,7 +117,6 @@ TEST_FILES = (
     "tests/test_gpu.py::test_compiled_decode_step_is_captured_as_a_cuda_graph",
     "tests/test_gpu.py::test_quantized_compiled_decode_step_is_captured_as_a_cuda_graph",
     "tests/test_gpu.py::test_decode_step_bookkeeping_never_waits_for_the_device",
-    "tests/test_gpu.py::test_split_k_at_32k_context_bf16",
     "tests/test_gpu_run.py::test_decode_under_swept_configs_matches_ref",
     "tests/test_paged_attention.py", "tests/test_score_update.py",
     "tests/test_topk_compact.py", "tests/test_topk_evict.py", "tests/test_merge.py",
@@ -440,12 +439,13 @@ def _decode_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) ->
         gb_s = t["kv_bytes"] / s / 1e9
         st.emit("decode", shape=shape, impl=impl, us=s * 1e6, gb_s=gb_s, pct_of_copy=100 * gb_s / copy_gb_s,
                 timed_by=how, kv_bytes=t["kv_bytes"], config="default" if impl != "sdpa-dense" else None)
-    if shape != "B1-L32768":  # where the fused score update's cost goes: each kernel's share of a call
-        for impl in ("paged", "paged+h2o-score", "paged+keyformer-score"):
-            try:
-                st.emit("decode_kernels", shape=shape, impl=impl, **_kernel_times(st, impls[impl]))
-            except Exception:  # noqa: BLE001 -- the profiler: recorded, the timings above stand
-                st.error(f"decode_kernels {shape} {impl}")
+    # Where the time goes: each kernel's share of a call (the fused score update's cost at B8 and B64; at
+    # B1-L32768 the split-K combine, a loop over 33 splits until 2026-12-01, now two tiles of them).
+    for impl in ("paged", "paged+h2o-score") + (("paged+keyformer-score",) if shape != "B1-L32768" else ()):
+        try:
+            st.emit("decode_kernels", shape=shape, impl=impl, **_kernel_times(st, impls[impl]))
+        except Exception:  # noqa: BLE001 -- the profiler: recorded, the timings above stand
+            st.error(f"decode_kernels {shape} {impl}")
 
 
 def _kernel_times(st: Stage, fn: Callable[[], Any], reps: int = 20,
@@ -612,14 +612,29 @@ def _prefill_records(st: Stage) -> None:
     try:
         plain, how = st.seconds(lambda: prefill_attention(q, k, v, scale=scale), reps=5)
         st.emit("prefill", impl="attention", mode="none", L=L, ms=plain * 1e3, over_attention=1.0,
-                timed_by=how)
+                timed_by=how, kernels=_kernel_names(st, lambda: prefill_attention(q, k, v, scale=scale)))
         s, how = st.seconds(lambda: prefill_attention(q, k, v, scale=scale, need_lse=True), reps=5)
         has_lse = prefill_attention(q, k, v, scale=scale, need_lse=True)[1] is not None
         st.emit("prefill", impl="attention (need_lse)", mode="none", L=L, ms=s * 1e3,
-                over_attention=s / plain, lse=has_lse, timed_by=how)
+                over_attention=s / plain, lse=has_lse, lse_kernel=_lse_kernel(q, k, v, scale), timed_by=how)
     except Exception:  # noqa: BLE001
         st.error("prefill attention")
         return
+    if st.cuda:  # each kernel that returns the lse alone (LSE_KERNELS: the first that takes the inputs runs)
+        from kvkernels.score_update import LSE_KERNELS, _attention_with_lse
+
+        qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+        for name in LSE_KERNELS:
+            try:
+                if _attention_with_lse(qt, kt, vt, scale, (name,)) is None:
+                    st.emit("prefill", impl=f"attention ({name} lse)", mode="none", L=L, lse=False,
+                            note="refused these inputs, or its lse failed the first-use check")
+                    continue
+                s, how = st.seconds(lambda name=name: _attention_with_lse(qt, kt, vt, scale, (name,)), reps=5)
+                st.emit("prefill", impl=f"attention ({name} lse)", mode="none", L=L, ms=s * 1e3,
+                        over_attention=s / plain, lse=True, timed_by=how)
+            except Exception:  # noqa: BLE001
+                st.error(f"prefill attention {name} lse")
     for mode in ("accumulate", "gumbel"):
         def separate(mode=mode, need_lse=True, heads_outer=True):
             _, lse = prefill_attention(q, k, v, scale=scale, need_lse=need_lse)
@@ -641,6 +656,28 @@ def _prefill_records(st: Stage) -> None:
                         timed_by=how)
             except Exception:  # noqa: BLE001
                 st.error(f"prefill {impl} {mode}")
+
+
+def _lse_kernel(q: Any, k: Any, v: Any, scale: float) -> str | None:
+    """The kernel of ``kvkernels.score_update.LSE_KERNELS`` that ``prefill_attention(need_lse=True)`` runs
+    for these inputs (None: none, or not CUDA)."""
+    from kvkernels.score_update import _attention_with_lse
+
+    if not q.is_cuda:
+        return None
+    found = _attention_with_lse(*(x.transpose(0, 1)[None] for x in (q, k, v)), scale)
+    return None if found is None else found[2]
+
+
+def _kernel_names(st: Stage, fn: Callable[[], Any]) -> list[str] | None:
+    """The CUDA kernels ``fn`` launches, longest first (torch.profiler; None on CPU or if it fails): which
+    kernel SDPA picked."""
+    if not st.cuda:
+        return None
+    try:
+        return [name[:80] for name in _kernel_times(st, fn, reps=2)["kernels_us"]][:3]
+    except Exception:  # noqa: BLE001 -- a name is a note, never worth the stage
+        return None
 
 
 def _prefill_sweep(st: Stage, cfg: Any, inputs: tuple) -> None:
@@ -1128,6 +1165,37 @@ def _prefill_costs(st: Stage, model: Any, cfg: Any) -> None:
                     prompt_len=sh.prompt_len, prefill_s=min(times))
         except Exception:  # noqa: BLE001
             st.error(f"prefill {name}")
+            continue
+        try:  # where a prefill's time goes: the device's kernels, or the host between them
+            _prefill_profile(st, lambda name=name: generate(model, prompt, 1, _policy(name, sh.budget)), name)
+        except Exception:  # noqa: BLE001 -- the profiler: recorded, the timing above stands
+            st.error(f"prefill profile {name}")
+
+
+def _prefill_profile(st: Stage, fn: Callable[[], Any], name: str) -> None:
+    """One more prefill under ``torch.profiler``: its wall seconds, the device's busy time (every kernel's
+    device time, summed), the largest kernels, and the host operators that took the most CPU time. A
+    wall time far above the busy time is a prefill waiting on its host (Python, launches, uploads that
+    wait for the device), not on its kernels: what the H200 runs of 2026-11-28 left open (snapkv's prefill
+    1.56x the full cache's, where its scorer reads only a 32-row window)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if st.cuda else [])
+    st.sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        res = fn()
+        st.sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    dev = {e.key: e.device_time_total for e in events if st.cuda and e.device_time_total > 0
+           and e.device_type.name == "CUDA"}
+    host = {e.key: e.self_cpu_time_total for e in events if e.self_cpu_time_total > 0}
+    top = lambda d, n: {k: round(v / 1e3, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}  # noqa: E731
+    st.emit("prefill_profile", policy=name, prefill_s=res.prefill_s, wall_s=wall,
+            device_busy_s=sum(dev.values()) / 1e6 if st.cuda else None, kernels_ms=top(dev, 8),
+            host_ops_ms=top(host, 8), n_kernels=sum(e.count for e in events if e.key in dev),
+            timed_by="torch.profiler (one run, its own overhead included)")
 
 
 def _generation_run(st: Stage, model: Any, cfg: Any, batch: int, new: int, name: str,
@@ -1687,7 +1755,8 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
     lines += _table(kinds.get("quant_write", []), ["rows", "head_dim", "us", "torch_path_us", "speedup",
                                                    "bit_equal", "timed_by"])
     lines += ["", "## Prefill scorer (one layer)", ""]
-    lines += _table(kinds.get("prefill", []), ["impl", "mode", "L", "ms", "over_attention", "lse"])
+    lines += _table(kinds.get("prefill", []), ["impl", "mode", "L", "ms", "over_attention", "lse",
+                                               "lse_kernel", "kernels"])
     sweep = [r for r in kinds.get("prefill_sweep", []) if "ms" in r]
     best_prefill = min(sweep, key=lambda r: r["ms"]) if sweep else None
     if best_prefill:
@@ -1731,6 +1800,15 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
                     ["op", "batch", "tokens", "keep", "total_us", "kernels_us"])
     lines += ["", "## Generation", ""]
     lines += _table(kinds.get("prefill_policy", []), ["policy", "budget", "prompt_len", "prefill_s"])
+    lines += ["", "Each prefill once under the profiler (device busy: its kernels' time summed; the rest of "
+              "the wall time the device waited on the host):", ""]
+    lines += _table(_short_kernels([{**r, "kernels_us": r.get("kernels_ms")} for r in
+                                    kinds.get("prefill_profile", [])], top=5),
+                    ["policy", "prefill_s", "wall_s", "device_busy_s", "n_kernels", "kernels_us"])
+    host = [{"policy": r["policy"],
+             "host_ops_ms": ", ".join(f"{k} {v}" for k, v in list(r.get("host_ops_ms", {}).items())[:5])}
+            for r in kinds.get("prefill_profile", [])]
+    lines += [""] + _table(host, ["policy", "host_ops_ms"])
     lines += [""]
     lines += _table(kinds.get("gen", []), ["batch", "policy", "new_tokens", "prefill_s", "first_step_s",
                                            "compile_s", "decode_tok_s", "decode_tok_s_skip_first", "kv_kept",

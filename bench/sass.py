@@ -40,8 +40,11 @@ BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
 # "/prefetch": kvkernels.quant_attention.PREFETCH_TILES on (the loads a tile ahead by hand); without it, off.
 # "prefill": the prefill scorer's column pass (H2O's accumulate mode, the row log-sum-exp given, as the cache
 # runs it on CUDA after the flash kernel), one 4k prompt of the same heads (head dim 128).
+# "@reduce": the second kernel of the launch (``_decode_reduce_kernel``: the score update's, or split-K's
+# combine); "native/32k": one sequence of 32768 tokens in 32 splits, the kernels stage's split-K shape.
 CASES = ("native", "native+h2o", "native+keyformer", "int8", "int4", "int2", "int4+float", "int4+h2o",
-         "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch", "prefill")
+         "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch", "prefill", "native+h2o@reduce",
+         "native+keyformer@reduce", "native/32k@reduce")
 # hmma: mma.sync tensor-core products; hgmma: sm_90's warpgroup ones (wgmma: the prefill scorer's tiles).
 OPS = {"hmma": "HMMA", "hgmma": "HGMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL",
        "stl": "STL", "sts": "STS", "lds": "LDS", "ldsm": "LDSM", "bar": "BAR", "shfl": "SHFL", "prmt": "PRMT",
@@ -57,6 +60,8 @@ def _launch(case: str) -> None:
     from kvkernels.quant import QuantFormat
     from kvkernels.quant_attention import Region, quant_decode_attention_triton
 
+    case = case.removesuffix("@reduce")
+    case, long = case.removesuffix("/32k"), case.endswith("/32k")
     case, prefetch = case.removesuffix("/prefetch"), case.endswith("/prefetch")
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
@@ -68,22 +73,23 @@ def _launch(case: str) -> None:
         lse = torch.empty(HQ, CONTEXT, dtype=torch.float32, device=meta)
         prefill_scores_triton(q, k, scale=D ** -0.5, mode="accumulate", lse=lse)
         return
-    pages, width = BATCH * CONTEXT // PAGE, CONTEXT // PAGE
+    batch, context, splits = (1, 32768, 32) if long else (BATCH, CONTEXT, 1)
+    pages, width = batch * context // PAGE, context // PAGE
 
     def t(*shape: int, dt: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dt, device=meta)
 
-    q, table, lens = t(BATCH, HQ, D, dt=bf16), t(BATCH, width, dt=torch.int32), t(BATCH, dt=torch.int32)
+    q, table, lens = t(batch, HQ, D, dt=bf16), t(batch, width, dt=torch.int32), t(batch, dt=torch.int32)
     scores = None
     if case.endswith("+h2o"):
         scores = ScoreUpdate(t(pages, PAGE, HKV, dt=torch.float32), "accumulate")
     if case.endswith("+keyformer"):  # Gumbel noise hashed in the kernel from one key per sequence
-        keys, tau = t(BATCH, HQ, dt=torch.int32), t(1, dt=torch.float32)
+        keys, tau = t(batch, HQ, dt=torch.int32), t(1, dt=torch.float32)
         scores = ScoreUpdate(t(pages, PAGE, HKV, dt=torch.float32), "gumbel", 1.0, keys, tau)
     if case.startswith("native"):
         pool = t(pages, PAGE, HKV, D, dt=bf16)
         paged_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, scores=scores,
-                                      num_splits=1)
+                                      num_splits=splits)
         return
     fmt = QuantFormat(int(case[3]), 32)
     pool = t(pages, PAGE, HKV, fmt.row_bytes(D), dt=torch.uint8)
@@ -97,7 +103,8 @@ def _launch(case: str) -> None:
 
 
 def stats(case: str, arch: int = 90) -> dict:
-    """Registers, stack bytes and instruction counts of ``case``'s first kernel compiled for ``sm_{arch}``."""
+    """Registers, stack bytes and instruction counts of ``case``'s first kernel (``@reduce``: its last)
+    compiled for ``sm_{arch}``."""
     import triton
     from triton.backends import backends
     from triton.backends.compiler import GPUTarget
@@ -109,7 +116,7 @@ def stats(case: str, arch: int = 90) -> dict:
         raise ValueError(f"case={case!r} is not one of {CASES}")
     with record_launches() as launches:
         _launch(case)
-    first = launches[0]
+    first = launches[-1 if case.endswith("@reduce") else 0]
     target = GPUTarget("cuda", arch, 32)
     sig, consts, attrs = first.specialization(backends["nvidia"].compiler(target))
     options = {"num_warps": first.num_warps, **({} if first.num_stages is None else

@@ -91,7 +91,7 @@ def test_bf16_compiled_step_within_twice_eager_error(policy):
         assert result.report.total_bytes < result.report.full_cache_bytes
 
 
-@pytest.mark.parametrize("num_splits", [0, 1, 16])
+@pytest.mark.parametrize("num_splits", [0, 1, 16, 40])
 def test_split_k_at_32k_context_bf16(num_splits):
     """One 32k-token sequence (and a short one beside it): the split-K reduction stays within twice the error
     of plain bf16 torch against a float64 reference; the fused h2o update adds one unit of mass per head."""
@@ -324,17 +324,21 @@ def test_quantized_compiled_decode_step_is_captured_as_a_cuda_graph():
 
 
 @pytest.mark.parametrize("heads,dtype", [((32, 8), torch.bfloat16), ((8, 8), torch.float16)])
-def test_prefill_attention_returns_the_flash_kernels_lse(heads, dtype):
-    """On CUDA, ``prefill_attention(need_lse=True)`` runs torch's flash kernel, whose row log-sum-exp spares
-    the scorer its normaliser pass: the output is SDPA's within the dtype's rounding, the lse the float64
-    rows' within 1e-3, and H2O's prompt scores from it equal the scorer's own two passes' within 2e-3
-    (GQA 4 at the bench's head dim, and plain heads)."""
+@pytest.mark.parametrize("kernels", [("cudnn", "flash"), ("flash",)], ids=["default", "flash"])
+def test_prefill_attention_returns_a_kernels_lse(heads, dtype, kernels, monkeypatch):
+    """On CUDA, ``prefill_attention(need_lse=True)`` runs a kernel that returns the row log-sum-exp
+    (``LSE_KERNELS``: cuDNN's attention where SDPA prefers it, else torch's flash kernel; each alone here),
+    which spares the scorer its normaliser pass: the output is SDPA's within the dtype's rounding, the lse
+    the float64 rows' within 1e-3, and H2O's prompt scores from it equal the scorer's own two passes' within
+    2e-3 (GQA 4 at the bench's head dim, and plain heads)."""
+    from kvkernels import score_update
     from kvkernels.score_update import prefill_attention, prefill_scores
 
     Hq, Hkv = heads
     L, D, scale = 300, 128, 128 ** -0.5
     gen = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(L, h, D, generator=gen).to(DEVICE, dtype) for h in (Hq, Hkv, Hkv))
+    monkeypatch.setattr(score_update, "LSE_KERNELS", kernels)
     out, lse = prefill_attention(q, k, v, scale=scale, need_lse=True)
     assert lse is not None and lse.shape == (Hq, L) and lse.dtype == torch.float32
     want = torch.nn.functional.scaled_dot_product_attention(

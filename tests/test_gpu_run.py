@@ -116,13 +116,17 @@ def test_smoke_run_every_stage_ok(tmp_path):
 
 def test_correctness_stage_names_tests_that_exist():
     """Every file and test the correctness stage lists exists (a renamed test would fail the whole pytest
-    call on the device: 'not found'), the new GPU tests of issue 36 first."""
+    call on the device: 'not found'), the tests of the kernels changed since the last GPU run first (the
+    decode reduce kernel's, the prompt lse's; then issue 36's)."""
     gpu = _gpu_module()
     for entry in gpu.TEST_FILES + gpu.SMOKE_TEST_FILES:
         path, _, name = entry.partition("::")
         assert (ROOT / path).is_file(), entry
         assert not name or f"def {name}(" in (ROOT / path).read_text(), entry
-    assert gpu.TEST_FILES[0] == "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference"
+    assert gpu.TEST_FILES[:4] == ("tests/test_paged_attention.py::test_triton_each_mode_on_both_paths",
+                                  "tests/test_gpu.py::test_split_k_at_32k_context_bf16",
+                                  "tests/test_gpu.py::test_prefill_attention_returns_a_kernels_lse",
+                                  "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference")
 
 
 def test_stage_time_box_keeps_what_was_measured(tmp_path):

@@ -3,6 +3,7 @@ reference, score-mode properties, the Gumbel noise hash, input checks and torch.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -369,47 +370,102 @@ def test_prefill_attention_is_sdpa_with_its_lse(L, heads, dtype):
         torch.testing.assert_close(lse, true_lse(q, k, 0.3), rtol=1e-4, atol=1e-4)
     else:
         assert lse is None
-    # need_lse: on CUDA torch's flash kernel where it takes the inputs (float16 / bfloat16), which returns
-    # the lse; on CPU the same call as without.
+    # need_lse: on CUDA a kernel that returns the lse where one takes the inputs (float16 / bfloat16:
+    # cuDNN's attention or the flash kernel, LSE_KERNELS); on CPU the same call as without.
     out2, lse2 = prefill_attention(q, k, v, scale=0.3, need_lse=True)
     if DEVICE.type == "cpu":
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
     elif dtype == torch.float32:
-        assert torch.equal(out2, out) and lse2 is None  # the flash kernel takes half precision only
+        assert torch.equal(out2, out) and lse2 is None  # those kernels take half precision only
     else:
         tol = 2 * torch.finfo(dtype).eps
         torch.testing.assert_close(out2.float(), want[0].transpose(0, 1).float(), rtol=tol, atol=tol)
         torch.testing.assert_close(lse2, true_lse(q, k, 0.3), rtol=1e-3, atol=1e-3)
 
 
-def test_flash_lse_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch):
-    """``_flash_with_lse`` (CUDA's flash kernel for ``need_lse``): inputs it refuses fall back and are not
-    tried again; running out of memory is raised, never remembered as a refusal. The op is replaced by a
-    stand-in, so this runs anywhere."""
+def _cpu_attention(qt, kt, vt, scale):
+    """``(out [1, Hq, L, D], lse [1, Hq, L])``: a stand-in for a CUDA kernel, on CPU tensors."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, True, scale=scale)
+    return out, lse.float()
+
+
+def test_lse_kernel_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch):
+    """``_attention_with_lse`` (the kernels of ``need_lse`` on CUDA, ``LSE_KERNELS``): inputs a kernel refuses
+    go to the next one and are not offered to it again; running out of memory is raised, never remembered
+    as a refusal; float32 inputs ask no kernel. The ops are replaced by stand-ins, so this runs anywhere."""
     from kvkernels import score_update
 
-    qt = torch.zeros(1, 4, 5, 16, dtype=torch.bfloat16)
-    kt = torch.zeros(1, 2, 5, 16, dtype=torch.bfloat16)
+    qt = torch.randn(1, 4, 5, 16).to(torch.bfloat16)
+    kt = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
     calls = []
 
     def refuse(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("no flash kernel here")
+        raise RuntimeError("no such kernel here")
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(score_update, "_FLASH_REFUSED", set())
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", out_of_memory)
+    def flash(q, k, v, dropout, causal, debug, *, scale):
+        calls.append("flash")
+        return (*_cpu_attention(q, k, v, scale), None, None, 5, 5, None, None, None)
+
+    monkeypatch.setattr(score_update, "_LSE_REFUSED", set())
+    monkeypatch.setattr(score_update, "_LSE_CHECKED", set())
+    monkeypatch.setattr(score_update, "_cudnn_prefers", lambda device: True)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        score_update._flash_with_lse(qt, kt, kt, 0.3)
-    assert not score_update._FLASH_REFUSED
+        score_update._attention_with_lse(qt, kt, kt, 0.3)
+    assert not score_update._LSE_REFUSED
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", refuse)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
+    for _ in range(2):
+        out, lse, name = score_update._attention_with_lse(qt, kt, kt, 0.3)
+        assert name == "flash"
+        torch.testing.assert_close(lse, _cpu_attention(qt, kt, kt, 0.3)[1])
+    assert calls == [1, "flash", "flash"]  # cuDNN refused once, remembered
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", refuse)
-    assert score_update._flash_with_lse(qt, kt, kt, 0.3) is None
-    assert score_update._flash_with_lse(qt, kt, kt, 0.3) is None
-    assert len(calls) == 1  # refused once, remembered
-    assert score_update._flash_with_lse(qt.float(), kt.float(), kt.float(), 0.3) is None  # fp32: not asked
-    assert len(calls) == 1
+    monkeypatch.setattr(score_update, "_LSE_REFUSED", set())
+    monkeypatch.setattr(score_update, "_LSE_CHECKED", set())
+    assert score_update._attention_with_lse(qt, kt, kt, 0.3) is None  # every kernel refused
+    fp32 = (x.float() for x in (qt, kt, kt))
+    assert score_update._attention_with_lse(*fp32, 0.3) is None  # float32: no kernel asked
+    assert calls == [1, "flash", "flash", 1, 1]
+
+
+def test_an_lse_that_fails_its_first_use_check_is_never_used(monkeypatch):
+    """cuDNN's kernel answers ``[B, H, L, 1]``: read as ``[B, H, L]`` and checked once against rows computed
+    by hand. A kernel whose lse is off (here: in base 2) is refused for good and the next one answers."""
+    from kvkernels import score_update
+
+    qt = torch.randn(1, 8, 37, 16).to(torch.bfloat16)
+    kt = torch.randn(1, 2, 37, 16).to(torch.bfloat16)
+    calls = []
+
+    def cudnn(q, k, v, bias, lse, dropout, causal, debug, *, scale, log2=False):
+        calls.append("cudnn")
+        out, lse = _cpu_attention(q, k, v, scale)
+        lse = lse / math.log(2) if log2 else lse
+        return (out, lse[..., None], None, None, 37, 37, None, None, None)
+
+    def flash(q, k, v, dropout, causal, debug, *, scale):
+        calls.append("flash")
+        return (*_cpu_attention(q, k, v, scale), None, None, 37, 37, None, None, None)
+
+    monkeypatch.setattr(score_update, "_LSE_REFUSED", set())
+    monkeypatch.setattr(score_update, "_LSE_CHECKED", set())
+    monkeypatch.setattr(score_update, "_cudnn_prefers", lambda device: True)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", cudnn)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
+    out, lse, name = score_update._attention_with_lse(qt, kt, kt, 0.3)
+    assert name == "cudnn" and lse.shape == (1, 8, 37)
+    torch.testing.assert_close(lse, _cpu_attention(qt, kt, kt, 0.3)[1])
+    monkeypatch.setattr(score_update, "_LSE_CHECKED", set())
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention",
+                        functools.partial(cudnn, log2=True))
+    for _ in range(2):
+        assert score_update._attention_with_lse(qt, kt, kt, 0.3)[2] == "flash"
+    assert calls == ["cudnn", "cudnn", "flash", "flash"]  # the failed check: cuDNN never asked again
 
 
 @given(problems(), st.sampled_from(COLUMN_SUM_MODES), st.integers(1, 40),

@@ -14,12 +14,14 @@ Kernel design
 * ``_decode_partial_kernel``: one program per (sequence, KV head, split). It loads the ``G`` query heads of
   the group once and streams its split's K/V tiles through an online softmax, so each K/V byte is read
   once per group, not once per query head. It writes a partial (max, sum, unnormalised output) per query
-  head and split. With one split (the launcher's choice when ``B * Hkv`` programs already fill the GPU) its
-  (max, sum) are final: it writes ``out`` and runs the score update itself, and nothing else is launched.
-* ``_decode_reduce_kernel`` (split-K only): one program per (sequence, KV head, split). Every program
-  combines the splits' (max, sum) into the global softmax normaliser (a few floats); split 0 also combines
-  the partial outputs and writes ``out``; each program then finishes the score update for its own split's
-  slots (``_update_scores``, shared with the one-split path).
+  head and split. With one split and no score update (the launcher's choice when ``B * Hkv`` programs
+  already fill the GPU) its (max, sum) are final: it writes ``out`` itself, and nothing else is launched.
+* ``_decode_reduce_kernel`` (split-K or a score update): one program per (sequence and KV head, chunk of
+  :data:`SCORE_CHUNK` slots). Every program combines the splits' (max, sum) into the global softmax
+  normaliser (a few floats); chunk 0 also combines the partial outputs, a tile of splits at a time, and
+  writes ``out``; with a score update each program then scores its chunk's slots as one tile
+  (``_update_scores``). Its loops are a few wide steps, never a sweep of narrow dependent ones: the kernel
+  moves a few bytes a slot, and memory latency, not bandwidth, bounded the earlier form.
 
 Why the score update is finished in the reduce step: a slot's contribution is the mean over the group of
 ``exp(x_g - max_g) / sum_g``, and the normaliser of head ``g`` is only known once every split is done.
@@ -41,7 +43,7 @@ import torch
 from kvkernels import _checks
 from kvkernels._modes import SCORE_MODES, update_scores_ref
 from kvkernels._noise import gumbel_noise_keyed
-from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
+from kvkernels._triton import HAS_TRITON, INTERPRET, covering, launch, require_triton, use_triton
 from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
@@ -310,18 +312,26 @@ if HAS_TRITON:
         mask_bit, decay, max_pages, logits_len, num_splits, score_chunk, max_pages2, n_update1,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS2: tl.constexpr,
+        SPLIT_TILE: tl.constexpr, SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS2: tl.constexpr,
     ):
-        """One program per (sequence, KV head, split): split 0 writes ``out``; with a score update each
-        program scores one chunk of ``score_chunk`` slots. ``HAS2`` (:mod:`kvkernels.quant_attention`'s two
-        regions under one softmax): the programs ``split >= n_update1`` score the second region's chunks,
-        whose logits the partial kernel kept after the first region's ``max_pages * S`` slots of each row
-        of the scratch, with the second region's scores and page table (no slot mask)."""
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
+        """One program per (sequence and KV head, chunk): chunk 0 writes ``out``; with a score update each
+        program scores one chunk of ``score_chunk`` (= ``BLOCK_N``) slots in one tile. ``HAS2``
+        (:mod:`kvkernels.quant_attention`'s two regions under one softmax): the programs ``chunk >=
+        n_update1`` score the second region's chunks, whose logits the partial kernel kept after the first
+        region's ``max_pages * S`` slots of each row of the scratch, with the second region's scores and page
+        table (no slot mask).
 
-        offs_g = tl.arange(0, BLOCK_G)
+        Every loop here is short (a few iterations of wide, independent loads): this kernel moves a few bytes
+        per slot, so a loop of dependent narrow steps leaves it waiting on memory latency. The H200 run of
+        2026-11-28 (run 4) timed the earlier form, a 256-slot chunk in tiles of 64 and one split at a time,
+        at 14 us per call at B8/4k and 90 us at B64/4k, where its bytes take about 2 and 12 us. The KV head
+        varies fastest along the grid's first axis: neighbouring programs update neighbouring floats of
+        ``score [P, S, Hkv]`` (a program's own are ``Hkv`` floats apart), so they share its memory sectors."""
+        kvh = tl.program_id(0) % HKV
+        b = tl.program_id(0) // HKV
+        split = tl.program_id(1)
+
+        offs_g = tl.arange(0, BLOCK_G)  # BLOCK_G is G rounded up to a power of two (no tl.dot here)
         offs_d = tl.arange(0, BLOCK_D)
         g_ok = offs_g < G
         d_ok = offs_d < D
@@ -329,12 +339,16 @@ if HAS_TRITON:
         m_max, inv_l = _combine_stats(m_ptr, l_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS)
 
         if split == 0:
+            # The splits' partial outputs SPLIT_TILE at a time: one [BLOCK_G, SPLIT_TILE, BLOCK_D] load each.
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            for s in range(num_splits):
-                m_s = tl.load(m_ptr + q_rows * num_splits + s, mask=g_ok, other=_NEG_BIG_C)
-                part = tl.load(acc_ptr + (q_rows * num_splits + s)[:, None] * D + offs_d[None, :],
-                               mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-                acc += tl.exp(m_s - m_max)[:, None] * part
+            offs_t = tl.arange(0, SPLIT_TILE)
+            for s0 in range(0, num_splits, SPLIT_TILE):
+                s_ok = g_ok[:, None] & ((s0 + offs_t) < num_splits)[None, :]  # [BLOCK_G, SPLIT_TILE]
+                stat = q_rows[:, None] * num_splits + s0 + offs_t[None, :]
+                m_s = tl.load(m_ptr + stat, mask=s_ok, other=_NEG_BIG_C)
+                part = tl.load(acc_ptr + stat[:, :, None] * D + offs_d[None, None, :],
+                               mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+                acc += tl.sum(tl.exp(m_s - m_max[:, None])[:, :, None] * part, axis=1)
             out = acc * inv_l[:, None]  # an empty sequence has inv_l = 0: a zero row
             tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                      mask=g_ok[:, None] & d_ok[None, :])
@@ -381,7 +395,14 @@ if HAS_TRITON:
                        SCORE_MODE, HAS_MASK)
 
 
-SCORE_CHUNK = 256  # slots per program of the score update (rounded down to a multiple of the tile)
+SCORE_CHUNK = 256  # slots per program of the score update, one tile (the interpreter: 32, see below)
+_SPLIT_TILE_ELEMS = 8192  # floats of partial output the reduce kernel loads at once (64 a thread at 4 warps)
+
+
+def _score_chunk_len() -> int:
+    """Slots per program (and tile) of the score update: :data:`SCORE_CHUNK` compiled, 32 under the Triton
+    interpreter, so the CPU tests' short sequences still cross chunk edges."""
+    return 32 if INTERPRET else SCORE_CHUNK
 
 
 def _split_plan(batch: int, n_kv_heads: int, max_len: int, block_n: int, device: torch.device,
@@ -510,29 +531,37 @@ def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_tab
                   seq_lens: torch.Tensor, *, scores: ScoreUpdate | None, slot_mask: torch.Tensor | None,
                   mask_bit: int, num_warps: int, second: SecondScores | None = None, **consts: int) -> None:
     """The second launch of a split decode: ``out`` from the splits' partials and, with ``scores``, the
-    score update over chunks of :data:`SCORE_CHUNK` slots in parallel. Shared with
+    score update over chunks of :data:`SCORE_CHUNK` slots in parallel, each chunk one tile. Shared with
     :mod:`kvkernels.quant_attention`, whose partial kernel writes the same scratch; with ``second`` (its two
     regions under one softmax) more programs score the second region's slots from the logits after the
-    first region's in the scratch (the visible count ``nvis`` and Gumbel's noised statistics cover both)."""
-    batch, n_kv_heads, block_n = out.shape[0], consts["HKV"], consts["BLOCK_N"]
+    first region's in the scratch (the visible count ``nvis`` and Gumbel's noised statistics cover both).
+    ``consts`` are the partial kernel's; this kernel has no tensor-core product, so it pads the group only
+    to a power of two and takes its own tile along the slots."""
+    batch, n_kv_heads = out.shape[0], consts["HKV"]
     score, score_mode, decay = (None, "none", 1.0) if scores is None else scores[:3]
     mode_id = _MODE_IDS[score_mode] if score is not None else 0
     has2 = second is not None and mode_id != 0
     dummy = parts.dummy
     max_len = page_table.shape[1] * consts["S"]
-    score_chunk = max(block_n, SCORE_CHUNK // block_n * block_n)
-    n_update = max(num_splits, math.ceil(max_len / score_chunk)) if mode_id else 1
+    score_chunk = _score_chunk_len()
+    n_update = max(1, math.ceil(max_len / score_chunk)) if mode_id else 1
     n_update2 = math.ceil(second.page_table.shape[1] * consts["S"] / score_chunk) if has2 else 0
     two = second if has2 else SecondScores(dummy, page_table, seq_lens)
+    block_g = triton.next_power_of_2(consts["G"])
+    block_d = consts["BLOCK_D"]
+    # Partial outputs combined a tile of splits at a time, a tile of at most _SPLIT_TILE_ELEMS floats (the
+    # interpreter: 2 splits, so the tests' 3 splits cross a tile's edge).
+    split_tile = 2 if INTERPRET else _SPLIT_TILE_ELEMS // (block_g * block_d)
+    split_tile = max(1, min(triton.next_power_of_2(num_splits), split_tile))
     launch(
-        _decode_reduce_kernel, (batch, n_kv_heads, n_update + n_update2),
+        _decode_reduce_kernel, (batch * n_kv_heads, n_update + n_update2),
         out, parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits,
         dummy if score is None else score, page_table, seq_lens, dummy if slot_mask is None else slot_mask,
         two.score, two.page_table, two.seq_lens, int(mask_bit), float(decay), page_table.shape[1],
         parts.logits.shape[-1], num_splits, score_chunk, two.page_table.shape[1], n_update,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits), SCORE_MODE=mode_id,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits), SPLIT_TILE=split_tile, SCORE_MODE=mode_id,
         HAS_MASK=slot_mask is not None, HAS2=has2, num_warps=num_warps,
-        **consts,
+        **{**consts, "BLOCK_G": block_g, "BLOCK_N": score_chunk},
     )
 
 

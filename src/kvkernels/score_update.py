@@ -504,20 +504,21 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
     scale : float
         Logit scale.
     need_lse : bool
-        On CUDA, ask for the log-sum-exp (the caller scores the prompt from it): the attention then runs
-        torch's flash kernel itself (``aten._scaled_dot_product_flash_attention``, which returns it)
-        rather than ``F.scaled_dot_product_attention``'s choice of kernel, for float16 / bfloat16 inputs
-        it takes. Where it refuses the inputs (an error, remembered per device, dtype and head counts),
-        the lse is ``None`` as without ``need_lse``. Ignored on CPU, where it comes at no cost.
+        On CUDA, ask for the log-sum-exp (the caller scores the prompt from it): the attention then runs a
+        kernel that returns it (:data:`LSE_KERNELS`: cuDNN's attention where torch's SDPA prefers it, which
+        is SDPA's own kernel there and costs nothing more; else torch's flash kernel) rather than
+        ``F.scaled_dot_product_attention``'s choice of kernel, for float16 / bfloat16 inputs. Where every
+        kernel refuses the inputs (an error, remembered per device, dtype and head counts), the lse is
+        ``None`` as without ``need_lse``. Ignored on CPU, where it comes at no cost.
 
     Returns
     -------
     (Tensor, Tensor or None)
         ``[L, Hq, D]`` attention output in ``q``'s dtype; ``[Hq, L]`` float32 log-sum-exp of each row's
         scaled causal logits on CPU tensors (torch's CPU flash kernel computes it for its own softmax and
-        returns it at no cost) and on CUDA with ``need_lse`` where the flash kernel takes the inputs,
-        ``None`` otherwise (``F.scaled_dot_product_attention`` does not return it; the scorer then
-        computes its normaliser itself, a second pass over the prompt's logits).
+        returns it at no cost) and on CUDA with ``need_lse`` where a kernel of :data:`LSE_KERNELS` takes
+        the inputs, ``None`` otherwise (``F.scaled_dot_product_attention`` does not return it; the scorer
+        then computes its normaliser itself, a second pass over the prompt's logits).
     """
     if q.shape[0] == 0:  # torch's CPU flash kernel divides by the length (SIGFPE on an empty prompt)
         lse0 = q.new_zeros((q.shape[1], 0), dtype=torch.float32) if q.device.type == "cpu" else None
@@ -529,39 +530,91 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
                                                                               scale=scale)
         return out[0].transpose(0, 1), lse[0].float()
     if need_lse:
-        flash = _flash_with_lse(qt, kt, vt, scale)
-        if flash is not None:
-            return flash[0][0].transpose(0, 1), flash[1][0]
+        found = _attention_with_lse(qt, kt, vt, scale)
+        if found is not None:
+            return found[0][0].transpose(0, 1), found[1][0]
     out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                                            enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1), None
 
 
-# (device, dtype, Hq, Hkv, D) the CUDA flash kernel refused: prefill_attention(need_lse=True) falls back to
-# F.scaled_dot_product_attention there without asking again.
-_FLASH_REFUSED: set[tuple[torch.device, torch.dtype, int, int, int]] = set()
+#: The CUDA kernels :func:`prefill_attention` asks for the log-sum-exp, in order: cuDNN's fused attention
+#: (what ``F.scaled_dot_product_attention`` itself runs on sm_90 / sm_100 with cuDNN > 9.15.0, torch >= 2.11:
+#: the lse at the plain attention's cost), then the flash kernel (the H200 runs of 2026-11-28 timed it at
+#: 1.95x SDPA's time at L 4096, Hq 32, Hkv 8, D 128: the cost of every lse until cuDNN's was asked).
+LSE_KERNELS = ("cudnn", "flash")
+
+# (kernel, device, dtype, Hq, Hkv, D) a kernel refused, or returned an lse that failed the first-use check:
+# prefill_attention(need_lse=True) asks the next kernel there, never this one again.
+_LSE_REFUSED: set[tuple[str, torch.device, torch.dtype, int, int, int]] = set()
+# The same keys whose lse passed that check once.
+_LSE_CHECKED: set[tuple[str, torch.device, torch.dtype, int, int, int]] = set()
 
 
-def _flash_with_lse(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``([1, Hq, L, D] output, [1, Hq, L] float32 lse)`` of the causal attention of ``[1, H, L, D]``
-    inputs from torch's CUDA flash kernel (grouped KV heads as they are: the kernel takes ``Hq % Hkv ==
-    0``), or ``None`` where it refuses them."""
-    key = (qt.device, qt.dtype, qt.shape[1], kt.shape[1], qt.shape[-1])
-    if qt.dtype not in (torch.float16, torch.bfloat16) or key in _FLASH_REFUSED:
+def _cudnn_prefers(device: torch.device) -> bool:
+    """Whether torch's SDPA prefers cuDNN's attention on ``device`` (its own gate: sm_90 or sm_100 and cuDNN
+    > 9.15.0, whose 9.15.1 fixed sequence lengths that are not multiples of 128, pytorch/pytorch#169849)."""
+    if device.type != "cuda" or not torch.backends.cudnn.is_available():
+        return False
+    version = torch.backends.cudnn.version()
+    return bool(version and version > 91500 and torch.cuda.get_device_capability(device)[0] in (9, 10))
+
+
+def _attention_with_lse(
+    qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, scale: float,
+    kernels: tuple[str, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """``([1, Hq, L, D] output, [1, Hq, L] float32 lse, kernel)`` of the causal attention of ``[1, H, L, D]``
+    float16 / bfloat16 CUDA inputs from the first of ``kernels`` (:data:`LSE_KERNELS`) that takes them
+    (grouped KV heads as they are: both take ``Hq % Hkv == 0``), or ``None``. A kernel's first lse for
+    each key is checked against three rows computed here (:func:`_lse_agrees`: a layout or a log base other
+    than this reads fails it), so a torch version whose op returns something else falls through to the
+    next kernel rather than into the scores."""
+    if qt.dtype not in (torch.float16, torch.bfloat16):
         return None
-    try:
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False,
-                                                                          scale=scale)
-    except torch.OutOfMemoryError:  # a RuntimeError, but about this call's memory, not the inputs' kind
-        raise
-    except (RuntimeError, NotImplementedError):  # no flash kernel for these inputs (arch, head dim, ...)
-        _FLASH_REFUSED.add(key)
-        return None
-    if tuple(out.shape) != tuple(qt.shape) or tuple(lse.shape) != tuple(qt.shape[:3]):
-        _FLASH_REFUSED.add(key)  # not the layout this reads (another torch version's op): never again
-        return None
-    return out, lse.float()
+    for name in LSE_KERNELS if kernels is None else kernels:
+        key = (name, qt.device, qt.dtype, qt.shape[1], kt.shape[1], qt.shape[-1])
+        if key in _LSE_REFUSED or (name == "cudnn" and not _cudnn_prefers(qt.device)):
+            continue
+        try:
+            if name == "cudnn":
+                out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    qt, kt, vt, None, True, 0.0, True, False, scale=scale)
+            else:
+                out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+                    qt, kt, vt, 0.0, True, False, scale=scale)
+        except torch.OutOfMemoryError:  # a RuntimeError, but about this call's memory, not the inputs' kind
+            raise
+        except (RuntimeError, NotImplementedError):  # no such kernel for these inputs (arch, head dim, ...)
+            _LSE_REFUSED.add(key)
+            continue
+        if lse.dim() == 4 and lse.shape[-1] == 1:  # cuDNN's [B, H, L, 1]
+            lse = lse[..., 0]
+        if tuple(out.shape) != tuple(qt.shape) or tuple(lse.shape) != tuple(qt.shape[:3]):
+            _LSE_REFUSED.add(key)  # not the layout this reads (another torch version's op): never again
+            continue
+        lse = lse.float()
+        if key not in _LSE_CHECKED:
+            if not _lse_agrees(qt, kt, scale, lse):
+                _LSE_REFUSED.add(key)
+                continue
+            _LSE_CHECKED.add(key)
+        return out, lse, name
+    return None
+
+
+def _lse_agrees(qt: torch.Tensor, kt: torch.Tensor, scale: float, lse: torch.Tensor) -> bool:
+    """Whether ``lse [1, Hq, L]`` is the natural log-sum-exp of the scaled causal logits on the first,
+    middle and last rows (float32 here; 1e-2 apart at most: the kernels' own float32 sums differ by far less,
+    a base-2 lse or a transposed layout by far more). One device read, once per kernel and input kind."""
+    L, n_q, n_kv = qt.shape[2], qt.shape[1], kt.shape[1]
+    rows = torch.tensor(sorted({0, L // 2, L - 1}), device=qt.device)
+    k = kt[0].float().repeat_interleave(n_q // n_kv, dim=0)  # [Hq, L, D]
+    logits = torch.einsum("hrd,hjd->hrj", qt[0, :, rows].float(), k) * scale  # [Hq, rows, L]
+    logits = logits.masked_fill(torch.arange(L, device=qt.device)[None, None, :] > rows[None, :, None],
+                                float("-inf"))
+    want = torch.logsumexp(logits, dim=-1)
+    return bool(torch.allclose(lse[0, :, rows], want, rtol=1e-2, atol=1e-2))
 
 
 def prefill_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mode: str,

@@ -68,10 +68,10 @@ class PrefillSteps:
 
     def _lse_pays(self, l: int, L: int) -> bool:
         """Whether layer ``l`` scores its prompt of ``L`` tokens from the attention's log-sum-exp over at
-        least half of the rows (``prefill_attention(need_lse=True)``: on CUDA the flash kernel then returns
-        it and the scorer skips its normaliser pass, a pass over the scored rows' logits; for a 32-row
-        observation window or the last row alone that pass is small and the model's attention keeps its
-        own kernel)."""
+        least half of the rows (``prefill_attention(need_lse=True)``: on CUDA a kernel that returns it then
+        runs, cuDNN's where SDPA itself runs it, else the flash kernel, and the scorer skips its normaliser
+        pass, a pass over the scored rows' logits; for a 32-row observation window or the last row alone
+        that pass is small and the model's attention keeps its own kernel)."""
         return self.eviction.prefill_mode in COLUMN_SUM_MODES and self._scores_most_rows(l, L)
 
     def _scores_most_rows(self, l: int, L: int) -> bool:
