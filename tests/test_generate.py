@@ -106,6 +106,54 @@ def test_stream_and_progress_callbacks():
     assert progress == [(b, l, n) for b in range(2) for l in range(1, n + 1)]
 
 
+@pytest.mark.parametrize("policy", [compose("full"), compose("h2o", budget=6)], ids=["full", "h2o"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_without_eos_each_steps_tokens_are_read_after_the_next_step_is_launched(policy, compile):
+    """Without eos ids nothing but max_new_tokens stops a sequence, so from the second step on a step's tokens
+    are read (the host's one wait on the device per step) after the next step is launched; with eos ids
+    (here one that never comes) each step is read before the next. The same tokens and stream calls either
+    way; what differs is only when the host reads them."""
+    from kvmodels.decoder import Decoder
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+    n_new = 7
+
+    def run(eos):
+        events: list[tuple] = []
+        dec = Decoder(MODEL, policy, compile=compile, max_tokens=40)
+        dec.extend(prompts, max_new_tokens=n_new)
+        begin = dec.begin_step
+
+        def begin_step():
+            events.append(("step", dec.step))
+            return begin()
+
+        dec.begin_step = begin_step
+        res = dec.generate(n_new, eos_ids=eos, stream=lambda b, t: events.append(("token", b, t)))
+        return res, events
+
+    lagged, lag_events = run(None)
+    synced, sync_events = run([V + 1])  # an eos id no token equals
+    assert lagged.tokens == synced.tokens and len(lagged.tokens[0]) == n_new
+    tokens = [e for e in lag_events if e[0] == "token"]
+    assert tokens == [e for e in sync_events if e[0] == "token"]
+
+    def reads_before_each_step(events):  # tokens read before step s is launched, per step
+        counts, n = [], 0
+        for e in events:
+            if e[0] == "step":
+                counts.append(n)
+            else:
+                n += 1
+        return counts
+
+    B = len(prompts)
+    # Synchronous: before step s, the prefill's tokens and those of steps 0..s-1. Lagged: step s-1's are read
+    # after step s is launched (from step 2 on; the first step is read at once, for first_step_s).
+    assert reads_before_each_step(sync_events) == [B * (s + 1) for s in range(n_new - 1)]
+    assert reads_before_each_step(lag_events) == [B * (s + 1) if s < 2 else B * s for s in range(n_new - 1)]
+
+
 def test_report_shows_compression():
     prompts = [list(range(40)), list(range(30))]
     full = generate(MODEL, prompts, 4, page_size=4).report

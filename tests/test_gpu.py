@@ -174,6 +174,41 @@ def test_decode_step_bookkeeping_never_waits_for_the_device(policy):
     assert int(cache.seq_lens.max()) <= 128
 
 
+@pytest.mark.parametrize("policy", ["full", "h2o", "streaming", "snapkv"])
+def test_decode_loop_waits_for_the_device_only_to_read_tokens(policy):
+    """``Decoder.generate`` without eos ids, compiled (CUDA graphs): past its first steps (the compile, the
+    graphs' warm-up and recording, the first uploads of index rows) a step (the cache's bookkeeping, the
+    graph's replay, the sampling, decode-time eviction) never waits for the device; the loop's one wait, the
+    read of the previous step's tokens, comes after it. A sync inside a step
+    (``set_sync_debug_mode("error")``) is an error: it would leave the device idle while the host works."""
+    from kvmodels.decoder import Decoder
+
+    model = tiny_llama(torch.bfloat16)
+    dec = Decoder(model, compose(policy) if policy == "full" else compose(policy, budget=0.3), compile=True,
+                  max_tokens=160)
+    dec.extend([list(range(1, 90)), list(range(3, 40))], max_new_tokens=14)
+    begin, end, checked = dec.begin_step, dec.end_step, []
+
+    def begin_step():
+        if dec.step >= 4:
+            torch.cuda.set_sync_debug_mode("error")
+            checked.append(dec.step)
+        return begin()
+
+    def end_step(stepping):
+        try:
+            end(stepping)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    dec.begin_step, dec.end_step = begin_step, end_step
+    try:
+        result = dec.generate(14)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(t) == 14 for t in result.tokens) and checked == list(range(4, 13))
+
+
 @pytest.mark.parametrize("policy", ["h2o", "streaming", "keyformer", "squeeze+tova", "streaming+minicache",
                                     "streaming+kivi(bits=4, group=8, residual=0)"])  # that model: head dim 8
 def test_eviction_replayed_as_cuda_graphs_decodes_as_eager(policy):

@@ -123,9 +123,10 @@ def test_correctness_stage_names_tests_that_exist():
         path, _, name = entry.partition("::")
         assert (ROOT / path).is_file(), entry
         assert not name or f"def {name}(" in (ROOT / path).read_text(), entry
-    assert gpu.TEST_FILES[:4] == ("tests/test_paged_attention.py::test_triton_each_mode_on_both_paths",
+    assert gpu.TEST_FILES[:5] == ("tests/test_paged_attention.py::test_triton_each_mode_on_both_paths",
                                   "tests/test_gpu.py::test_split_k_at_32k_context_bf16",
                                   "tests/test_gpu.py::test_prefill_attention_returns_a_kernels_lse",
+                                  "tests/test_gpu.py::test_decode_loop_waits_for_the_device_only_to_read_tokens",
                                   "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference")
 
 

@@ -422,7 +422,9 @@ class Decoder:
         eos_ids : int or list of int, optional
             A sequence stops after producing one of these.
         stream : callable, optional
-            ``stream(b, token_id)`` for every new token as soon as it is known.
+            ``stream(b, token_id)`` for every new token as soon as it is read: at once with ``eos_ids``;
+            without them, from the second step on, once the step after it is launched (the device never
+            waits for the host between steps). Same tokens, same order.
         final : bool
             Return each sequence's pages to the pool as soon as it stops; no ``extend`` may follow for it.
             Otherwise a stopped sequence is paused, its pages kept for the next turn.
@@ -499,6 +501,13 @@ class Decoder:
             emit(next_tokens)
 
             step_fn, on_cuda = self._step_fn, self.compile and self.device.type == "cuda"
+            # Without eos ids a sequence stops only at max_new_tokens, which the host knows: the next step
+            # need not wait for this one's tokens. From the second step on, each step's tokens are read (the
+            # one sync of a step) after the next step is launched, so the host's work between two steps
+            # (emitting, the cache's bookkeeping, the launches) overlaps the device's instead of leaving it
+            # idle. With eos ids every step is read before the next (a stop decides who steps next).
+            lag = not eos
+            unread = None  # lag: the last step's tokens on the device, not yet read or emitted
             decode_tokens = 0
             first_step_s = math.nan
             t0 = time.perf_counter()
@@ -512,11 +521,18 @@ class Decoder:
                 logits = step_fn(tokens, positions, cache)  # [B, V]
                 tokens = _sample(logits, temperature, self._generator)
                 self.end_step(stepping)  # the token fed this step is cached now
-                next_tokens = tokens.tolist()
                 decode_tokens += len(stepping)
-                emit(next_tokens)
+                if unread is not None:
+                    emit(unread.tolist())
+                    unread = None
+                if lag and step > 0:  # the first step is read at once: first_step_s is its real time
+                    unread = tokens
+                else:
+                    emit(tokens.tolist())
                 if step == 0:
                     first_step_s = time.perf_counter() - t0
+            if unread is not None:
+                emit(unread.tolist())
             decode_s = time.perf_counter() - t0
         if report is None:
             report = cache.report()
