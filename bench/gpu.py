@@ -718,7 +718,9 @@ def stage_kernels(st: Stage) -> None:
         decode, prefill = decode[:3], prefill[:3]
     inputs = _prefill_inputs(st)
     for i in range(max(len(decode), len(prefill))):
-        if st.left() < (3 if st.smoke else 15):  # a config's compiles take seconds on a GPU, not with --smoke
+        # A config's compiles and points take ~5-8 s on a GPU (each point is recorded as it is measured, so a
+        # stage killed past its box keeps them); the box's 10 s of grace covers one started late.
+        if st.left() < (3 if st.smoke else 6):
             st.skipped("sweeps", f"time box: {min(i, len(decode))} of {len(decode)} decode and "
                        f"{min(i, len(prefill))} of {len(prefill)} prefill configs measured")
             return

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from devices import DEVICE
 from kvkernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
-from kvkernels.tuning import DEFAULTS, LaunchConfig, launch_config, override, sweep_configs
+from kvkernels.tuning import DEFAULTS, SWEEP_FIRST, LaunchConfig, launch_config, override, sweep_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -475,7 +475,8 @@ def test_launch_config_precedence_and_checks():
         with pytest.raises(ValueError, match=match):
             LaunchConfig(**bad)
     configs = sweep_configs("decode")
-    assert configs[0] == DEFAULTS["decode"] and len(set(configs)) == len(configs)
+    assert configs[0] == DEFAULTS["decode"] and len(set(configs)) == len(configs) == 27
+    assert tuple(configs[1:1 + len(SWEEP_FIRST["decode"])]) == SWEEP_FIRST["decode"]
 
 
 @pytest.mark.parametrize("cfg", [LaunchConfig(block=32, num_warps=2, num_stages=2),

@@ -125,11 +125,24 @@ def override(**configs: LaunchConfig) -> Iterator[None]:
         _OVERRIDE.reset(token)
 
 
+#: Candidates a sweep measures right after the default, before the rest of :data:`SWEEP`'s product (a time box
+#: cuts a sweep's tail). The decode kernel's: configs no sweep has reached yet (the H200 sweeps of 2026-11-26
+#: reached the default and block 32's configs; every later run's box cut its sweep before it started), those
+#: whose K/V tiles leave room for more programs per SM first: a program's pipeline buffers take about
+#: ``2 * block * D * 2 B * num_stages`` of shared memory (96 KB at the default's 64 / 3, D 128: two programs
+#: per H200 SM; 64 KB at 64 / 2: three).
+SWEEP_FIRST: dict[str, tuple[LaunchConfig, ...]] = {
+    "decode": (LaunchConfig(64, 4, 2), LaunchConfig(64, 8, 2), LaunchConfig(64, 8, 3),
+               LaunchConfig(128, 8, 2), LaunchConfig(128, 4, 2), LaunchConfig(64, 2, 2)),
+}
+
+
 def sweep_configs(kernel: str) -> list[LaunchConfig]:
-    """Every candidate of :data:`SWEEP` for ``kernel``, the default first."""
+    """Every candidate of :data:`SWEEP` for ``kernel``: the default, then :data:`SWEEP_FIRST`'s, then the
+    rest in the product's order."""
     import itertools
 
     axes = SWEEP[kernel]
     configs = [LaunchConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
-    default = DEFAULTS[kernel]
-    return [default] + [c for c in configs if c != default]
+    first = [DEFAULTS[kernel], *(c for c in SWEEP_FIRST.get(kernel, ()) if c in configs)]
+    return list(dict.fromkeys(first)) + [c for c in configs if c not in first]
