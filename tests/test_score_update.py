@@ -389,7 +389,26 @@ def _cpu_attention(qt, kt, vt, scale):
     return out, lse.float()
 
 
-def test_lse_kernel_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch):
+@pytest.fixture
+def lse_kernels(monkeypatch):
+    """``_attention_with_lse`` with nothing refused or checked yet, cuDNN's kernel offered (as on an H200),
+    and a stand-in for the flash kernel that logs ``"flash"`` in the returned list at each call."""
+    from kvkernels import score_update
+
+    calls: list = []
+
+    def flash(q, k, v, dropout, causal, debug, *, scale):
+        calls.append("flash")
+        return (*_cpu_attention(q, k, v, scale), None, None, q.shape[2], k.shape[2], None, None, None)
+
+    monkeypatch.setattr(score_update, "_LSE_REFUSED", set())
+    monkeypatch.setattr(score_update, "_LSE_CHECKED", set())
+    monkeypatch.setattr(score_update, "_cudnn_prefers", lambda device: True)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
+    return calls
+
+
+def test_lse_kernel_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch, lse_kernels):
     """``_attention_with_lse`` (the kernels of ``need_lse`` on CUDA, ``LSE_KERNELS``): inputs a kernel refuses
     go to the next one and are not offered to it again; running out of memory is raised, never remembered
     as a refusal; float32 inputs ask no kernel. The ops are replaced by stand-ins, so this runs anywhere."""
@@ -397,7 +416,7 @@ def test_lse_kernel_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch
 
     qt = torch.randn(1, 4, 5, 16).to(torch.bfloat16)
     kt = torch.randn(1, 2, 5, 16).to(torch.bfloat16)
-    calls = []
+    calls = lse_kernels
 
     def refuse(*args, **kwargs):
         calls.append(1)
@@ -406,19 +425,11 @@ def test_lse_kernel_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    def flash(q, k, v, dropout, causal, debug, *, scale):
-        calls.append("flash")
-        return (*_cpu_attention(q, k, v, scale), None, None, 5, 5, None, None, None)
-
-    monkeypatch.setattr(score_update, "_LSE_REFUSED", set())
-    monkeypatch.setattr(score_update, "_LSE_CHECKED", set())
-    monkeypatch.setattr(score_update, "_cudnn_prefers", lambda device: True)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         score_update._attention_with_lse(qt, kt, kt, 0.3)
     assert not score_update._LSE_REFUSED
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", refuse)
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
     for _ in range(2):
         out, lse, name = score_update._attention_with_lse(qt, kt, kt, 0.3)
         assert name == "flash"
@@ -433,14 +444,14 @@ def test_lse_kernel_refusals_are_remembered_but_out_of_memory_is_not(monkeypatch
     assert calls == [1, "flash", "flash", 1, 1]
 
 
-def test_an_lse_that_fails_its_first_use_check_is_never_used(monkeypatch):
+def test_an_lse_that_fails_its_first_use_check_is_never_used(monkeypatch, lse_kernels):
     """cuDNN's kernel answers ``[B, H, L, 1]``: read as ``[B, H, L]`` and checked once against rows computed
     by hand. A kernel whose lse is off (here: in base 2) is refused for good and the next one answers."""
     from kvkernels import score_update
 
     qt = torch.randn(1, 8, 37, 16).to(torch.bfloat16)
     kt = torch.randn(1, 2, 37, 16).to(torch.bfloat16)
-    calls = []
+    calls = lse_kernels
 
     def cudnn(q, k, v, bias, lse, dropout, causal, debug, *, scale, log2=False):
         calls.append("cudnn")
@@ -448,15 +459,7 @@ def test_an_lse_that_fails_its_first_use_check_is_never_used(monkeypatch):
         lse = lse / math.log(2) if log2 else lse
         return (out, lse[..., None], None, None, 37, 37, None, None, None)
 
-    def flash(q, k, v, dropout, causal, debug, *, scale):
-        calls.append("flash")
-        return (*_cpu_attention(q, k, v, scale), None, None, 37, 37, None, None, None)
-
-    monkeypatch.setattr(score_update, "_LSE_REFUSED", set())
-    monkeypatch.setattr(score_update, "_LSE_CHECKED", set())
-    monkeypatch.setattr(score_update, "_cudnn_prefers", lambda device: True)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", cudnn)
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
     out, lse, name = score_update._attention_with_lse(qt, kt, kt, 0.3)
     assert name == "cudnn" and lse.shape == (1, 8, 37)
     torch.testing.assert_close(lse, _cpu_attention(qt, kt, kt, 0.3)[1])
