@@ -617,26 +617,14 @@ def _prefill_records(st: Stage) -> None:
                 timed_by=how, kernels=_kernel_names(st, lambda: prefill_attention(q, k, v, scale=scale)))
         s, how = st.seconds(lambda: prefill_attention(q, k, v, scale=scale, need_lse=True), reps=5)
         has_lse = prefill_attention(q, k, v, scale=scale, need_lse=True)[1] is not None
+        answered = _lse_kernel_records(st, q, k, v, scale, plain)
+        # need_lse runs the first of LSE_KERNELS that answers alone (the same refusals and checks)
         st.emit("prefill", impl="attention (need_lse)", mode="none", L=L, ms=s * 1e3,
-                over_attention=s / plain, lse=has_lse, lse_kernel=_lse_kernel(q, k, v, scale), timed_by=how)
+                over_attention=s / plain, lse=has_lse, lse_kernel=answered[0] if answered else None,
+                timed_by=how)
     except Exception:  # noqa: BLE001
         st.error("prefill attention")
         return
-    if st.cuda:  # each kernel that returns the lse alone (LSE_KERNELS: the first that takes the inputs runs)
-        from kvkernels.score_update import LSE_KERNELS, _attention_with_lse
-
-        qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
-        for name in LSE_KERNELS:
-            try:
-                if _attention_with_lse(qt, kt, vt, scale, (name,)) is None:
-                    st.emit("prefill", impl=f"attention ({name} lse)", mode="none", L=L, lse=False,
-                            note="refused these inputs, or its lse failed the first-use check")
-                    continue
-                s, how = st.seconds(lambda name=name: _attention_with_lse(qt, kt, vt, scale, (name,)), reps=5)
-                st.emit("prefill", impl=f"attention ({name} lse)", mode="none", L=L, ms=s * 1e3,
-                        over_attention=s / plain, lse=True, timed_by=how)
-            except Exception:  # noqa: BLE001
-                st.error(f"prefill attention {name} lse")
     for mode in ("accumulate", "gumbel"):
         def separate(mode=mode, need_lse=True, heads_outer=True):
             _, lse = prefill_attention(q, k, v, scale=scale, need_lse=need_lse)
@@ -660,15 +648,28 @@ def _prefill_records(st: Stage) -> None:
                 st.error(f"prefill {impl} {mode}")
 
 
-def _lse_kernel(q: Any, k: Any, v: Any, scale: float) -> str | None:
-    """The kernel of ``kvkernels.score_update.LSE_KERNELS`` that ``prefill_attention(need_lse=True)`` runs
-    for these inputs (None: none, or not CUDA)."""
-    from kvkernels.score_update import _attention_with_lse
+def _lse_kernel_records(st: Stage, q: Any, k: Any, v: Any, scale: float, plain: float) -> list[str]:
+    """Each kernel of ``kvkernels.score_update.LSE_KERNELS`` alone on the prompt, timed (CUDA only); returns
+    those that answered, in that order."""
+    if not st.cuda:
+        return []
+    from kvkernels.score_update import LSE_KERNELS, _attention_with_lse
 
-    if not q.is_cuda:
-        return None
-    found = _attention_with_lse(*(x.transpose(0, 1)[None] for x in (q, k, v)), scale)
-    return None if found is None else found[2]
+    qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+    answered = []
+    for name in LSE_KERNELS:
+        try:
+            if _attention_with_lse(qt, kt, vt, scale, (name,)) is None:
+                st.emit("prefill", impl=f"attention ({name} lse)", mode="none", L=q.shape[0], lse=False,
+                        note="refused these inputs, or its lse failed the first-use check")
+                continue
+            answered.append(name)
+            s, how = st.seconds(lambda name=name: _attention_with_lse(qt, kt, vt, scale, (name,)), reps=5)
+            st.emit("prefill", impl=f"attention ({name} lse)", mode="none", L=q.shape[0], ms=s * 1e3,
+                    over_attention=s / plain, lse=True, timed_by=how)
+        except Exception:  # noqa: BLE001
+            st.error(f"prefill attention {name} lse")
+    return answered
 
 
 def _kernel_names(st: Stage, fn: Callable[[], Any]) -> list[str] | None:

@@ -20,7 +20,7 @@ Kernel design
   :data:`SCORE_CHUNK` slots). Every program combines the splits' (max, sum) into the global softmax
   normaliser (a few floats); chunk 0 also combines the partial outputs, a tile of splits at a time, and
   writes ``out``; with a score update each program then scores its chunk's slots as one tile
-  (``_update_scores``). Its loops are a few wide steps, never a sweep of narrow dependent ones: the kernel
+  (``_score_chunk``). Its loops are a few wide steps, never a sweep of narrow dependent ones: the kernel
   moves a few bytes a slot, and memory latency, not bandwidth, bounded the earlier form.
 
 Why the score update is finished in the reduce step: a slot's contribution is the mean over the group of
@@ -256,43 +256,6 @@ if HAS_TRITON:
                     tl.store(gl_ptr + stat, gl_i, mask=g_ok)
 
     @triton.jit
-    def _update_scores(
-        logits_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, start, end,
-        m_max, inv_l, threshold, decay, mask_bit, max_pages, logits_len,
-        HKV: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-        SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
-    ):
-        """The fused score update (docs/contract.md §2.2) of slots ``[start, end)`` of sequence ``b``, KV head
-        ``kvh``, from the group's logits in scratch and the final per-head (max, 1 / sum): for gumbel the
-        noised logits and their normaliser; ``threshold = 1 / n_valid`` for count_low."""
-        offs_n = tl.arange(0, BLOCK_N)
-        for n0 in range(start, end, BLOCK_N):
-            slots = n0 + offs_n
-            in_seq = slots < end
-            lmask = g_ok[:, None] & in_seq[None, :]
-            x = tl.load(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], mask=lmask,
-                        other=float("-inf"))  # [BLOCK_G, BLOCK_N]
-            p = tl.exp(x - m_max[:, None]) * inv_l[:, None]
-            contrib = tl.sum(p, axis=0) / G  # [BLOCK_N] mean over the group's query heads
-
-            page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
-            row = (page * S + slots % S) * HKV + kvh
-            visible = in_seq
-            if HAS_MASK:
-                bits = tl.load(slot_mask_ptr + row, mask=in_seq, other=0).to(tl.int32)
-                visible = visible & ((bits & mask_bit) != 0)
-            old = tl.load(score_ptr + row, mask=visible, other=0.0)
-            if SCORE_MODE <= 2:  # accumulate (1), gumbel (2)
-                new = old + contrib
-            elif SCORE_MODE == 3:  # decay
-                new = decay * old + contrib
-            elif SCORE_MODE == 4:  # replace
-                new = contrib
-            else:  # count_low
-                new = old - (contrib < threshold).to(tl.float32)
-            tl.store(score_ptr + row, new, mask=visible)
-
-    @triton.jit
     def _combine_stats(m_ptr, l_ptr, q_rows, g_ok, num_splits, BLOCK_SPLITS: tl.constexpr):
         """Global (max, 1 / sum) per query head from the per-split partials; 1/sum = 0 for an empty row."""
         offs_s = tl.arange(0, BLOCK_SPLITS)
@@ -309,13 +272,13 @@ if HAS_TRITON:
     def _decode_reduce_kernel(
         out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, logits_ptr,
         score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, score2_ptr, page_table2_ptr, seq_lens2_ptr,
-        mask_bit, decay, max_pages, logits_len, num_splits, score_chunk, max_pages2, n_update1,
+        mask_bit, decay, max_pages, logits_len, num_splits, max_pages2, n_update1,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
         SPLIT_TILE: tl.constexpr, SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS2: tl.constexpr,
     ):
         """One program per (sequence and KV head, chunk): chunk 0 writes ``out``; with a score update each
-        program scores one chunk of ``score_chunk`` (= ``BLOCK_N``) slots in one tile. ``HAS2``
+        program scores one chunk of ``BLOCK_N`` slots in one tile. ``HAS2``
         (:mod:`kvkernels.quant_attention`'s two regions under one softmax): the programs ``chunk >=
         n_update1`` score the second region's chunks, whose logits the partial kernel kept after the first
         region's ``max_pages * S`` slots of each row of the scratch, with the second region's scores and page
@@ -324,7 +287,7 @@ if HAS_TRITON:
         Every loop here is short (a few iterations of wide, independent loads): this kernel moves a few bytes
         per slot, so a loop of dependent narrow steps leaves it waiting on memory latency. The H200 run of
         2026-11-28 (run 4) timed the earlier form, a 256-slot chunk in tiles of 64 and one split at a time,
-        at 14 us per call at B8/4k and 90 us at B64/4k, where its bytes take about 2 and 12 us. The KV head
+        at 14 us per call at B8/4k and 90 us at B64/4k, where its bytes take about 2 and 19 us. The KV head
         varies fastest along the grid's first axis: neighbouring programs update neighbouring floats of
         ``score [P, S, Hkv]`` (a program's own are ``Hkv`` floats apart), so they share its memory sectors."""
         kvh = tl.program_id(0) % HKV
@@ -362,38 +325,58 @@ if HAS_TRITON:
                 n_valid = tl.sum(tl.load(nvis_ptr + (b * HKV + kvh) * num_splits + offs_s,
                                          mask=offs_s < num_splits, other=0), axis=0)
                 threshold = 1.0 / tl.maximum(n_valid, 1).to(tl.float32)
-            # The grid's third axis covers the sequence in chunks of score_chunk slots, independently of the
+            # The grid's second axis covers the sequence in chunks of BLOCK_N slots, independently of the
             # attention's splits: many short programs, not one serial sweep per (sequence, KV head).
             if HAS2:
                 if split < n_update1:
                     _score_chunk(logits_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows,
-                                 g_ok, b, kvh, split, score_chunk, m_max, inv_l, threshold, decay, mask_bit,
+                                 g_ok, b, kvh, split, m_max, inv_l, threshold, decay, mask_bit,
                                  max_pages, logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
                 else:  # the second region's chunk split - n_update1, its logits after the first's slots
                     _score_chunk(logits_ptr + max_pages * S, score2_ptr, page_table2_ptr, seq_lens2_ptr,
-                                 slot_mask_ptr, q_rows, g_ok, b, kvh, split - n_update1, score_chunk, m_max,
+                                 slot_mask_ptr, q_rows, g_ok, b, kvh, split - n_update1, m_max,
                                  inv_l, threshold, decay, mask_bit, max_pages2, logits_len, HKV, G, S,
                                  BLOCK_N, SCORE_MODE, False)
             else:
                 _score_chunk(logits_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows, g_ok,
-                             b, kvh, split, score_chunk, m_max, inv_l, threshold, decay, mask_bit, max_pages,
+                             b, kvh, split, m_max, inv_l, threshold, decay, mask_bit, max_pages,
                              logits_len, HKV, G, S, BLOCK_N, SCORE_MODE, HAS_MASK)
 
     @triton.jit
     def _score_chunk(
-        logits_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh,
-        chunk_id, score_chunk, m_max, inv_l, threshold, decay, mask_bit, max_pages, logits_len,
+        logits_ptr, score_ptr, page_table_ptr, seq_lens_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, chunk_id,
+        m_max, inv_l, threshold, decay, mask_bit, max_pages, logits_len,
         HKV: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
-        """The score update of chunk ``chunk_id`` (``score_chunk`` slots) of one region of sequence ``b``."""
-        seq_len = tl.load(seq_lens_ptr + b)
-        start = chunk_id * score_chunk
-        end = tl.minimum(start + score_chunk, seq_len)
-        _update_scores(logits_ptr, score_ptr, page_table_ptr, slot_mask_ptr, q_rows, g_ok, b, kvh, start, end,
-                       m_max, inv_l, threshold, decay, mask_bit, max_pages, logits_len, HKV, G, S, BLOCK_N,
-                       SCORE_MODE, HAS_MASK)
+        """The fused score update (docs/contract.md §2.2) of chunk ``chunk_id`` (``BLOCK_N`` slots, one
+        tile) of one region of sequence ``b``, KV head ``kvh``, from the group's logits in scratch and the
+        final per-head (max, 1 / sum): for gumbel the noised logits and their normaliser; ``threshold = 1 /
+        n_valid`` for count_low."""
+        slots = chunk_id * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_seq = slots < tl.load(seq_lens_ptr + b)
+        lmask = g_ok[:, None] & in_seq[None, :]
+        x = tl.load(logits_ptr + q_rows[:, None] * logits_len + slots[None, :], mask=lmask,
+                    other=float("-inf"))  # [BLOCK_G, BLOCK_N]
+        p = tl.exp(x - m_max[:, None]) * inv_l[:, None]
+        contrib = tl.sum(p, axis=0) / G  # [BLOCK_N] mean over the group's query heads
 
+        page = tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0).to(tl.int64)
+        row = (page * S + slots % S) * HKV + kvh
+        visible = in_seq
+        if HAS_MASK:
+            bits = tl.load(slot_mask_ptr + row, mask=in_seq, other=0).to(tl.int32)
+            visible = visible & ((bits & mask_bit) != 0)
+        old = tl.load(score_ptr + row, mask=visible, other=0.0)
+        if SCORE_MODE <= 2:  # accumulate (1), gumbel (2)
+            new = old + contrib
+        elif SCORE_MODE == 3:  # decay
+            new = decay * old + contrib
+        elif SCORE_MODE == 4:  # replace
+            new = contrib
+        else:  # count_low
+            new = old - (contrib < threshold).to(tl.float32)
+        tl.store(score_ptr + row, new, mask=visible)
 
 SCORE_CHUNK = 256  # slots per program of the score update, one tile (the interpreter: 32, see below)
 _SPLIT_TILE_ELEMS = 8192  # floats of partial output the reduce kernel loads at once (64 a thread at 4 warps)
@@ -558,7 +541,7 @@ def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_tab
         out, parts.m, parts.l, parts.acc, parts.gm, parts.gl, parts.nvis, parts.logits,
         dummy if score is None else score, page_table, seq_lens, dummy if slot_mask is None else slot_mask,
         two.score, two.page_table, two.seq_lens, int(mask_bit), float(decay), page_table.shape[1],
-        parts.logits.shape[-1], num_splits, score_chunk, two.page_table.shape[1], n_update,
+        parts.logits.shape[-1], num_splits, two.page_table.shape[1], n_update,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits), SPLIT_TILE=split_tile, SCORE_MODE=mode_id,
         HAS_MASK=slot_mask is not None, HAS2=has2, num_warps=num_warps,
         **{**consts, "BLOCK_G": block_g, "BLOCK_N": score_chunk},
