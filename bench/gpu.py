@@ -884,6 +884,7 @@ def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> 
     split), ``gb_s`` the K/V bytes it reads (packed rows for the quantized pages) per second."""
     import torch
 
+    from kvkernels import quant_attention
     from kvkernels.paged_attention import ScoreUpdate, paged_decode_attention_triton
     from kvkernels.quant import QuantFormat, hadamard_rotation, quantize_rows, rotate
     from kvkernels.quant_attention import quant_decode_attention_triton
@@ -925,12 +926,24 @@ def _quant_shape(st: Stage, shape: str, t: dict[str, Any], copy_gb_s: float) -> 
              t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits, group=fmt.group,
              row_bytes=fmt.row_bytes(t["q"].shape[-1]), bit_equal_to_default=torch.equal(flipped, got),
              max_abs_diff_vs_default=float((flipped - got).abs().max()))
+        half = not quant_attention.HALF_ROWS  # float16 rows and products (2026-12-01), or float32 rows
+        with quant_attention.half_rows(half):
+            s, how = st.seconds(lambda qargs=qargs, kw=kw: quant_decode_attention_triton(*qargs, **kw))
+            flipped = quant_decode_attention_triton(*qargs, **kw).float()
+        emit(f"int{bits} half={'on' if half else 'off'}", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]),
+             bits=bits, group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]),
+             max_abs_diff_vs_native=float((flipped - want).abs().max()),
+             max_abs_diff_vs_default=float((flipped - got).abs().max()))
         if bits == 4 and st.left() > 5:  # H2O's score update fused into the 4-bit decode (issue 36)
             score = ScoreUpdate(torch.zeros(kq.shape[:3], device=kq.device), "accumulate")
-            s, how = st.seconds(lambda qargs=qargs, kw=kw, score=score: quant_decode_attention_triton(
-                *qargs, **kw, scores=score))
-            emit("int4+h2o-score", s, how, t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits,
-                 group=fmt.group, row_bytes=fmt.row_bytes(t["q"].shape[-1]))
+            for flip in (False, True):
+                with quant_attention.half_rows(quant_attention.HALF_ROWS != flip):
+                    s, how = st.seconds(lambda qargs=qargs, kw=kw, score=score: quant_decode_attention_triton(
+                        *qargs, **kw, scores=score))
+                    on = quant_attention.HALF_ROWS
+                emit("int4+h2o-score" + (f" half={'on' if on else 'off'}" if flip else ""), s, how,
+                     t["rows"] * fmt.row_bytes(t["q"].shape[-1]), bits=bits, group=fmt.group,
+                     row_bytes=fmt.row_bytes(t["q"].shape[-1]))
         if bits == 4 and st.left() > 5:  # rotated rows (rotate=True): the two rotations around the kernel
             R = hadamard_rotation(t["q"].shape[-1], t["q"].device)
 
@@ -1708,6 +1721,31 @@ def prefetch_tiles_line(best_quant: dict[str, Any], kinds: dict[str, list[dict[s
     return f"PREFETCH_TILES = 8  # every width prefetched; 8-bit at {shape}: {on:.0f} vs {off:.0f} us without"
 
 
+def half_rows_lines(kinds: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each width's packed pages with float16 rows (``quant_attention.HALF_ROWS``) against float32 rows, the
+    same run and shape, and the ``HALF_ROWS`` to commit: on where it is faster for 4-bit pages at the
+    target's shape (the first timed)."""
+    us = {(r["shape"], r["impl"]): r["us"] for r in kinds.get("quant_decode", []) if "us" in r}
+    pairs = []
+    for (shape, impl), t in us.items():
+        flipped = [(i.split(" half=")[1] == "on", v) for (sh, i), v in us.items()
+                   if sh == shape and i.startswith(impl + " half=")]
+        if flipped and " " not in impl:
+            on, other = flipped[0]
+            pairs.append((shape, impl, other if on else t, t if on else other))
+    if not pairs:
+        return []
+    lines = ["", "Float16 rows (`HALF_ROWS`) against float32 rows, same shape and config:", "",
+             "| shape | impl | half_on_us | half_off_us | on_over_off |", "|---|---|---|---|---|"]
+    lines += [f"| {sh} | {impl} | {on:.3g} | {off:.3g} | {on / off:.3g} |" for sh, impl, on, off in pairs]
+    first = next(((sh, on, off) for sh, impl, on, off in pairs if impl == "int4"), None)
+    if first:
+        sh, on, off = first
+        lines += ["", f"To commit in `kvkernels/quant_attention.py`: `HALF_ROWS = {on <= off}`  # 4-bit at "
+                  f"{sh}: {on:.0f} us with float16 rows, {off:.0f} us without"]
+    return lines
+
+
 def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) -> str:
     records = load(out)
     kinds = _by_kind(records)
@@ -1754,6 +1792,7 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
                                                     "pct_of_copy", "row_bytes", "max_abs_diff_vs_native",
                                                     "bit_equal_to_default", "max_abs_diff_vs_default",
                                                     "timed_by"])
+    lines += half_rows_lines(kinds)
     lines += ["", "4-bit pages at the default config, split-K by hand:", ""]
     lines += _table(kinds.get("quant_splits", []), ["shape", "num_splits", "us", "timed_by"])
     lines += ["", "One decode step's 4-bit K write (one layer):", ""]

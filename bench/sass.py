@@ -38,17 +38,22 @@ BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
 # int4+float: KIVI's float residual as a second region; +h2o: the fused score update (logits kept);
 # +keyformer: Gumbel's, its noise hashed in the kernel.
 # "/prefetch": kvkernels.quant_attention.PREFETCH_TILES on (the loads a tile ahead by hand); without it, off.
+# "/f32": kvkernels.quant_attention.HALF_ROWS off (codes to float32, float32 multiply-add, rounded to bf16);
+# without it, on (codes decoded straight to float16, the products in float16).
 # "prefill": the prefill scorer's column pass (H2O's accumulate mode, the row log-sum-exp given, as the cache
 # runs it on CUDA after the flash kernel), one 4k prompt of the same heads (head dim 128).
 # "@reduce": the second kernel of the launch (``_decode_reduce_kernel``: the score update's, or split-K's
 # combine); "native/32k": one sequence of 32768 tokens in 32 splits, the kernels stage's split-K shape.
 CASES = ("native", "native+h2o", "native+keyformer", "int8", "int4", "int2", "int4+float", "int4+h2o",
-         "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch", "prefill", "native+h2o@reduce",
+         "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch", "int2/prefetch", "int8/prefetch/f32",
+         "int4/prefetch/f32", "int4+h2o/prefetch/f32", "int2/prefetch/f32", "prefill", "native+h2o@reduce",
          "native+keyformer@reduce", "native/32k@reduce")
 # hmma: mma.sync tensor-core products; hgmma: sm_90's warpgroup ones (wgmma: the prefill scorer's tiles).
+# Shared-memory stores/loads, barriers, shuffles: layout conversions; I2F/I2FP: integer to float conversions
+# (I2FP the ALU form sm_90 uses for 32-bit codes), F2FP: packing float32 into 16-bit pairs.
 OPS = {"hmma": "HMMA", "hgmma": "HGMMA", "ffma": "FFMA", "ldg": "LDG", "ldgsts": "LDGSTS", "ldl": "LDL",
        "stl": "STL", "sts": "STS", "lds": "LDS", "ldsm": "LDSM", "bar": "BAR", "shfl": "SHFL", "prmt": "PRMT",
-       "i2f": "I2F", "f2fp": "F2FP"}  # shared-memory stores/loads, barriers, shuffles: layout conversions
+       "i2f": "I2F", "i2fp": "I2FP", "f2fp": "F2FP"}
 
 
 def _launch(case: str) -> None:
@@ -61,6 +66,7 @@ def _launch(case: str) -> None:
     from kvkernels.quant_attention import Region, quant_decode_attention_triton
 
     case = case.removesuffix("@reduce")
+    case, f32 = case.removesuffix("/f32"), case.endswith("/f32")
     case, long = case.removesuffix("/32k"), case.endswith("/32k")
     case, prefetch = case.removesuffix("/prefetch"), case.endswith("/prefetch")
 
@@ -97,7 +103,7 @@ def _launch(case: str) -> None:
     if case.endswith("+float"):
         residual = t(BATCH * 8, PAGE, HKV, D, dt=bf16)
         second = Region(residual, residual, t(BATCH, 8, dt=torch.int32), lens)
-    with quant_attention.prefetch_tiles(8 if prefetch else 0):
+    with quant_attention.prefetch_tiles(8 if prefetch else 0), quant_attention.half_rows(not f32):
         quant_decode_attention_triton(q, pool, pool, table, lens, scale=D ** -0.5, k_format=fmt,
                                       v_format=fmt, second=second, scores=scores, num_splits=1)
 
@@ -119,8 +125,7 @@ def stats(case: str, arch: int = 90) -> dict:
     first = launches[-1 if case.endswith("@reduce") else 0]
     target = GPUTarget("cuda", arch, 32)
     sig, consts, attrs = first.specialization(backends["nvidia"].compiler(target))
-    options = {"num_warps": first.num_warps, **({} if first.num_stages is None else
-                                                 {"num_stages": first.num_stages})}
+    options = first.options
     kernel = triton.compile(ASTSource(first.kernel, sig, consts, attrs), target=target, options=options)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +139,8 @@ def stats(case: str, arch: int = 90) -> dict:
         r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
     reg, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     return dict(case=case, kernel=first.kernel.__name__, arch=arch, triton=triton.__version__,
-                num_warps=first.num_warps, num_stages=first.num_stages, registers=reg, stack_bytes=stack,
+                num_warps=first.num_warps, num_stages=first.num_stages, maxnreg=first.maxnreg, registers=reg,
+                stack_bytes=stack,
                 instructions=sum(ops.values()), **{name: ops[op] for name, op in OPS.items()})
 
 

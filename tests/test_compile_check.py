@@ -60,6 +60,27 @@ def test_the_quantized_decode_runs_on_the_tensor_cores_without_spills(tmp_path):
         assert r["ffma"] < r["instructions"] // 8, r  # the products are not float32 FMAs
 
 
+def test_float16_rows_decode_codes_without_float32_arithmetic(tmp_path):
+    """``bench/sass.py`` at the bench's shape (bf16 queries, float16 parameters, prefetched): with float16
+    rows (``quant_attention.HALF_ROWS``, the default) no code is converted to float32 or scaled by a float32
+    FMA, and the kernel holds fewer instructions than with float32 rows ("/f32", which converts and scales
+    every code: 64 FMAs per thread per tile), each width, and stays within ``MAX_REGISTERS`` without
+    spills."""
+    from kvkernels.quant_attention import MAX_REGISTERS
+
+    widths = ("int2", "int4", "int8", "int4+h2o")
+    cases = [f"{w}/prefetch{f}" for w in widths for f in ("", "/f32")]
+    proc = _run([str(Path(SRC).parent / "bench" / "sass.py"), *cases, "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = {r["case"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    for w in widths:
+        half, f32 = rows[f"{w}/prefetch"], rows[f"{w}/prefetch/f32"]
+        assert f32["ffma"] >= 64 and f32["i2f"] + f32["i2fp"] >= 64, f32  # what the test can tell
+        assert half["ffma"] < 8 and half["i2f"] == half["i2fp"] == 0, half
+        assert half["instructions"] < f32["instructions"], (half, f32)
+        assert half["registers"] <= MAX_REGISTERS and half["stack_bytes"] == 0 and half["ldl"] == 0, half
+
+
 def test_lists_a_configuration_for_every_kernel_and_option(tmp_path):
     proc = _run(["-m", "kvkernels.compile_check", "--list"], tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -232,16 +232,22 @@ def test_eviction_replayed_as_cuda_graphs_decodes_as_eager(policy):
 # Quantized pages (issue 36)
 # ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("params", ["float16", "mixed"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_quant_decode_attention_triton_equals_reference(bits, q_dtype):
+def test_quant_decode_attention_triton_equals_reference(bits, q_dtype, params):
     """The compiled kernel (and the op, which picks it for CUDA tensors; one split and four) against the
-    reference on the dequantized pool: GQA 4, K and V in different formats (float16 and float32
-    parameters), ragged lengths 0, 1, page boundaries and one long sequence, pages shuffled. The kernel
-    rounds each dequantized row to ``q_dtype`` for the tensor cores, so the reference's pool is rounded the
-    same way; then within the rounding of the probabilities and of the output to ``q_dtype`` (half an ulp
+    reference on the dequantized pool: GQA 4, K and V in different groups, ragged lengths 0, 1, page
+    boundaries and one long sequence, pages shuffled. With float16 parameters in both formats
+    (``params="float16"``, the cache's default) the kernel decodes each row to float16 and multiplies in
+    float16 (``quant_attention.HALF_ROWS``): the reference's pool is rounded to float16 then, and the
+    probabilities are rounded to float16; with float32 parameters for V (``"mixed"``) it dequantizes in
+    float32 and rounds each row to ``q_dtype`` for the tensor cores, and the reference's pool is rounded the
+    same way. Then within the rounding of the probabilities and of the output to ``q_dtype`` (half an ulp
     each), plus summation order; and within twice that of the unrounded pool. An empty sequence gives
-    zeros."""
+    zeros. Both paths also agree with each other (``half_rows(False)``) within that."""
+    from kvkernels.quant_attention import half_rows
+
     gen = torch.Generator().manual_seed(bits)
     S, Hkv, G, D = 16, 2, 4, 64
     lens = [0, 1, 15, 16, 17, 33, 1000]
@@ -253,14 +259,16 @@ def test_quant_decode_attention_triton_equals_reference(bits, q_dtype):
     for b, n in enumerate(per_seq):
         table[b, :n] = perm[i:i + n]
         i += n
-    k_fmt, v_fmt = QuantFormat(bits, 32), QuantFormat(bits, 16, torch.float32)
+    v_params = torch.float16 if params == "float16" else torch.float32
+    k_fmt, v_fmt = QuantFormat(bits, 32), QuantFormat(bits, 16, v_params)
     kq = quantize_rows(torch.randn(P, S, Hkv, D, generator=gen) * 2, k_fmt)  # packed on the CPU
     vq = quantize_rows(torch.randn(P, S, Hkv, D, generator=gen), v_fmt)
     q = torch.randn(len(lens), Hkv * G, D, generator=gen).to(q_dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kw = dict(scale=D ** -0.5, k_format=k_fmt, v_format=v_fmt)
     exact = quant_decode_attention_ref(q.float(), kq, vq, table, seq_lens, **kw)  # float32 math and output
-    k_rows, v_rows = (dequantize_rows(x, D, f).to(q_dtype).float() for x, f in ((kq, k_fmt), (vq, v_fmt)))
+    seen = torch.float16 if params == "float16" else q_dtype  # what the kernel rounds each row to
+    k_rows, v_rows = (dequantize_rows(x, D, f).to(seen).float() for x, f in ((kq, k_fmt), (vq, v_fmt)))
     want = paged_decode_attention_ref(q.float(), k_rows, v_rows, table, seq_lens, scale=D ** -0.5)
     args = [x.to(DEVICE) for x in (q, kq, vq, table, seq_lens)]
     tol = torch.finfo(q_dtype).eps
@@ -271,6 +279,9 @@ def test_quant_decode_attention_triton_equals_reference(bits, q_dtype):
         torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
         torch.testing.assert_close(got.float().cpu(), exact, rtol=2 * tol, atol=2 * tol)
         assert bool((got[0] == 0).all())
+    with half_rows(False):
+        f32_rows = quant_decode_attention_triton(*args, **kw)
+    torch.testing.assert_close(got.float().cpu(), f32_rows.float().cpu(), rtol=2 * tol, atol=2 * tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

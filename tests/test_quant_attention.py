@@ -40,6 +40,19 @@ def prefetching(impl, bits: int = 8):
     return run
 
 
+def float32_rows(impl):
+    """``impl`` with ``quant_attention.HALF_ROWS`` off: float16 queries' rows dequantized in float32 and
+    rounded to float16, where by default (float16 parameters, rows read as words) they are decoded to
+    float16 directly; the same rows, so the same reference."""
+
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        with quant_attention.half_rows(False):
+            return impl(*args, **kwargs)
+
+    return run
+
+
 def off_by(pool, offset: int):
     """``pool``'s rows in a pool ``offset`` bytes into a buffer (a view that starts off 4 bytes)."""
     buf = torch.zeros(pool.numel() + 4, dtype=pool.dtype, device=pool.device)
@@ -67,7 +80,8 @@ def pools_off_four(impl):
 
 # Every implementation: the torch path, the op (Triton on CUDA), the Triton launcher (the interpreter on CPU)
 # with one split and with three, with its loads prefetched by hand for every width and for none
-# (PREFETCH_TILES; the default prefetches every width), and on pools off 4 bytes.
+# (PREFETCH_TILES; the default prefetches every width), on pools off 4 bytes, and with float32 rows for
+# float16 queries (HALF_ROWS off; by default their rows are decoded to float16).
 IMPLS = pytest.mark.parametrize("impl,device", [
     (quant_decode_attention_torch, "cpu"),
     (quant_decode_attention, DEVICE),
@@ -79,7 +93,10 @@ IMPLS = pytest.mark.parametrize("impl,device", [
     pytest.param(prefetching(functools.partial(quant_decode_attention_triton, num_splits=3), bits=0), DEVICE,
                  marks=pytest.mark.interpret),
     pytest.param(pools_off_four(quant_decode_attention_triton), DEVICE, marks=pytest.mark.interpret),
-], ids=["torch", "op", "triton", "triton-3-splits", "triton-prefetch", "triton-no-prefetch", "triton-bytes"])
+    pytest.param(float32_rows(functools.partial(quant_decode_attention_triton, num_splits=3)), DEVICE,
+                 marks=pytest.mark.interpret),
+], ids=["torch", "op", "triton", "triton-3-splits", "triton-prefetch", "triton-no-prefetch", "triton-bytes",
+        "triton-f32-rows"])
 
 
 @st.composite

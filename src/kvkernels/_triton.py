@@ -70,6 +70,8 @@ class Launch:
         Warps per program.
     num_stages:
         Software-pipelining depth (``None``: Triton's default).
+    maxnreg:
+        Most registers per thread the compiler may use (``None``: its own choice).
     """
 
     kernel: Any
@@ -77,10 +79,17 @@ class Launch:
     args: Mapping[str, Any]
     num_warps: int
     num_stages: int | None = None
+    maxnreg: int | None = None
 
     @property
     def name(self) -> str:
         return self.kernel.__name__
+
+    @property
+    def options(self) -> dict[str, int]:
+        """The compile options of the launch (``triton.compile``'s ``options``)."""
+        given = {"num_stages": self.num_stages, "maxnreg": self.maxnreg}
+        return {"num_warps": self.num_warps, **{k: v for k, v in given.items() if v is not None}}
 
     def specialization(self, backend: Any) -> _Specialization:
         """``(signature, constexprs, attrs)`` for ``triton.compiler.ASTSource``, specialised the way a real
@@ -107,13 +116,15 @@ class Launch:
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4, num_stages: int | None = None,
-           **kwargs: Any) -> None:
-    """``kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **kwargs)``, or record it inside
-    :func:`record_launches`."""
+           maxnreg: int | None = None, **kwargs: Any) -> None:
+    """``kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, **kwargs)`` (options
+    left at ``None`` not passed), or record it inside :func:`record_launches`."""
     recorder = _RECORDER.get()
     if recorder is None:
         if num_stages is not None:
             kwargs["num_stages"] = num_stages
+        if maxnreg is not None:
+            kwargs["maxnreg"] = maxnreg
         kernel[grid](*args, num_warps=num_warps, **kwargs)
         return
     names = kernel.arg_names
@@ -124,7 +135,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4, n
     missing = [n for n in names if n not in bound]
     if missing:
         raise TypeError(f"{kernel.__name__}: missing arguments {missing}")
-    recorder.append(Launch(kernel, tuple(grid), bound, num_warps, num_stages))
+    recorder.append(Launch(kernel, tuple(grid), bound, num_warps, num_stages, maxnreg))
 
 
 @contextlib.contextmanager

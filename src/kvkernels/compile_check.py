@@ -44,18 +44,12 @@ class Variant:
     signature: dict[str, str]
     constexprs: dict[str, Any]
     attrs: dict[tuple[int, ...], Any]
-    num_warps: int
-    num_stages: int | None
+    options: dict[str, int]  # num_warps, num_stages, maxnreg (Launch.options)
     cases: tuple[str, ...]  # the configurations that launch it
 
     @property
-    def options(self) -> dict[str, int]:
-        stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
-        return {"num_warps": self.num_warps, **stages}
-
-    @property
     def key(self) -> str:
-        return (f"{self.kernel.__name__} sm_{self.arch} w{self.num_warps} s{self.num_stages} "
+        return (f"{self.kernel.__name__} sm_{self.arch} {sorted(self.options.items())} "
                 f"{sorted(self.signature.items())} "
                 f"{sorted(self.constexprs.items())} {sorted(self.attrs.items())}")
 
@@ -95,12 +89,11 @@ def collect(archs: tuple[int, ...] = ARCHS, full: bool = False) -> tuple[list[Va
             backend = backends["nvidia"].compiler(GPUTarget("cuda", arch, 32))
             for launch in launches:
                 sig, consts, attrs = launch.specialization(backend)
-                variant = Variant(launch.kernel, arch, sig, consts, attrs, launch.num_warps,
-                                  launch.num_stages, (label,))
+                variant = Variant(launch.kernel, arch, sig, consts, attrs, launch.options, (label,))
                 old = found.get(variant.key)
                 if old is not None:
-                    variant = Variant(old.kernel, arch, sig, consts, attrs, launch.num_warps,
-                                      launch.num_stages, old.cases + (label,))
+                    variant = Variant(old.kernel, arch, sig, consts, attrs, launch.options,
+                                      old.cases + (label,))
                 found[variant.key] = variant
     return list(found.values()), failures
 

@@ -6,15 +6,18 @@ or float32). K and V may use different formats (:class:`kvkernels.quant.QuantFor
 ``h`` reads KV head ``h // (Hq / Hkv)`` (GQA); slot ``j < seq_lens[b]`` of sequence ``b`` lives in page
 ``page_table[b, j // S]`` at offset ``j % S``. The result equals :func:`paged_decode_attention_ref` on the
 dequantized pool (:func:`quant_decode_attention_ref` does exactly that) up to float32 summation order, and
-for float16 / bfloat16 queries the rounding of the dequantized rows and the probabilities to that dtype.
+for float16 / bfloat16 queries the rounding of the dequantized rows and the probabilities: to float16 where
+both formats hold float16 parameters (:data:`HALF_ROWS`, the default formats), else to the query's dtype.
 
 Three implementations, as everywhere in kvkernels: the reference (dequantize everything, then the plain
 reference), a batched torch path (CPU tensors), and the Triton kernel (CUDA tensors, or the interpreter in
 tests). The kernel is the native decode kernel's shape (:mod:`kvkernels.paged_attention`): one program per
 (sequence, KV head, split), the group's query heads in one tensor-core product per tile, split-K partials
 combined by the same reduce kernel. A tile's code bytes, scales and zero points are read once each, as
-contiguous runs, and unpacked in registers; the dequantized tile is rounded once to the query's dtype for
-the product (float32 queries: exact float32 products). The score update of decode-time eviction (H2O's
+contiguous runs, and unpacked in registers; for 16-bit queries with float16 parameters each code becomes a
+float16 directly and is scaled in packed float16 arithmetic, the products in float16 (:data:`HALF_ROWS`);
+otherwise the tile is dequantized in float32 and rounded once to the query's dtype for the product (float32
+queries: exact float32 products). The score update of decode-time eviction (H2O's
 accumulated attention, Keyformer's Gumbel score, ...) is fused as in the native kernel: the tile logits go to
 the split scratch and the shared reduce kernel scores the slots
 (``kvkernels::quant_decode_attention_scored``).
@@ -94,10 +97,11 @@ if HAS_TRITON:
     @triton.jit
     def _load_rows(pages_ptr, row, in_seq, offs_d, d_ok, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PARAM_F32: tl.constexpr,
-                   WORDS: tl.constexpr):
-        """``[BLOCK_N, BLOCK_D]`` float32 values of the rows ``row`` (``[BLOCK_N]`` indices into ``[P, S,
-        Hkv]``; 0 where not ``in_seq``): float rows ``[P, S, Hkv, D]`` (``BITS == 0``), or packed rows
-        ``codes | scale | zero`` (:func:`kvkernels.quant.pack`) dequantized as ``code * scale + zero``.
+                   WORDS: tl.constexpr, HALF: tl.constexpr):
+        """``[BLOCK_N, BLOCK_D]`` float32 (``WORDS`` and ``HALF``: float16) values of the rows ``row``
+        (``[BLOCK_N]`` indices into ``[P, S, Hkv]``; 0 where not ``in_seq``): float rows ``[P, S, Hkv, D]``
+        (``BITS == 0``), or packed rows ``codes | scale | zero`` (:func:`kvkernels.quant.pack`) dequantized as
+        ``code * scale + zero``.
 
         ``WORDS`` (packed rows of a power-of-two head dim in a pool starting on 4 bytes, :func:`_loads`) reads
         each row's codes as contiguous int32 words, its scales and zero points as contiguous runs, and unpacks
@@ -107,7 +111,7 @@ if HAS_TRITON:
         ok = in_seq[:, None] & d_ok[None, :]
         if WORDS:
             word, s, z = _fetch_rows(pages_ptr, row, in_seq, D, BITS, GROUP, PARAM_F32)
-            return _decode_rows(word, s, z, D, BLOCK_N, BITS, GROUP)
+            return _decode_rows(word, s, z, D, BLOCK_N, BITS, GROUP, HALF)
         elif BITS == 0:
             return tl.load(pages_ptr + row.to(tl.int64)[:, None] * D + offs_d[None, :], mask=ok,
                            other=0.0).to(tl.float32)
@@ -179,19 +183,90 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_rows(word, s, z, D: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
-                     GROUP: tl.constexpr):
-        """``[BLOCK_N, D]`` float32 values ``code * scale + zero`` of :func:`_fetch_rows`'s parts (the words
-        split into their bytes, then into their codes)."""
+                     GROUP: tl.constexpr, HALF: tl.constexpr):
+        """``[BLOCK_N, D]`` values ``code * scale + zero`` of :func:`_fetch_rows`'s parts: float32 (the words
+        split into their bytes, then into their codes), or with ``HALF`` float16 (:func:`_half_rows`)."""
         N_GROUPS: tl.constexpr = D // GROUP
-        code = _unpack(_word_bytes(word, BLOCK_N, D * BITS // 8), BITS, BLOCK_N, D).to(tl.float32)
-        x = (tl.reshape(code, (BLOCK_N, N_GROUPS, GROUP)) * s.to(tl.float32)[:, :, None]
-             + z.to(tl.float32)[:, :, None])
+        if HALF:
+            x = tl.reshape(_half_codes(word, D, BLOCK_N, BITS), (BLOCK_N, N_GROUPS, GROUP))
+            x = tl.fma(x, s.to(tl.float16)[:, :, None], z.to(tl.float16)[:, :, None])
+        else:
+            code = _unpack(_word_bytes(word, BLOCK_N, D * BITS // 8), BITS, BLOCK_N, D).to(tl.float32)
+            x = (tl.reshape(code, (BLOCK_N, N_GROUPS, GROUP)) * s.to(tl.float32)[:, :, None]
+                 + z.to(tl.float32)[:, :, None])
         return tl.reshape(x, (BLOCK_N, D))
+
+    @triton.jit
+    def _half_of(pair, HI: tl.constexpr):
+        """The float16 in the low (or, ``HI``, high) 16 bits of each int32 of ``pair``."""
+        if HI:
+            return (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            return pair.to(tl.int16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _half_pair(word, SHIFT: tl.constexpr, BITS: tl.constexpr):
+        """The codes at bit ``SHIFT`` and ``SHIFT + 16`` of each word as two float16 ``1024 + code`` in one
+        int32: one mask-and-or on the word (``0x6400`` is 1024 in float16, whose ulp there is 1, so the code
+        is the mantissa: exact for every code below 1024, no integer-to-float conversion)."""
+        MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
+        return ((word >> SHIFT) & MASK) | 0x64006400
+
+    @triton.jit
+    def _half_part(word, J: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr):
+        """``[BLOCK_N, WORDS, 2 (byte j + 2h of the word), ...]`` float16 codes of part ``I`` of bytes ``J``
+        and ``J + 2`` of every word (``[..., h]``: byte ``J + 2 h``)."""
+        pair = _half_pair(word, 8 * J + I * BITS, BITS)
+        return tl.join(_half_of(pair, False), _half_of(pair, True))
+
+    @triton.jit
+    def _half_codes(word, D: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr):
+        """``[BLOCK_N, D]`` float16 codes of ``[BLOCK_N, D * BITS / 32]`` int32 words of planar-packed rows
+        (part ``i`` of code byte ``b`` is channel ``b + i * D / (8 / BITS)``), in channel order, exact.
+
+        Each int32 yields two codes at once (:func:`_half_pair`: byte ``j`` and ``j + 2`` of a word, the same
+        part), so a code costs about one integer operation and half a packed float16 subtraction, where
+        ``_unpack`` + ``.to(float32)`` + a float32 multiply-add + the rounding to the query's dtype cost about
+        five instructions (``bench/sass.py``). Channel ``i * D / k + 4 w + 2 h + j`` (``k = 8 / BITS`` parts
+        per byte, word ``w``, byte ``j + 2 h`` of it) is element ``[n, w, h, j, i...]`` of the joined codes;
+        the permutation puts the parts first (8 bits: one part, already in order)."""
+        if BITS == 8:
+            c = tl.join(_half_part(word, 0, 0, BITS), _half_part(word, 1, 0, BITS))  # [N, W, h, j]: in order
+        elif BITS == 4:
+            c = tl.join(tl.join(_half_part(word, 0, 0, BITS), _half_part(word, 1, 0, BITS)),
+                        tl.join(_half_part(word, 0, 1, BITS), _half_part(word, 1, 1, BITS)))
+            c = tl.permute(c, (0, 4, 1, 2, 3))  # [N, W, h, j, i] to [N, i, W, h, j]
+        else:
+            lo = tl.join(tl.join(_half_part(word, 0, 0, BITS), _half_part(word, 1, 0, BITS)),
+                         tl.join(_half_part(word, 0, 1, BITS), _half_part(word, 1, 1, BITS)))
+            hi = tl.join(tl.join(_half_part(word, 0, 2, BITS), _half_part(word, 1, 2, BITS)),
+                         tl.join(_half_part(word, 0, 3, BITS), _half_part(word, 1, 3, BITS)))
+            c = tl.permute(tl.join(lo, hi), (0, 5, 4, 1, 2, 3))  # [N, W, h, j, i % 2, i // 2]
+        return tl.reshape(c, (BLOCK_N, D)) - 1024.0
 
     @triton.jit
     def _slot_pages(page_table_ptr, b, slots, in_seq, max_pages, S: tl.constexpr):
         """``[BLOCK_N]`` int32 page of each slot of sequence ``b`` (0 where not ``in_seq``)."""
         return tl.load(page_table_ptr + b * max_pages + slots // S, mask=in_seq, other=0)
+
+    @triton.jit
+    def _half_query(q, scale):
+        """``q [BLOCK_G, BLOCK_D]`` (float16 or bfloat16) as float16 for products with float16 rows, and the
+        logits' scale to go with it. A float16 query is itself. A bfloat16 one is multiplied by the power of
+        two ``2^-e`` that puts its largest magnitude in ``[2^14, 2^15)``, then rounded to float16, which holds
+        every bfloat16 value of that range exactly (8 significant bits within float16's 11; bfloat16's range
+        beyond float16's is what the power of two removes); the scale becomes ``scale * 2^e``, so the logits
+        are those of the bfloat16 query. Elements under ``2^-24`` of the largest round off (below a product's
+        float32 accumulation error)."""
+        if q.dtype == tl.float16:
+            return q, scale
+        qf = q.to(tl.float32)
+        top = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+        e = ((top.to(tl.int32, bitcast=True) >> 23) & 255) - 127 - 14  # floor(log2(top)) - 14
+        e = tl.minimum(tl.maximum(e, -100), 113)  # zero (or subnormal) queries: 2^100, a no-op on zeros
+        down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exactly
+        up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+        return (qf * down).to(tl.float16), scale * up
 
     @triton.jit
     def _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION: tl.constexpr):
@@ -227,12 +302,15 @@ if HAS_TRITON:
                        K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_F32: tl.constexpr,
                        V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_F32: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, LOADS: tl.constexpr):
+                       KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, LOADS: tl.constexpr,
+                       HALF: tl.constexpr):
         """The online softmax state ``(m_i, l_i, acc)`` after slots ``[start, end)`` of one region of
         sequence ``b``. Each tile is dequantized in float32, rounded once to the query's dtype and multiplied
-        on the tensor cores (fp32 queries: exact fp32 products). ``KEEP_LOGITS``: the fp32 logits go to
-        the scratch by slot, with the visible count ``n_vis`` and (``GUMBEL``) the noised running max and
-        sum ``(gm_i, gl_i)``, for the reduce kernel's score update (as in the native decode kernel).
+        on the tensor cores (fp32 queries: exact fp32 products); with ``HALF`` (:func:`_half`) decoded to
+        float16 and multiplied in float16 with the query made float16 exactly (:func:`_half_query`).
+        ``KEEP_LOGITS``: the fp32 logits go to the scratch by slot, with the visible count ``n_vis`` and
+        (``GUMBEL``) the noised running max and sum ``(gm_i, gl_i)``, for the reduce kernel's score update
+        (as in the native decode kernel).
 
         ``LOADS`` (the launcher's choice, :func:`_loads`): 2, the loads run one tile ahead of the
         arithmetic, by hand. The loop carries the next tile's raw K and V rows (:func:`_fetch_rows`: code
@@ -251,6 +329,8 @@ if HAS_TRITON:
         (sm_90, run 10: 4-bit differs in the last bits).
         """
         offs_n = tl.arange(0, BLOCK_N)
+        if HALF:  # the products in float16 (the query exactly, _half_query), the rows decoded to float16
+            q, scale = _half_query(q, scale)
         if LOADS == 2:
             tl.static_assert(K_BITS > 0 and V_BITS > 0 and BLOCK_D == D, "prefetching: packed rows, D = 2^k")
             slots = start + offs_n
@@ -268,10 +348,10 @@ if HAS_TRITON:
                 next_in = next_slots < end  # masked off past the region: no traffic
                 next_row = (next_page.to(tl.int64) * S + next_slots % S) * HKV + kvh  # (int32 carried)
                 # Each raw tile is replaced by the next one's as soon as it is decoded: one copy of each live.
-                k = _decode_rows(kb, ks, kz, D, BLOCK_N, K_BITS, K_GROUP)
+                k = _decode_rows(kb, ks, kz, D, BLOCK_N, K_BITS, K_GROUP, HALF)
                 kb, ks, kz = _fetch_rows(k_ptr, next_row, next_in, D, K_BITS, K_GROUP, K_F32)
                 x, m_new, alpha, p, l_i = _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION)
-                v = _decode_rows(vb, vs, vz, D, BLOCK_N, V_BITS, V_GROUP)
+                v = _decode_rows(vb, vs, vz, D, BLOCK_N, V_BITS, V_GROUP, HALF)
                 vb, vs, vz = _fetch_rows(v_ptr, next_row, next_in, D, V_BITS, V_GROUP, V_F32)
                 after_slots = next_slots + BLOCK_N  # the tile after next: the next step's rows
                 next_page = _slot_pages(page_table_ptr, b, after_slots, after_slots < end, max_pages, S)
@@ -286,10 +366,10 @@ if HAS_TRITON:
                 page = _slot_pages(page_table_ptr, b, slots, in_seq, max_pages, S).to(tl.int64)
                 row = (page * S + slots % S) * HKV + kvh  # [BLOCK_N] into [P, S, Hkv]
                 k = _load_rows(k_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, K_BITS, K_GROUP, K_F32,
-                               LOADS == 1)
+                               LOADS == 1, HALF)
                 x, m_new, alpha, p, l_i = _softmax_step(q, k, m_i, l_i, in_seq, scale, DOT_PRECISION)
                 v = _load_rows(v_ptr, row, in_seq, offs_d, d_ok, D, BLOCK_N, BLOCK_D, V_BITS, V_GROUP, V_F32,
-                               LOADS == 1)
+                               LOADS == 1, HALF)
                 acc, gm_i, gl_i, n_vis = _tile_tail(q, v, x, alpha, p, acc, gm_i, gl_i, n_vis, logits_ptr,
                                                     noise_key, noise_offset, q_rows, g_ok, slots, in_seq,
                                                     tau, logits_len, DOT_PRECISION, KEEP_LOGITS, GUMBEL)
@@ -309,7 +389,8 @@ if HAS_TRITON:
         V2_BITS: tl.constexpr, V2_GROUP: tl.constexpr, V2_F32: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
         ONE_SPLIT: tl.constexpr, KEEP_LOGITS: tl.constexpr, GUMBEL: tl.constexpr, HAS_TEMP: tl.constexpr,
-        LOADS: tl.constexpr, LOADS2: tl.constexpr, G_P2: tl.constexpr,
+        LOADS: tl.constexpr, LOADS2: tl.constexpr, HALF: tl.constexpr, HALF2: tl.constexpr,
+        G_P2: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the split's share of the sequence's slots, the first
         region's then (``HAS2``) the second's, laid end to end; the group's query heads together (one
@@ -350,7 +431,7 @@ if HAS_TRITON:
             q, m_i, l_i, acc, gm_i, gl_i, n_vis, k_ptr, v_ptr, page_table_ptr, logits_ptr, noise_key, 0,
             q_rows, g_ok, b, kvh, start, tl.minimum(end, len1), scale, tau, max_pages, logits_len, offs_d,
             d_ok, HKV, D, S, K_BITS, K_GROUP, K_F32, V_BITS, V_GROUP, V_F32, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            KEEP_LOGITS, GUMBEL, LOADS)
+            KEEP_LOGITS, GUMBEL, LOADS, HALF)
         if HAS2:  # the second region's slots follow the first's: [len1, total) of the sequence
             # KEEP_LOGITS: its logits go to each scratch row after the first region's max_pages * S slots,
             # and n_vis counts its slots too; Gumbel's noise takes the sequence's logical slot, len1 + j.
@@ -359,7 +440,7 @@ if HAS_TRITON:
                 logits_ptr + max_pages * S, noise_key, len1, q_rows, g_ok, b, kvh,
                 tl.maximum(start, len1) - len1, end - len1, scale, tau, max_pages2, logits_len, offs_d, d_ok,
                 HKV, D, S, K2_BITS, K2_GROUP, K2_F32, V2_BITS, V2_GROUP, V2_F32, BLOCK_N, BLOCK_D,
-                DOT_PRECISION, KEEP_LOGITS, GUMBEL, LOADS2)
+                DOT_PRECISION, KEEP_LOGITS, GUMBEL, LOADS2, HALF2)
         _finish_split(out_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gl_ptr, nvis_ptr, m_i, l_i, acc, gm_i, gl_i,
                       n_vis, q_rows, g_ok, offs_d, d_ok, b, kvh, split, num_splits, HKV, D, ONE_SPLIT,
                       KEEP_LOGITS, GUMBEL)
@@ -616,6 +697,49 @@ def _loads(k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None, v_for
     return 2 if max(k_format.bits, v_format.bits) <= PREFETCH_TILES else 1
 
 
+#: Whether 16-bit queries multiply float16 rows (``_attend_region``'s ``HALF``, :func:`_half`): each code
+#: becomes a float16 with one integer operation per two codes and is scaled in packed float16 arithmetic
+#: (:func:`_half_codes`), where the float32 path converts each code to float32, multiplies and adds in
+#: float32 and rounds to the query's dtype. Not yet timed on a GPU (``bench/gpu.py``'s quant stage times
+#: both); statically, sm_90, B64/4k 4-bit: ``bench/sass.py int4/prefetch`` against ``int4/prefetch/f32``.
+#: Each value is its own compiled variant (:func:`half_rows` sets it for a block).
+HALF_ROWS = True
+
+#: The kernel's register ceiling per thread (``maxnreg``). Compiled for sm_90 at the default 4 warps, the
+#: float16 rows with the fused score update take 137 registers unbounded, which leaves room for three
+#: programs per SM where 128 leave four (B64 x 8 KV heads = 512 programs on an H200's 132 SMs: one wave at
+#: four, two at three); at 128 they do not spill (``bench/sass.py int4+h2o/prefetch``: no local memory).
+MAX_REGISTERS = 128
+
+
+@contextlib.contextmanager
+def half_rows(on: bool) -> Iterator[None]:
+    """:data:`HALF_ROWS` set to ``on`` inside the block."""
+    global HALF_ROWS
+    if not isinstance(on, bool):
+        raise ValueError(f"on={on!r}: True (float16 rows for 16-bit queries) or False (float32 rows)")
+    old, HALF_ROWS = HALF_ROWS, on
+    try:
+        yield
+    finally:
+        HALF_ROWS = old
+
+
+def _half(q: Tensor, k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None,
+          v_format: QuantFormat | None, head_dim: int) -> bool:
+    """Whether a region's rows are decoded to float16 and multiplied in float16 (``HALF``): with
+    :data:`HALF_ROWS`, a float16 or bfloat16 query, rows read as words (:func:`_loads`), and float16 scales
+    and zero points in both formats, which float16 arithmetic then uses exactly: each row is
+    ``code * scale + zero`` rounded once to float16 (a fused multiply-add on the GPU), what the float32
+    path gives float16 queries, and closer than the bfloat16 rounding it gives bfloat16 ones (their query
+    enters the float16 products exactly, :func:`_half_query`, and their probabilities are rounded to
+    float16, not bfloat16). float32 parameters keep the float32 path (their rows may exceed float16's
+    range)."""
+    return (HALF_ROWS and q.dtype in (torch.float16, torch.bfloat16)
+            and _loads(k_pages, v_pages, k_format, v_format, head_dim) > 0
+            and k_format.param_dtype == torch.float16 and v_format.param_dtype == torch.float16)
+
+
 def _check_start(name: str, pages: Tensor, fmt: QuantFormat | None) -> None:
     """A packed pool must start on a multiple of its parameters' size: the kernel reads each row's float16
     or float32 scales and zero points as such, and a misaligned read is a CUDA error (``misaligned
@@ -690,8 +814,10 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
         ONE_SPLIT=one_split, KEEP_LOGITS=keep_logits, GUMBEL=gumbel, HAS_TEMP=temperature is not None,
         LOADS=_loads(k_pages, v_pages, k_format, v_format, d),
         LOADS2=_loads(two.k_pages, two.v_pages, two.k_format, two.v_format, d),
+        HALF=_half(q, k_pages, v_pages, k_format, v_format, d),
+        HALF2=_half(q, two.k_pages, two.v_pages, two.k_format, two.v_format, d),
         G_P2=triton.next_power_of_2(group),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=MAX_REGISTERS, **consts,
     )
     if not one_split:
         # The second region's scores: updated by the same reduce launch (a region without scores still counts
@@ -918,20 +1044,27 @@ COMPILE_AXES: dict[str, tuple] = {
     # kernel's programs for the second region's slots).
     "score": ("none", "accumulate", "gumbel", "count_low"),
     "prefetch": (0, 8),  # PREFETCH_TILES: the loads a tile ahead by hand, off or for every width
+    "half": (True, False),  # HALF_ROWS: float16 rows and products for 16-bit queries, or float32 rows
 }
 
 
 def compile_variants(full: bool = False):
     """``(label, thunk)`` pairs: each thunk calls the Triton launcher on ``meta`` tensors with one
     configuration of :data:`COMPILE_AXES` (a pairwise covering set, or all with ``full``)."""
-    for cfg in covering(COMPILE_AXES, full=full):
+    # The float16 rows at the H200 bench's setting (bfloat16 queries, head dim 128, prefetched), each width,
+    # alone and with H2O's score update: the pairwise set reaches few of them (most of its float16 rows sit
+    # where a head dim or a second region takes another loop).
+    bench = [dict(dtype=torch.bfloat16, head_dim=128, bits=bits, group=32, gqa=4, prefetch=8, half=True,
+                  score=score) for bits in (2, 4, 8) for score in ("none", "accumulate")]
+    for cfg in [*covering(COMPILE_AXES, full=full), *bench]:
         label = "quant_decode_attention " + " ".join(f"{k}={v}" for k, v in cfg.items())
         yield label, (lambda cfg=cfg: _meta_launch(**cfg))
 
 
 def _meta_launch(dtype: torch.dtype, head_dim: int, bits: int, group: int, gqa: int,
-                 second: str = "none", splits: int = 1, score: str = "none", prefetch: int = 0) -> None:
-    with prefetch_tiles(prefetch):
+                 second: str = "none", splits: int = 1, score: str = "none", prefetch: int = 0,
+                 half: bool = True) -> None:
+    with prefetch_tiles(prefetch), half_rows(half):
         _meta_launch_one(dtype, head_dim, bits, group, gqa, second, splits, score)
 
 
