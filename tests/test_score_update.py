@@ -259,15 +259,23 @@ def test_triton_matches_ref(dtype, problem):
 
 @pytest.mark.interpret
 @OLD_INTERPRETER_NEW_NUMPY
+@pytest.mark.parametrize("window", [0, 27])
+@pytest.mark.parametrize("alibi", [True, False], ids=["alibi", "no-alibi"])
 @pytest.mark.parametrize("mode", SCORE_MODES)
-def test_triton_multi_block_gqa(mode):
-    """Several query and key blocks, a window not aligned to a block, GQA, ALiBi, D not a power of 2."""
+def test_triton_multi_block_gqa(mode, alibi, window):
+    """Several query and key blocks, a window not aligned to a block (or none), GQA, D not a power of 2;
+    with ALiBi, and without, where the column pass's terms are one multiply-add and one ``exp2`` and only
+    each key block's first query tile is masked (gumbel at temperature 1.0 and 1.3)."""
     L, Hkv, G, D = 40, 2, 2, 40
-    q, k = torch.randn(L, Hkv * G, D, device=DEVICE), torch.randn(L, Hkv, D, device=DEVICE)
-    kwargs = dict(scale=D**-0.5, mode=mode, window=27, decay=0.8, seed=11, temperature=1.3,
-                  alibi_slopes=torch.rand(Hkv * G, device=DEVICE))
-    assert_scores_close(prefill_scores_triton(q, k, **kwargs), prefill_scores_ref(q, k, **kwargs), mode,
-                        rtol=1e-4)
+    gen = torch.Generator().manual_seed(11)
+    q, k = torch.randn(L, Hkv * G, D, generator=gen), torch.randn(L, Hkv, D, generator=gen)
+    for temperature in (1.3, 1.0) if mode == "gumbel" else (1.3,):
+        kwargs = dict(scale=D**-0.5, mode=mode, window=window, decay=0.8, seed=11, temperature=temperature,
+                      alibi_slopes=torch.rand(Hkv * G, generator=gen) if alibi else None)
+        expected = prefill_scores_ref(q, k, **kwargs)
+        kwargs["alibi_slopes"] = kwargs["alibi_slopes"].to(DEVICE) if alibi else None
+        assert_scores_close(prefill_scores_triton(q.to(DEVICE), k.to(DEVICE), **kwargs).cpu(), expected,
+                            mode, rtol=1e-4)
 
 
 @pytest.mark.interpret

@@ -102,7 +102,38 @@ if HAS_TRITON:
         tl.store(l_ptr + out, l, mask=rows < L)
 
     @triton.jit
-    def _column_scores_kernel(q_ptr, k_ptr, slopes_ptr, m_ptr, l_ptr, out_ptr,
+    def _column_tile(q_ptr, k, rowb_ptr, slopes_ptr, rows, keys, d, hq, L, first, n_rows, scale, temperature,
+                     noise_key, stride_ql, stride_qh, stride_qd, D: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                     GUMBEL: tl.constexpr, UNIT_TEMP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                     CAUSAL: tl.constexpr):
+        """``[BLOCK_Q, BLOCK_K]`` terms of query head ``hq``'s rows ``rows`` for the key tile ``k``: each
+        probability (times the row's weight) as one ``exp2(x * scale * log2(e) - b)``, ``b`` the row's
+        offset in base 2 (``rowb``: the softmax normaliser, ``log2(l) + m log2(e)``, less the decay's
+        ``log2`` weight); 0 for rows past ``L`` (their ``b`` loads as ``+inf``). ``CAUSAL``: the tile holds
+        keys after some of its rows (the first query tile of a key block), which are masked; the other
+        tiles see every key, so they take no mask (the probabilities in one multiply-add and one
+        ``exp2``, where :func:`_probabilities` takes a scale, a mask, a subtraction, an ``exp`` and a
+        division)."""
+        row_ok = rows < L
+        q = tl.load(q_ptr + rows[:, None] * stride_ql + hq * stride_qh + d[None, :] * stride_qd,
+                    mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        b = tl.load(rowb_ptr + hq * n_rows + (rows - first), mask=row_ok, other=float("inf"))
+        if HAS_ALIBI or (GUMBEL and not UNIT_TEMP):  # logits in natural units first
+            x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key, HAS_ALIBI,
+                            GUMBEL, UNIT_TEMP, INPUT_PRECISION)
+            x = x * 1.4426950408889634 - b[:, None]
+        else:
+            x = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (scale * 1.4426950408889634)
+            x = x - b[:, None]
+            if CAUSAL:
+                x = tl.where(keys[None, :] <= rows[:, None], x, float("-inf"))
+        e = tl.exp2(x)
+        if GUMBEL and UNIT_TEMP:
+            e = e * gumbel_weight_tl(noise_key, hq, rows[:, None], keys[None, :])
+        return e
+
+    @triton.jit
+    def _column_scores_kernel(q_ptr, k_ptr, slopes_ptr, m_ptr, l_ptr, rowb_ptr, out_ptr,
                               L, first, n_rows, scale, temperature, noise_key, log2_decay,
                               stride_ql, stride_qh, stride_qd, stride_kl, stride_kh, stride_kd,
                               G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -116,7 +147,9 @@ if HAS_TRITON:
         it counts): one loop over the query blocks per head of the group, so the innermost loop, the one
         Triton's pipeliner overlaps, is the long one (a query tile's load issued stages ahead). Otherwise
         the heads of the group are the inner loop (``G`` steps: the pipeline fills and drains once per
-        query block), which ``count_low`` needs."""
+        query block), which ``count_low`` needs. The heads-outer loop sums its terms (:func:`_column_tile`)
+        into a ``[BLOCK_Q, BLOCK_K]`` tile and reduces its rows once at the end, where the other loop sums
+        each query tile's rows as it goes (a reduction across the warps per tile)."""
         kb = tl.program_id(0)
         hkv = tl.program_id(1)
         keys = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -127,17 +160,22 @@ if HAS_TRITON:
         # Rows before this key block see none of it. Query blocks need no alignment: m and l are per row.
         row_start = tl.maximum(first, kb * BLOCK_K)
         if HEADS_OUTER and not COUNT_LOW:
+            tl.static_assert(BLOCK_Q == BLOCK_K, "a key block's first query tile holds its diagonal")
+            terms = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
             for g in range(G):
                 hq = hkv * G + g
-                for q_start in range(row_start, L, BLOCK_Q):
+                # The first query tile holds the rows that see part of the key block (the rows of the key
+                # block itself, or from `first` on); every later row sees all of it.
+                rows = row_start + tl.arange(0, BLOCK_Q)
+                terms += _column_tile(q_ptr, k, rowb_ptr, slopes_ptr, rows, keys, d, hq, L, first, n_rows,
+                                      scale, temperature, noise_key, stride_ql, stride_qh, stride_qd, D,
+                                      HAS_ALIBI, GUMBEL, UNIT_TEMP, INPUT_PRECISION, True)
+                for q_start in range(row_start + BLOCK_Q, L, BLOCK_Q):
                     rows = q_start + tl.arange(0, BLOCK_Q)
-                    p = _probabilities(q_ptr, k, m_ptr, l_ptr, slopes_ptr, rows, keys, d, hq, L, first,
-                                       n_rows, scale, temperature, noise_key, stride_ql, stride_qh, stride_qd,
-                                       D, HAS_ALIBI, GUMBEL, UNIT_TEMP, INPUT_PRECISION)
-                    if DECAY:
-                        p = p * tl.exp2((L - 1 - rows).to(tl.float32) * log2_decay)[:, None]
-                    acc += tl.sum(p, 0)
-            acc = acc / G
+                    terms += _column_tile(q_ptr, k, rowb_ptr, slopes_ptr, rows, keys, d, hq, L, first,
+                                          n_rows, scale, temperature, noise_key, stride_ql, stride_qh,
+                                          stride_qd, D, HAS_ALIBI, GUMBEL, UNIT_TEMP, INPUT_PRECISION, False)
+            acc = tl.sum(terms, 0) / G
         else:
             for q_start in range(row_start, L, BLOCK_Q):
                 rows = q_start + tl.arange(0, BLOCK_Q)
@@ -175,6 +213,16 @@ if HAS_TRITON:
         m = tl.load(m_ptr + hq * n_rows + (rows - first), mask=row_ok, other=0.0)
         l = tl.load(l_ptr + hq * n_rows + (rows - first), mask=row_ok, other=1.0)
         return _softmax_terms(x, m, hq, rows, keys, noise_key, GUMBEL, UNIT_TEMP) / l[:, None]
+
+
+_LOG2E = 1.4426950408889634
+
+#: The column pass's register ceiling per thread (``maxnreg``). Compiled for sm_90 at the bench's shape
+#: (``bench/sass.py prefill``: 4 warps, 64 x 64 tiles) its heads-outer loop, which keeps a tile of terms
+#: across the query tiles, takes 193 registers unbounded: two programs per SM, where the loop before it
+#: (162) left three. 168 leaves three, with no spills and the same inner loop (221 instructions, 218
+#: unbounded).
+COLUMN_MAX_REGISTERS = 168
 
 
 def _rows(L: int, mode: str, window: int) -> int:
@@ -237,11 +285,16 @@ def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mod
     else:
         launch(_row_stats_kernel, (triton.cdiv(n_rows, block), Hq), q, k, slopes, m, l,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+    rowb = m  # unused by the heads-inner loop
+    if heads_outer and mode != "count_low":  # each row's offset in base 2 (_column_tile)
+        rowb = (m + l.log()) * _LOG2E
+        if mode == "decay":  # its weight decay**(L - 1 - i), as a base-2 offset
+            rowb -= (L - 1 - torch.arange(first, L, device=q.device, dtype=torch.float32)) * math.log2(decay)
     launch(
         _column_scores_kernel, (triton.cdiv(L, block), Hkv),
-        q, k, slopes, m, l, out, log2_decay=math.log2(decay), DECAY=mode == "decay",
+        q, k, slopes, m, l, rowb, out, log2_decay=math.log2(decay), DECAY=mode == "decay",
         COUNT_LOW=mode == "count_low", HEADS_OUTER=heads_outer, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common)
+        num_stages=cfg.num_stages, maxnreg=COLUMN_MAX_REGISTERS, **common)
     return out
 
 
