@@ -74,7 +74,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from kvkernels.paged_attention import _finish_split, _keep_logits  # shared with the native kernel
+    # shared with the native kernel
+    from kvkernels.paged_attention import _LOG2E_C, _finish_split, _keep_logits
 
     _NEG_BIG_C = tl.constexpr(_NEG_BIG)  # jit code may only read globals that are constexpr
 
@@ -275,8 +276,8 @@ if HAS_TRITON:
         x = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, N]
         x = tl.where(in_seq[None, :], x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(x - m_new[:, None])
+        alpha = tl.exp2((m_i - m_new) * _LOG2E_C)  # exp as exp2 of a multiply-add, as the native kernel
+        p = tl.exp2(x * _LOG2E_C - (m_new * _LOG2E_C)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         return x, m_new, alpha, p, l_i
 
