@@ -186,7 +186,8 @@ if HAS_TRITON:
     def _decode_rows(word, s, z, D: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr, HALF: tl.constexpr):
         """``[BLOCK_N, D]`` values ``code * scale + zero`` of :func:`_fetch_rows`'s parts: float32 (the words
-        split into their bytes, then into their codes), or with ``HALF`` float16 (:func:`_half_rows`)."""
+        split into their bytes, then into their codes), or with ``HALF`` float16 (:func:`_half_codes`, then
+        one packed float16 fused multiply-add per two values)."""
         N_GROUPS: tl.constexpr = D // GROUP
         if HALF:
             x = tl.reshape(_half_codes(word, D, BLOCK_N, BITS), (BLOCK_N, N_GROUPS, GROUP))
@@ -215,8 +216,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _half_part(word, J: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr):
-        """``[BLOCK_N, WORDS, 2 (byte j + 2h of the word), ...]`` float16 codes of part ``I`` of bytes ``J``
-        and ``J + 2`` of every word (``[..., h]``: byte ``J + 2 h``)."""
+        """``[BLOCK_N, WORDS, 2]`` float16 codes ``1024 + code`` of part ``I`` of bytes ``J`` and ``J + 2`` of
+        every word: ``[..., h]`` holds byte ``J + 2 h``'s."""
         pair = _half_pair(word, 8 * J + I * BITS, BITS)
         return tl.join(_half_of(pair, False), _half_of(pair, True))
 
@@ -257,8 +258,9 @@ if HAS_TRITON:
         two ``2^-e`` that puts its largest magnitude in ``[2^14, 2^15)``, then rounded to float16, which holds
         every bfloat16 value of that range exactly (8 significant bits within float16's 11; bfloat16's range
         beyond float16's is what the power of two removes); the scale becomes ``scale * 2^e``, so the logits
-        are those of the bfloat16 query. Elements under ``2^-24`` of the largest round off (below a product's
-        float32 accumulation error)."""
+        are those of the bfloat16 query. Elements under ``2^-28`` of the largest become float16 subnormals and
+        lose bits, those under ``2^-39`` of it round to zero: far below the float32 accumulation's error.
+        (A float16 query needs no scaling: it already is what the products take.)"""
         if q.dtype == tl.float16:
             return q, scale
         qf = q.to(tl.float32)
