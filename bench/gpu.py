@@ -721,7 +721,9 @@ def stage_kernels(st: Stage) -> None:
     for i in range(max(len(decode), len(prefill))):
         # A config's compiles and points take ~5-8 s on a GPU (each point is recorded as it is measured, so a
         # stage killed past its box keeps them); the box's 10 s of grace covers one started late.
-        if st.left() < (3 if st.smoke else 6):
+        # --smoke always runs the first config (what it checks is that the sweeps run; on a 2-core CPU the
+        # stage's other work took 34 to 43 s of its 48 s box, which left the sweeps under 3 s at times).
+        if st.left() < (3 if st.smoke else 6) and not (st.smoke and i == 0):
             st.skipped("sweeps", f"time box: {min(i, len(decode))} of {len(decode)} decode and "
                        f"{min(i, len(prefill))} of {len(prefill)} prefill configs measured")
             return
@@ -1028,7 +1030,7 @@ def _quant_sweep(st: Stage) -> None:
 
     batch, ctx = st.shapes.quant[0]
     shape, configs = f"B{batch}-L{ctx}", sweep_configs("quant_decode")
-    if st.left() < 10:
+    if st.left() < 10 and not st.smoke:  # --smoke always sweeps its first config and its split counts
         st.skipped("quant sweep", f"time box: {st.left():.0f} s left")
         return
     t = _quant_pool(st, batch, ctx)
@@ -1038,9 +1040,11 @@ def _quant_sweep(st: Stage) -> None:
     default = _quant_prefetch_default(4)
     both = [(cfg, on) for cfg in configs for on in (default, not default)]
     for i, (cfg, on) in enumerate(both):
-        if st.left() < 6:
+        if st.left() < 6 and not (st.smoke and i == 0):
             st.skipped("quant sweep", f"time box: {i} of {len(both)} configs measured")
-            return
+            if not st.smoke:
+                return
+            break
         try:
             with override(quant_decode=cfg), _quant_prefetch(on):
                 s, how = st.seconds(lambda: quant_decode_attention_triton(
@@ -1053,7 +1057,7 @@ def _quant_sweep(st: Stage) -> None:
     # Split-K at the default config: at B64 the launcher's choice is one split (512 programs, one wave of
     # ~4 per SM on an H200); more splits add programs to hide each tile's load latency, and the reduce.
     for splits in (1, 2, 4):
-        if st.left() < 3:
+        if st.left() < 3 and not st.smoke:
             st.skipped("quant splits", f"time box: {st.left():.0f} s left")
             break
         s, how = st.seconds(lambda splits=splits: quant_decode_attention_triton(
