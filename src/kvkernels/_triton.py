@@ -33,6 +33,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+#: log2(e), for ``exp(x) = exp2(x * log2(e))`` in kernels: ``tl.exp2`` of a multiply-add compiles to one
+#: ``MUFU.EX2`` where ``tl.exp`` adds a range fix-up per value. ``LOG2E_C``: the constexpr jit code reads.
+LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E) if HAS_TRITON else None
+
 _RECORDER: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar("kvkernels_recorder",
                                                                                 default=None)
 

@@ -43,7 +43,7 @@ import torch
 from kvkernels import _checks
 from kvkernels._modes import SCORE_MODES, update_scores_ref
 from kvkernels._noise import gumbel_noise_keyed
-from kvkernels._triton import HAS_TRITON, INTERPRET, covering, launch, require_triton, use_triton
+from kvkernels._triton import HAS_TRITON, INTERPRET, LOG2E_C, covering, launch, require_triton, use_triton
 from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
@@ -118,7 +118,6 @@ _NO_SCORES: tuple[None, str, float, None, None] = (None, "none", 1.0, None, None
 
 if HAS_TRITON:
     _NEG_BIG_C = tl.constexpr(_NEG_BIG)  # jit code may only read globals that are constexpr
-    _LOG2E_C = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * log2(e))
 
     @triton.jit
     def _decode_partial_kernel(
@@ -187,8 +186,8 @@ if HAS_TRITON:
 
             m_new = tl.maximum(m_i, tl.max(x, axis=1))
             # exp as exp2 of a multiply-add (one MUFU.EX2 each; tl.exp adds a range fix-up per value)
-            alpha = tl.exp2((m_i - m_new) * _LOG2E_C)
-            p = tl.exp2(x * _LOG2E_C - (m_new * _LOG2E_C)[:, None])  # [BLOCK_G, BLOCK_N], 0 on invisible
+            alpha = tl.exp2((m_i - m_new) * LOG2E_C)
+            p = tl.exp2(x * LOG2E_C - (m_new * LOG2E_C)[:, None])  # [BLOCK_G, BLOCK_N], 0 on invisible
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + row[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D] tile
             if HAS_VSCALE:

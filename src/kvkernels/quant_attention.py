@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from kvkernels._checks import check_page_table, check_seq_lens, check_shape, check_tensor
-from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, use_triton
+from kvkernels._triton import HAS_TRITON, LOG2E_C, covering, launch, require_triton, use_triton
 from kvkernels.paged_attention import (
     _NEG_BIG,
     _NO_SCORES,
@@ -74,8 +74,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    # shared with the native kernel
-    from kvkernels.paged_attention import _LOG2E_C, _finish_split, _keep_logits
+    from kvkernels.paged_attention import _finish_split, _keep_logits  # shared with the native kernel
 
     _NEG_BIG_C = tl.constexpr(_NEG_BIG)  # jit code may only read globals that are constexpr
 
@@ -278,8 +277,8 @@ if HAS_TRITON:
         x = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, N]
         x = tl.where(in_seq[None, :], x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
-        alpha = tl.exp2((m_i - m_new) * _LOG2E_C)  # exp as exp2 of a multiply-add, as the native kernel
-        p = tl.exp2(x * _LOG2E_C - (m_new * _LOG2E_C)[:, None])
+        alpha = tl.exp2((m_i - m_new) * LOG2E_C)  # exp as exp2 of a multiply-add, as the native kernel
+        p = tl.exp2(x * LOG2E_C - (m_new * LOG2E_C)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         return x, m_new, alpha, p, l_i
 
@@ -728,19 +727,17 @@ def half_rows(on: bool) -> Iterator[None]:
         HALF_ROWS = old
 
 
-def _half(q: Tensor, k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None,
-          v_format: QuantFormat | None, head_dim: int) -> bool:
+def _half(q: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None, loads: int) -> bool:
     """Whether a region's rows are decoded to float16 and multiplied in float16 (``HALF``): with
-    :data:`HALF_ROWS`, a float16 or bfloat16 query, rows read as words (:func:`_loads`), and float16 scales
-    and zero points in both formats, which float16 arithmetic then uses exactly: each row is
-    ``code * scale + zero`` rounded once to float16 (a fused multiply-add on the GPU), what the float32
+    :data:`HALF_ROWS`, a float16 or bfloat16 query, rows read as words (``loads``, :func:`_loads`, > 0),
+    and float16 scales and zero points in both formats, which float16 arithmetic then uses exactly: each
+    row is ``code * scale + zero`` rounded once to float16 (a fused multiply-add on the GPU), what the float32
     path gives float16 queries, and closer than the bfloat16 rounding it gives bfloat16 ones (their query
     enters the float16 products exactly, :func:`_half_query`, and their probabilities are rounded to
     float16, not bfloat16). float32 parameters keep the float32 path (their rows may exceed float16's
     range)."""
     return (HALF_ROWS and q.dtype in (torch.float16, torch.bfloat16)
-            and _loads(k_pages, v_pages, k_format, v_format, head_dim) > 0
-            and k_format.param_dtype == torch.float16 and v_format.param_dtype == torch.float16)
+            and loads > 0 and k_format.param_dtype == torch.float16 and v_format.param_dtype == torch.float16)
 
 
 def _check_start(name: str, pages: Tensor, fmt: QuantFormat | None) -> None:
@@ -804,6 +801,8 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
                       gumbel=gumbel)
     consts = dict(HKV=n_kv, G=group, D=d, S=page_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     formats = [_launch_format(f) for f in (k_format, v_format, two.k_format, two.v_format)]
+    loads = _loads(k_pages, v_pages, k_format, v_format, d)
+    loads2 = _loads(two.k_pages, two.v_pages, two.k_format, two.v_format, d)
     launch(
         _quant_decode_kernel, (batch, n_kv, num_splits),
         q, k_pages, v_pages, page_table, seq_lens, two.k_pages, two.v_pages, two.page_table, two.seq_lens,
@@ -815,10 +814,8 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
            for what, value in zip(("BITS", "GROUP", "F32"), fmt, strict=True)},
         HAS2=second is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ONE_SPLIT=one_split, KEEP_LOGITS=keep_logits, GUMBEL=gumbel, HAS_TEMP=temperature is not None,
-        LOADS=_loads(k_pages, v_pages, k_format, v_format, d),
-        LOADS2=_loads(two.k_pages, two.v_pages, two.k_format, two.v_format, d),
-        HALF=_half(q, k_pages, v_pages, k_format, v_format, d),
-        HALF2=_half(q, two.k_pages, two.v_pages, two.k_format, two.v_format, d),
+        LOADS=loads, LOADS2=loads2, HALF=_half(q, k_format, v_format, loads),
+        HALF2=_half(q, two.k_format, two.v_format, loads2),
         G_P2=triton.next_power_of_2(group),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=MAX_REGISTERS, **consts,
     )

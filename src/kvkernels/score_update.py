@@ -35,7 +35,17 @@ import torch
 from kvkernels._checks import FLOAT_DTYPES, check_choice, check_shape, check_tensor
 from kvkernels._modes import SCORE_MODES
 from kvkernels._noise import _as_int32, gumbel_noise_hash, seed_key
-from kvkernels._triton import HAS_TRITON, covering, launch, require_triton, tl, triton, use_triton
+from kvkernels._triton import (
+    HAS_TRITON,
+    LOG2E,
+    LOG2E_C,
+    covering,
+    launch,
+    require_triton,
+    tl,
+    triton,
+    use_triton,
+)
 from kvkernels.tuning import launch_config
 
 if HAS_TRITON:
@@ -62,7 +72,7 @@ if HAS_TRITON:
         ``GUMBEL`` at ``UNIT_TEMP``, times ``exp(G)`` (:func:`kvkernels._noise.gumbel_weight_tl`):
         ``exp(x + G - m)`` with one ``log`` per logit. ``m`` is then the plain logits' max, and the terms
         stay finite (``exp(G) <= 1 / -log(1 - 2**-24) < 2**25``)."""
-        e = tl.exp2(x * 1.4426950408889634 - (m * 1.4426950408889634)[:, None])  # one EX2, no range fix-up
+        e = tl.exp2(x * LOG2E_C - (m * LOG2E_C)[:, None])  # one EX2, no range fix-up
         if GUMBEL and UNIT_TEMP:
             e = e * gumbel_weight_tl(noise_key, hq, rows[:, None], keys[None, :])
         return e
@@ -121,9 +131,9 @@ if HAS_TRITON:
         if HAS_ALIBI or (GUMBEL and not UNIT_TEMP):  # logits in natural units first
             x = _logit_tile(q, k, rows, keys, slopes_ptr, hq, L, scale, temperature, noise_key, HAS_ALIBI,
                             GUMBEL, UNIT_TEMP, INPUT_PRECISION)
-            x = x * 1.4426950408889634 - b[:, None]
+            x = x * LOG2E_C - b[:, None]
         else:
-            x = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (scale * 1.4426950408889634)
+            x = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (scale * LOG2E_C)
             x = x - b[:, None]
             if CAUSAL:
                 x = tl.where(keys[None, :] <= rows[:, None], x, float("-inf"))
@@ -215,8 +225,6 @@ if HAS_TRITON:
         return _softmax_terms(x, m, hq, rows, keys, noise_key, GUMBEL, UNIT_TEMP) / l[:, None]
 
 
-_LOG2E = 1.4426950408889634
-
 #: The column pass's register ceiling per thread (``maxnreg``). Compiled for sm_90 at the bench's shape
 #: (``bench/sass.py prefill``: 4 warps, 64 x 64 tiles) its heads-outer loop, which keeps a tile of terms
 #: across the query tiles, takes 193 registers unbounded: two programs per SM, where the loop before it
@@ -285,9 +293,11 @@ def prefill_scores_triton(q: torch.Tensor, k: torch.Tensor, *, scale: float, mod
     else:
         launch(_row_stats_kernel, (triton.cdiv(n_rows, block), Hq), q, k, slopes, m, l,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
-    rowb = m  # unused by the heads-inner loop
-    if heads_outer and mode != "count_low":  # each row's offset in base 2 (_column_tile)
-        rowb = (m + l.log()) * _LOG2E
+    # Each row's offset in base 2 for the heads-outer loop (_column_tile), formed here once per row rather
+    # than per query tile in the kernel (there a precise log2 per row added ~25% to the loop step).
+    rowb = m  # the heads-inner loop (count_low, heads_outer=False) reads m and l instead
+    if heads_outer and mode != "count_low":
+        rowb = (m + l.log()) * LOG2E
         if mode == "decay":  # its weight decay**(L - 1 - i), as a base-2 offset
             rowb -= (L - 1 - torch.arange(first, L, device=q.device, dtype=torch.float32)) * math.log2(decay)
     launch(
