@@ -41,13 +41,15 @@ BATCH, HQ, HKV, D, PAGE, CONTEXT = 64, 32, 8, 128, 16, 4096
 # "/f32": kvkernels.quant_attention.HALF_ROWS off (codes to float32, float32 multiply-add, rounded to bf16);
 # without it, on (codes decoded straight to float16, the products in float16).
 # "prefill": the prefill scorer's column pass (H2O's accumulate mode, the row log-sum-exp given, as the cache
-# runs it on CUDA after the flash kernel), one 4k prompt of the same heads (head dim 128).
+# runs it on CUDA after the flash kernel), one 4k prompt of the same heads (head dim 128);
+# "prefill+keyformer": Keyformer's prompt scores (Gumbel noise at temperature 1), whose row pass (the noised
+# normaliser) is its first kernel and whose column pass is "@reduce".
 # "@reduce": the second kernel of the launch (``_decode_reduce_kernel``: the score update's, or split-K's
 # combine); "native/32k": one sequence of 32768 tokens in 32 splits, the kernels stage's split-K shape.
 CASES = ("native", "native+h2o", "native+keyformer", "int8", "int4", "int2", "int4+float", "int4+h2o",
          "int8/prefetch", "int4/prefetch", "int4+h2o/prefetch", "int2/prefetch", "int8/prefetch/f32",
-         "int4/prefetch/f32", "int4+h2o/prefetch/f32", "int2/prefetch/f32", "prefill", "native+h2o@reduce",
-         "native+keyformer@reduce", "native/32k@reduce")
+         "int4/prefetch/f32", "int4+h2o/prefetch/f32", "int2/prefetch/f32", "prefill", "prefill+keyformer",
+         "prefill+keyformer@reduce", "native+h2o@reduce", "native+keyformer@reduce", "native/32k@reduce")
 # hmma: mma.sync tensor-core products; hgmma: sm_90's warpgroup ones (wgmma: the prefill scorer's tiles).
 # Shared-memory stores/loads, barriers, shuffles: layout conversions; I2F/I2FP: integer to float conversions
 # (I2FP the ALU form sm_90 uses for 32-bit codes), F2FP: packing float32 into 16-bit pairs.
@@ -71,11 +73,14 @@ def _launch(case: str) -> None:
     case, prefetch = case.removesuffix("/prefetch"), case.endswith("/prefetch")
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
-    if case == "prefill":
+    if case.startswith("prefill"):
         from kvkernels.score_update import prefill_scores_triton
 
         q = torch.empty(CONTEXT, HQ, D, dtype=bf16, device=meta)
         k = torch.empty(CONTEXT, HKV, D, dtype=bf16, device=meta)
+        if case.endswith("+keyformer"):  # the noised normaliser needs its own row pass: no lse
+            prefill_scores_triton(q, k, scale=D ** -0.5, mode="gumbel", seed=0, temperature=1.0)
+            return
         lse = torch.empty(HQ, CONTEXT, dtype=torch.float32, device=meta)
         prefill_scores_triton(q, k, scale=D ** -0.5, mode="accumulate", lse=lse)
         return

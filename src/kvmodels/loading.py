@@ -395,13 +395,16 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
         # Kept beside the conversion: a failure that was not the file's (a broken transformers install)
         # would otherwise leave a cached copy without a tokenizer and no trace of why.
         (tmp / TOKENIZER_ERROR).write_text(f"{type(e).__name__}: {e}\n")
-    # Rename last, so a half-written conversion is never picked up as a cache hit.
-    if out.exists():
+    # Rename last, so a half-written conversion is never picked up as a cache hit. Another process (a
+    # second test worker, a second kvgen) may have renamed its own copy in place meanwhile: then keep its.
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
         import shutil
 
         shutil.rmtree(tmp)
-    else:
-        tmp.rename(out)
     return out
 
 
