@@ -34,9 +34,9 @@ else:
     PROMPT_LEN = int(os.environ.get("KVBENCH_PROMPT_LEN", "4096"))
     NEW_TOKENS, BATCHES, BUDGETS = 32, [1], [1.0, 0.2]
     POLICIES, COMPILE = ["full", "streaming", "h2o", "h2o/16", "h2o+adakv"], [False, True]
-# tests/test_bench_smoke.py runs every benchmark once at tiny shapes so none rots. The compiled body is the
-# same for every policy, and compiling SmolLM2's decode step costs ~15 s per policy from a cold cache, so
-# the smoke run compiles one evicting policy; every policy's compiled step is tested in tests/.
+# tests/test_bench_smoke.py runs every benchmark once at tiny shapes so none rots, on a tiny random Llama
+# (random prompts). The compiled body is the same for every policy, so the smoke run compiles one evicting
+# policy; every policy's compiled step is tested in tests/, and SmolLM2 with its tokenizer there too.
 SMOKE = os.environ.get("KVBENCH_SMOKE") == "1"
 #: The evaluation harness's Moby-Dick text (real prose for the CPU prompts).
 TEXT = Path(__file__).resolve().parents[1] / "evals" / "data" / "moby_dick_ch1-30.txt.gz"
@@ -51,13 +51,18 @@ def models():
     """(ours, hf, tokenizer) with identical weights."""
     from kvmodels.loading import from_transformers, llama_config_to_hf, load_checkpoint
 
-    if CUDA:
+    if CUDA or SMOKE:  # random weights: Llama-3.2-1B's shape in bf16 on a GPU, a tiny Llama for the smoke run
         from kvmodels.llama import LlamaConfig
 
-        config = LlamaConfig.from_name("llama-3.2-1b", max_seq_len=PROMPT_LEN + NEW_TOKENS)
-        with torch.device("cuda"):
+        if CUDA:
+            config = LlamaConfig.from_name("llama-3.2-1b", max_seq_len=PROMPT_LEN + NEW_TOKENS)
+        else:  # SmolLM2's 30 layers took ~95 s to compile from a cold cache, most of the smoke's time
+            config = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 intermediate=128, max_seq_len=PROMPT_LEN + NEW_TOKENS)
+        torch.manual_seed(0)
+        with torch.device("cuda" if CUDA else "cpu"):
             hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_to_hf(config)))
-        hf = hf.to(torch.bfloat16).eval()
+        hf = hf.to(torch.bfloat16 if CUDA else torch.float32).eval()
         return from_transformers(hf), hf, None
     loaded = load_checkpoint()  # the converted GGUF is a Hugging Face directory transformers can read
     hf = transformers.LlamaForCausalLM.from_pretrained(str(loaded.directory), dtype=torch.float32).eval()
@@ -65,7 +70,7 @@ def models():
 
 
 def prompts(batch: int, vocab: int, tokenizer) -> list[list[int]]:
-    """Real text on CPU (the first PROMPT_LEN tokens of Moby-Dick), random ids for the random GPU model."""
+    """Real text on CPU (the first PROMPT_LEN tokens of Moby-Dick), random ids for the random models."""
     if tokenizer is not None:
         with gzip.open(TEXT, "rt", encoding="utf-8") as f:
             ids = tokenizer.encode(f.read())[:PROMPT_LEN]
