@@ -241,15 +241,19 @@ class Stage:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
+    def calls(self, reps: int | None = None) -> int:
+        """How many calls a measurement times: ``reps`` (default the shapes'); with --smoke at most the
+        smoke's few, since it checks that each measurement runs, not its number (the interpreter is slow)."""
+        reps = reps or self.shapes.reps
+        return min(reps, self.shapes.reps) if self.smoke else reps
+
     def seconds(self, fn: Callable[[], Any], reps: int | None = None) -> tuple[float, str]:
         """Median device seconds of one ``fn()`` and how they were measured. On CUDA: ``reps`` calls
         captured in one CUDA graph, replayed (launch overhead excluded); events around each call when the
         call cannot be captured. On CPU: wall time."""
         import torch
 
-        reps = reps or self.shapes.reps
-        if self.smoke:  # --smoke checks that each measurement runs, not its number: the fewest calls
-            reps = min(reps, self.shapes.reps)
+        reps = self.calls(reps)
         for _ in range(1 if self.smoke else 2):  # warm-up (compiles; on a GPU, the second settles clocks)
             fn()
         self.sync()
@@ -460,9 +464,7 @@ def _kernel_times(st: Stage, fn: Callable[[], Any], reps: int = 20,
 
     fn()
     st.sync()
-    if st.smoke:  # that the profile runs, not its numbers: the smoke's few calls (the interpreter is slow)
-        reps = min(reps, st.shapes.reps)
-    calls = calls or [fn] * reps
+    calls = calls or [fn] * st.calls(reps)
     activity = ProfilerActivity.CUDA if st.cuda else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for call in calls:
@@ -1080,9 +1082,17 @@ def _config(st: Stage, max_seq_len: int):
     from kvmodels.llama import LlamaConfig
 
     if st.shapes.model == "tiny":
-        return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
-                           max_seq_len=max_seq_len)
+        return tiny_llama_config(max_seq_len)
     return LlamaConfig.from_name(st.shapes.model, max_seq_len=max_seq_len)
+
+
+def tiny_llama_config(max_seq_len: int):
+    """The smoke runs' Llama (here and in ``bench/test_bench_generate.py``): 2 layers, GQA 2, compiled in
+    seconds."""
+    from kvmodels.llama import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
+                       max_seq_len=max_seq_len)
 
 
 def _model(st: Stage, max_seq_len: int):

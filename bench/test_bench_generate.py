@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu import StepClock  # bench/gpu.py (pytest puts bench/ on the path)
+from gpu import StepClock, tiny_llama_config  # bench/gpu.py (pytest puts bench/ on the path)
 from kvmodels.generate import generate
 from kvpolicies import compose
 
@@ -57,8 +57,7 @@ def models():
         if CUDA:
             config = LlamaConfig.from_name("llama-3.2-1b", max_seq_len=PROMPT_LEN + NEW_TOKENS)
         else:  # SmolLM2's 30 layers took ~95 s to compile from a cold cache, most of the smoke's time
-            config = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 intermediate=128, max_seq_len=PROMPT_LEN + NEW_TOKENS)
+            config = tiny_llama_config(PROMPT_LEN + NEW_TOKENS)
         torch.manual_seed(0)
         with torch.device("cuda" if CUDA else "cpu"):
             hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_to_hf(config)))
