@@ -57,7 +57,7 @@ def policy_names(evictions: Sequence[str] | None = None, budget_policies: Sequen
         evictions = [p.name for p in available("eviction") if p.name != "full"]
     # A policy ranking by a reconstruction pass (kvzip) extends each sequence, which merged layers and
     # per-head budgets cannot take (the Decoder refuses them): not combined with those.
-    extendable = [e for e in evictions if not get_policy(e).probe]
+    extendable = [e for e in evictions if not getattr(get_policy(e), "probe", False)]
     names = ["full"]
     for bp in budget_policies:
         names += [e if bp == "uniform" else f"{bp}+{e}" for e in evictions]

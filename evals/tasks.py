@@ -242,7 +242,7 @@ def exact_match(prediction: str, answer: str) -> bool:
 def word_match(prediction: str, answer: str) -> bool:
     """Whether the first word of ``prediction`` is ``answer`` (letters only, case ignored)."""
     m = re.search(r"[A-Za-z]+", prediction)
-    return bool(m) and m.group(0).lower() == answer.lower()
+    return m is not None and m.group(0).lower() == answer.lower()
 
 
 def near_miss(prediction: str, answer: str) -> bool:

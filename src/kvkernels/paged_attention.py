@@ -524,13 +524,15 @@ def reduce_splits(out: torch.Tensor, parts: _Partials, num_splits: int, page_tab
     batch, n_kv_heads = out.shape[0], consts["HKV"]
     score, score_mode, decay = (None, "none", 1.0) if scores is None else scores[:3]
     mode_id = _MODE_IDS[score_mode] if score is not None else 0
-    has2 = second is not None and mode_id != 0
+    two = second if second is not None and mode_id != 0 else None
+    has2 = two is not None
     dummy = parts.dummy
     max_len = page_table.shape[1] * consts["S"]
     score_chunk = _score_chunk_len()
     n_update = max(1, math.ceil(max_len / score_chunk)) if mode_id else 1
-    n_update2 = math.ceil(second.page_table.shape[1] * consts["S"] / score_chunk) if has2 else 0
-    two = second if has2 else SecondScores(dummy, page_table, seq_lens)
+    n_update2 = math.ceil(two.page_table.shape[1] * consts["S"] / score_chunk) if two is not None else 0
+    if two is None:
+        two = SecondScores(dummy, page_table, seq_lens)
     block_g = triton.next_power_of_2(consts["G"])
     block_d = consts["BLOCK_D"]
     # Partial outputs combined a tile of splits at a time, a tile of at most _SPLIT_TILE_ELEMS floats (the

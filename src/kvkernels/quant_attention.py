@@ -737,7 +737,8 @@ def _half(q: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None,
     float16, not bfloat16). float32 parameters keep the float32 path (their rows may exceed float16's
     range)."""
     return (HALF_ROWS and q.dtype in (torch.float16, torch.bfloat16)
-            and loads > 0 and k_format.param_dtype == torch.float16 and v_format.param_dtype == torch.float16)
+            and loads > 0 and k_format is not None and v_format is not None
+            and k_format.param_dtype == torch.float16 and v_format.param_dtype == torch.float16)
 
 
 def _check_start(name: str, pages: Tensor, fmt: QuantFormat | None) -> None:
@@ -850,7 +851,8 @@ def _quant_decode_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Te
     impl = quant_decode_attention_triton if use_triton(q) else quant_decode_attention_torch
     two = None
     if second:
-        two = Region(*second, _format_of(k2_bits, k2_group, k2_params),
+        k2_pages, v2_pages, page_table2, seq_lens2 = second
+        two = Region(k2_pages, v2_pages, page_table2, seq_lens2, _format_of(k2_bits, k2_group, k2_params),
                      _format_of(v2_bits, v2_group, v2_params))
     return impl(q, k_pages, v_pages, page_table, seq_lens, scale=scale,
                 k_format=QuantFormat(k_bits, k_group, getattr(torch, k_params)),

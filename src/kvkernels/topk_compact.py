@@ -439,8 +439,8 @@ def _check_inputs(k_pages, v_pages, slot_pos, slot_score, page_table, seq_lens, 
     num_pages, page_size, n_heads, _ = k_pages.shape
     check_tensor("v_pages", v_pages)
     if v_pages.dtype != k_pages.dtype:
-        name = lambda t: str(t.dtype).replace("torch.", "")  # noqa: E731
-        raise TypeError(f"v_pages has dtype {name(v_pages)} but k_pages has dtype {name(k_pages)}; K and V "
+        v_dtype, k_dtype = (str(t.dtype).replace("torch.", "") for t in (v_pages, k_pages))
+        raise TypeError(f"v_pages has dtype {v_dtype} but k_pages has dtype {k_dtype}; K and V "
                         f"must be stored alike (both the same float dtype, or both uint8 packed rows)")
     check_tensor("v_pages", v_pages, device=dev, contiguous=True)
     check_shape("v_pages", v_pages, k_pages.shape, "same as k_pages")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class Replays:
         self.enabled = enabled and os.environ.get("KVPOLICIES_EVICTION_GRAPHS", "1") != "0"
         self.limit = limit
         self._factory = graph_factory or _CudaGraphs()
-        self._graphs: dict[Hashable, tuple[object, tuple]] = {}
+        self._graphs: dict[Hashable, tuple[Any, tuple]] = {}  # key -> (its graph, the tensors it keeps)
         self._seen: set[Hashable] = set()
         self._pool = None
         self.failure: str | None = None  # why capturing failed, if it did (graphs are then off)

@@ -15,7 +15,8 @@ Its parts, one module each:
 * ``storage.py``: how a row holds a token (the cache's dtype, or packed quantized rows); ``tiers.py``: the
   second region of a cache that keeps tokens in two formats;
 * ``report.py``: :class:`CacheReport`; ``contents.py``: the inspection methods (``report``,
-  ``head_contents``, ``layer_contents``).
+  ``head_contents``, ``layer_contents``);
+* ``state.py``: ``CacheState``, the phases' base class: declarations of the cache's attributes they read.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ from kvkernels.merge import merge_restore
 from .pool import ceil_div
 from .report import CacheReport
 from .rows import check_sequence
+from .state import CacheState
 
 
-class InspectSteps:
+class InspectSteps(CacheState):
     """What the cache holds, as a :class:`CacheReport` and token by token; reads only the cache's
     attributes."""
 

@@ -18,9 +18,10 @@ from kvkernels.quant_attention import Region, quant_decode_attention
 
 from .pool import ceil_div
 from .rows import INT_DTYPES
+from .state import CacheState
 
 
-class DecodeSteps:
+class DecodeSteps(CacheState):
     """Decode steps over the pool rows: page allocation, append, attention with the fused score update,
     decode-time eviction."""
 
@@ -183,7 +184,7 @@ class DecodeSteps:
                              "which the quantized decode kernel does not yet; use a RoPE model (Llama, "
                              f"GPT-J) with {self.policy.precision.name!r}")
         groups = None if alibi_slopes is None else rows.alibi_groups(self.n_sequences)
-        if groups is not None:  # one call per group of rows, each with its own slopes
+        if groups is not None and alibi_slopes is not None:  # one call per group of rows, its own slopes
             return self._attend_groups(l, rows.to_rows(q), rows.positions_to_rows(q_positions), groups,
                                        scale=scale, alibi_slopes=alibi_slopes,
                                        update_scores=update_scores).reshape(q.shape)

@@ -17,6 +17,7 @@ from kvkernels import check_shape, check_tensor
 
 from .pool import ceil_div
 from .rows import INT_DTYPES, check_sequence
+from .state import CacheState
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Extension:
     probe: ProbeSpan | None = None  # a reconstruction pass: scores kept tokens, stores nothing (begin_extend)
 
 
-class ExtendSteps:
+class ExtendSteps(CacheState):
     """Pause, extension and restart of the sequences of a started batch."""
 
     # A sequence between decode steps (or between turns, paused) takes more tokens: begin_extend, then the
@@ -286,6 +287,7 @@ class ExtendSteps:
             return out
         if scores is not None:
             if ms:  # the side region's, in its slot order
+                assert self.side is not None  # ms > 0: it holds some of the sequence's tokens
                 self.side.pool.slot_score[side_page, side_off] = scores[:, :ms].t().contiguous()
             scores = scores[:, ms:]  # the main region's kept tokens (position order), then the new ones
             kept = torch.empty_like(kept_score).scatter_(0, order, scores[:, :m].t().contiguous())

@@ -22,9 +22,10 @@ from kvpolicies.base import NewTokens
 
 from .pool import ceil_div
 from .rows import INT_DTYPES, check_sequence
+from .state import CacheState
 
 
-class PrefillSteps:
+class PrefillSteps(CacheState):
     """Prompt storage and scoring, the observation point, per-sequence prompt compression."""
 
     def prefill_attend(self, l: int, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -27,6 +27,8 @@ from .pool import ceil_div
 from .report import CacheReport
 
 INT_DTYPES = (torch.int32, torch.int64)
+# One row's share of an extension: its queries, keys, values and ALiBi slopes (ExtendSteps.extend_attend).
+RowArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def check_layer(l: object, n_layers: int) -> None:
@@ -82,7 +84,7 @@ class SequenceRows:
         scores))`` (checked by the cache per row)."""
         return [(b, (q, k, v, alibi_slopes, lse, scores))]
 
-    def extension_rows(self, b, q, k, v, alibi_slopes) -> list[tuple]:
+    def extension_rows(self, b, q, k, v, alibi_slopes) -> list[tuple[int, RowArgs]]:
         """``extend_attend``'s arguments per row of sequence ``b``: ``(row, (q, k, v, alibi_slopes))``; the
         rows' outputs, concatenated over the head dim, are the sequence's."""
         return [(b, (q, k, v, alibi_slopes))]
@@ -185,7 +187,7 @@ class HeadRows(SequenceRows):
                               None if scores is None else scores[h:h + 1])))
         return out
 
-    def extension_rows(self, b, q, k, v, alibi_slopes) -> list[tuple]:
+    def extension_rows(self, b, q, k, v, alibi_slopes) -> list[tuple[int, RowArgs]]:
         """``q [n, Hq, D]``, ``k, v [n, Hkv, D]``: each KV head to its own row with its group's queries."""
         G = self.pool_q_heads
         return [(row, (q[:, h * G:(h + 1) * G], k[:, h:h + 1], v[:, h:h + 1],

@@ -31,7 +31,7 @@ class NativeRows:
 
     quantized = False
     bits = NATIVE_BITS  # the precision policy's name for "the cache's dtype"
-    fmt = None  # no quantization format (kvkernels.quant_attention.Region: float rows)
+    fmt: QuantFormat | None = None  # no quantization format (kvkernels.quant_attention.Region: float rows)
     rotation: torch.Tensor | None = None  # rows are stored as they come
 
     def __init__(self, head_dim: int, dtype: torch.dtype):
@@ -72,6 +72,7 @@ class PackedRows(NativeRows):
     quantized, the queries are rotated the same way and the attention's output is rotated back."""
 
     quantized = True
+    fmt: QuantFormat
 
     def __init__(self, head_dim: int, dtype: torch.dtype, fmt: QuantFormat,
                  rotation: torch.Tensor | None = None):

@@ -163,8 +163,8 @@ class SideRegion:
             seqs, n = [b for b, _ in keep], np.array([[n for _, n in keep]])
             zeros = np.zeros_like(n)
             compactor.compact(lens, [l], seqs, n, zeros, zeros)
-        for b, n in zip(rows, budgets, strict=True):
-            if n == 0 and lens[l, b]:
+        for b, budget in zip(rows, budgets, strict=True):
+            if budget == 0 and lens[l, b]:
                 pool.release(table[l, b], lens[l, b])
                 seq_lens[l, b] = 0
                 lens[l, b] = 0

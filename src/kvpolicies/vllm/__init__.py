@@ -21,6 +21,8 @@ package, and this file imports vLLM only inside :func:`register`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .config import (
     ENV,
     REQUEST_KEY,
@@ -34,6 +36,9 @@ from .config import (
     prompt_budget,
     request_policy,
 )
+
+if TYPE_CHECKING:
+    from kvpolicies import ComposedPolicy
 
 __all__ = ["ENV", "REQUEST_KEY", "KeptLengths", "PolicySpecError", "decode_evicts", "decode_scores",
            "kept_lengths", "parse", "policy_from_env", "prompt_budget", "register", "request_policy"]
@@ -71,7 +76,7 @@ def register() -> None:
                     policy.eviction.name)
 
 
-def _check_requests(default: object) -> None:
+def _check_requests(default: ComposedPolicy | None) -> None:
     """Check each request's own policy where vLLM validates its parameters (``InputProcessor``, in the process
     that takes requests), so a bad spec is the request's error, not a crash of the engine that schedules
     it: a :class:`PolicySpecError` that is also vLLM's ``VLLMValidationError``, which ``LLM`` raises to the

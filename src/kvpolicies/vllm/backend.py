@@ -357,11 +357,12 @@ class CompressingImpl(CPUAttentionBackendImpl):
                 _SCORES.update(zip(keys, score_pieces(policy, pieces, held, query, kv_cache, self.scale,
                                                       layer.isa, _layer_index(layer.layer_name))))
                 keys = [(e.request, layer.layer_name) for e in evictions]
-                held = ([_held_scores(key, e.held) for key, e in zip(keys, evictions)]
-                        if decode_scores(policy) else None)
-                kept = evict_many(policy, evictions, kv_cache, layer.isa, held)  # one selection for all
-                if kept is not None:
-                    _SCORES.update(zip(keys, kept))
+                held_scores = ([_held_scores(key, e.held) for key, e in zip(keys, evictions)]
+                               if decode_scores(policy) else None)
+                # one selection for all
+                kept_scores = evict_many(policy, evictions, kv_cache, layer.isa, held_scores)
+                if kept_scores is not None:
+                    _SCORES.update(zip(keys, kept_scores))
         return out
 
 
@@ -369,11 +370,15 @@ def _by_policy(pieces: list[Scored], evictions: list[Eviction]
                ) -> list[tuple[ComposedPolicy, list[Scored], list[Eviction]]]:
     """A round's score updates and evictions grouped by their requests' policy, in first-seen order."""
     groups: dict[int, tuple[ComposedPolicy, list[Scored], list[Eviction]]] = {}
-    for item in [*pieces, *evictions]:
-        policy = item.policy
+
+    def group(policy: ComposedPolicy | None) -> tuple[ComposedPolicy, list[Scored], list[Eviction]]:
         assert policy is not None  # the builder names every listed request's policy
-        group = groups.setdefault(id(policy), (policy, [], []))
-        (group[1] if isinstance(item, Scored) else group[2]).append(item)
+        return groups.setdefault(id(policy), (policy, [], []))
+
+    for piece in pieces:
+        group(piece.policy)[1].append(piece)
+    for eviction in evictions:
+        group(eviction.policy)[2].append(eviction)
     return list(groups.values())
 
 
