@@ -385,6 +385,12 @@ class NoExtendLlama(Llama):
     (lambda: Decoder(MODEL), lambda d: d.generate(4), RuntimeError, r"before extend\(\)"),
     (lambda: Decoder(MODEL), lambda d: d.extend([[1], []]), ValueError, r"tokens\[1\] is empty"),
     (lambda: Decoder(MODEL), lambda d: d.extend("hello"), ValueError, "tokenize"),
+    (lambda: Decoder(MODEL), lambda d: d.extend(torch.tensor([[1, 2]])), ValueError,
+     r"^tokens is a torch.Tensor; pass a list of token-id lists"),
+    (lambda: Decoder(MODEL), lambda d: d.extend([[1, MODEL.config.vocab_size]]), ValueError,
+     r"^tokens\[0\]\[1\]=\d+ is outside the model's vocabulary"),
+    (lambda: Decoder(MODEL), lambda d: d.extend([[0.5]]), ValueError,
+     r"^tokens\[0\]\[0\]=0.5 is not a token id"),
 ])
 def test_bad_input_is_refused_in_one_line(make, call, error, match):
     dec = make()
@@ -409,6 +415,13 @@ def test_continuation_errors():
         dec.extend([[1], []])
     with pytest.raises(RuntimeError, match="every sequence is closed"):
         dec.generate(2)
+    dec = Decoder(MODEL)
+    dec.extend([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"^tokens\[0\]\[1\]=-3 is outside"):  # a follow-up's ids too
+        dec.extend([[4, -3]])
+    with pytest.raises(ValueError, match=r"^temperature=-1 must be a finite number >= 0"):
+        dec.generate(2, temperature=-1)
+    assert dec.generate(2).tokens[0]  # neither refusal touched the cache
     model = NoExtendLlama(MODEL.config).to(DEVICE)
     one_shot = Decoder(model)
     one_shot.extend([[1, 2, 3]])  # a prompt needs no continuation

@@ -1,5 +1,5 @@
-"""Every relative link of the README, ``docs/`` and the GPU runs' READMEs leads somewhere: the file exists and,
-for ``page.md#section``, the page has that heading (GitHub's anchors: lowercase, punctuation dropped,
+"""Every relative link of the README, ``docs/`` and the GPU runs' READMEs leads somewhere: the file exists
+and, for ``page.md#section``, the page has that heading (GitHub's anchors: lowercase, punctuation dropped,
 spaces as hyphens, ``-1``, ``-2`` for repeats). Renaming a heading that another page links to fails here."""
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def links(page: Path) -> list[str]:
 
 
 def test_anchor_follows_githubs_rules():
-    assert anchor("Keyformer's noise with its own `log`, and a shorter CI (2026-12-02, nineteenth session)") == \
-        "keyformers-noise-with-its-own-log-and-a-shorter-ci-2026-12-02-nineteenth-session"
+    heading = "Keyformer's noise with its own `log`, and a shorter CI (2026-12-02, nineteenth session)"
+    want = "keyformers-noise-with-its-own-log-and-a-shorter-ci-2026-12-02-nineteenth-session"
+    assert anchor(heading) == want
     assert anchor("Passkey variants: the gaps of issue 16, explained (~1k tokens, 24 samples)") == \
         "passkey-variants-the-gaps-of-issue-16-explained-1k-tokens-24-samples"
 

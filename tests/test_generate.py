@@ -169,11 +169,30 @@ def test_report_shows_compression():
     (dict(prompts=[[1], []]), r"prompts\[1\] is empty"),
     (dict(prompts=[[1] * 90]), "context of 96"),
     (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=torch.tensor([[1, 2]])), r"prompts is a torch.Tensor; .*prompts.tolist\(\)"),
+    (dict(prompts=[[1, 2], [3, V]]), rf"prompts\[1\]\[1\]={V} is outside the model's vocabulary \({V} ids"),
+    (dict(prompts=[[-1]]), r"prompts\[0\]\[0\]=-1 is outside"),
+    (dict(prompts=[[1, 2.0]]), r"prompts\[0\]\[1\]=2.0 is not a token id"),
+    (dict(prompts=[[True]]), r"prompts\[0\]\[0\]=True is not a token id"),
+    (dict(temperature=-0.5), r"temperature=-0.5 must be a finite number >= 0"),
+    (dict(temperature=float("inf")), r"temperature=inf must be"),
 ])
 def test_bad_input(kwargs, match):
-    args = {"prompts": [[1, 2]], "max_new_tokens": 8, **kwargs}
+    """Each refused before anything runs, with the argument named: before these checks an id past the
+    vocabulary raised the embedding's bare IndexError, a float id was truncated, and a negative temperature
+    sampled the least likely tokens."""
+    args = {"prompts": [[1, 2]], "max_new_tokens": 8, "temperature": 0.0, **kwargs}
     with pytest.raises(ValueError, match=match):
-        generate(MODEL, args["prompts"], args["max_new_tokens"])
+        generate(MODEL, args["prompts"], args["max_new_tokens"], temperature=args["temperature"])
+
+
+def test_token_ids_of_any_integer_type_are_taken():
+    """numpy and 0-d torch integers are token ids too (a row of a tokenizer's tensor, say)."""
+    import numpy as np
+
+    want = generate(MODEL, [[1, 2, 3]], 4).tokens
+    assert generate(MODEL, [np.array([1, 2, 3])], 4).tokens == want
+    assert generate(MODEL, [torch.tensor([1, 2, 3])], 4).tokens == want
 
 
 @pytest.mark.slow

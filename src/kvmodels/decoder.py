@@ -40,7 +40,15 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
-from kvmodels.generate import CausalLM, GenerationResult, _sample, compile_decode_step
+from kvmodels.generate import (
+    CausalLM,
+    GenerationResult,
+    _sample,
+    check_batch,
+    compile_decode_step,
+    token_ids,
+    vocab_size,
+)
 
 
 class _Extendable(Protocol):
@@ -189,15 +197,14 @@ class Decoder:
 
     def _new_tokens(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
         """Each sequence's tokens to prefill: its pending token, then ``tokens[b]``; checked."""
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or len(tokens) == 0:
-            raise ValueError("tokens must be a non-empty list of token-id lists, one per sequence; tokenize "
-                             "the text first")
+        check_batch("tokens", tokens)
+        vocab = vocab_size(self.model)
         if self.cache is None:
             for b, t in enumerate(tokens):
                 if len(t) == 0:
                     raise ValueError(f"tokens[{b}] is empty; every prompt needs at least one token "
                                      "(e.g. BOS)")
-            return [[int(x) for x in t] for t in tokens]
+            return [token_ids(f"tokens[{b}]", t, vocab) for b, t in enumerate(tokens)]
         if len(tokens) != self.batch_size:
             raise ValueError(f"tokens has {len(tokens)} lists; this Decoder's batch has {self.batch_size} "
                              "sequences (pass [] for a sequence with nothing new)")
@@ -210,7 +217,7 @@ class Decoder:
                 new.append([])
                 continue
             last = self.pending[b]
-            new.append(([] if last is None else [last]) + [int(x) for x in t])
+            new.append(([] if last is None else [last]) + token_ids(f"tokens[{b}]", t, vocab))
         return new
 
     def _check_extension(self, new: list[list[int]], chunk: int | None, max_new_tokens: int,
@@ -439,6 +446,9 @@ class Decoder:
         if self.cache is None:
             raise RuntimeError("generate() before extend(): prefill the prompts with extend(prompts) first")
         _positive("max_new_tokens", max_new_tokens)
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not math.isfinite(temperature) or temperature < 0):
+            raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
         B, cache, model = self.batch_size, self.cache, self.model
         live = [not c for c in self.closed]
         if not any(live):

@@ -13,6 +13,7 @@ continues a batch after a generation (follow-up questions) or prefills long prom
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -109,14 +110,53 @@ def _sample(logits: Tensor, temperature: float, generator: torch.Generator | Non
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def check_batch(name: str, batch: object) -> None:
+    """``batch`` is a non-empty list of token-id lists, one per sequence (``generate``'s ``prompts``,
+    ``Decoder.extend``'s ``tokens``); else a ``ValueError`` naming ``name`` and what to pass."""
+    if isinstance(batch, Tensor):
+        raise ValueError(f"{name} is a torch.Tensor; pass a list of token-id lists, one per sequence, "
+                         f"without padding (a ragged batch is fine; {name}.tolist() for an unpadded one)")
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence) or len(batch) == 0:
+        raise ValueError(f"{name} must be a non-empty list of token-id lists, one per sequence; tokenize the "
+                         "text first")
+
+
+def vocab_size(model: object) -> int | None:
+    """The model's vocabulary size (``model.config.vocab_size``, as kvmodels' models and transformers'
+    configs have it), or ``None`` when it does not say."""
+    n = getattr(getattr(model, "config", None), "vocab_size", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def token_ids(name: str, tokens: Sequence[object], vocab: int | None) -> list[int]:
+    """``tokens`` as Python ints, each checked: an integer (Python, numpy or a 0-d integer tensor; not a
+    float or a bool) in ``[0, vocab)``. A ``ValueError`` names the first bad one (``name[i]``)."""
+    out = []
+    for i, x in enumerate(tokens):
+        try:
+            if isinstance(x, bool):
+                raise TypeError
+            t = operator.index(x)  # type: ignore[arg-type]  # TypeError for what has no __index__
+        except TypeError:
+            raise ValueError(f"{name}[{i}]={x!r} is not a token id (an int); tokenize the text "
+                             "first") from None
+        if t < 0 or (vocab is not None and t >= vocab):
+            bound = ("must be >= 0" if vocab is None
+                     else f"is outside the model's vocabulary ({vocab} ids, 0 .. {vocab - 1})")
+            raise ValueError(f"{name}[{i}]={t} {bound}; was it tokenized for this model?")
+        out.append(t)
+    return out
+
+
 def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, model: CausalLM) -> None:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists; tokenize the text first")
+    check_batch("prompts", prompts)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    vocab = vocab_size(model)
     for b, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompts[{b}] is empty; every prompt needs at least one token (e.g. BOS)")
+        token_ids(f"prompts[{b}]", p, vocab)
         if len(p) + max_new_tokens > model.max_seq_len:
             raise ValueError(
                 f"prompts[{b}] has {len(p)} tokens + max_new_tokens={max_new_tokens} = "
