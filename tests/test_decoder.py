@@ -421,6 +421,14 @@ def test_continuation_errors():
         dec.extend([[4, -3]])
     with pytest.raises(ValueError, match=r"^temperature=-1 must be a finite number >= 0"):
         dec.generate(2, temperature=-1)
+    with pytest.raises(ValueError, match=r"^eos_ids='2' must be token ids .*not text"):  # was ignored
+        dec.generate(2, eos_ids="2")
+    with pytest.raises(ValueError, match=r"^eos_ids\[1\]=\d+ is outside the model's vocabulary"):
+        dec.generate(2, eos_ids=[1, MODEL.config.vocab_size])
+    with pytest.raises(ValueError, match=r"^eos_ids=2.0 is not a token id"):
+        dec.generate(2, eos_ids=2.0)
+    with pytest.raises(TypeError, match=r"^stream=5 must be a callable"):
+        dec.generate(2, stream=5)
     assert dec.generate(2).tokens[0]  # neither refusal touched the cache
     model = NoExtendLlama(MODEL.config).to(DEVICE)
     one_shot = Decoder(model)

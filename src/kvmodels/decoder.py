@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -63,6 +63,20 @@ def _positive(name: str, value: object, *, zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"{name}={value!r} must be an int >= {lo}")
     return value
+
+
+def _eos_ids(eos_ids: object, vocab: int | None) -> set[int]:
+    """``generate``'s ``eos_ids`` (``None``, one id or a collection of ids) as a set of checked ids."""
+    if eos_ids is None:
+        return set()
+    if isinstance(eos_ids, (str, bytes)):
+        raise ValueError(f"eos_ids={eos_ids!r} must be token ids (e.g. tokenizer.eos_token_id), not text")
+    if isinstance(eos_ids, Iterable):
+        return set(token_ids("eos_ids", list(eos_ids), vocab))
+    try:
+        return set(token_ids("eos_ids", [eos_ids], vocab))
+    except ValueError as e:  # one id: named without an index
+        raise ValueError(str(e).replace("eos_ids[0]=", "eos_ids=", 1)) from None
 
 
 class Decoder:
@@ -449,6 +463,9 @@ class Decoder:
         if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
                 or not math.isfinite(temperature) or temperature < 0):
             raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+        eos = _eos_ids(eos_ids, vocab_size(self.model))
+        if stream is not None and not callable(stream):
+            raise TypeError(f"stream={stream!r} must be a callable, stream(b, token_id)")
         B, cache, model = self.batch_size, self.cache, self.model
         live = [not c for c in self.closed]
         if not any(live):
@@ -469,7 +486,6 @@ class Decoder:
                                  f"{self.max_tokens}; raise max_tokens or lower max_new_tokens")
         if any(live[b] and self._logits[b] is None for b in range(B)):
             self.extend([[] for _ in range(B)], max_new_tokens=max_new_tokens)  # feed the pending tokens
-        eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or ())
         out: list[list[int]] = [[] for _ in range(B)]
         on_eos = [False] * B
         active = list(live)
