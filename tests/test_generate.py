@@ -133,7 +133,8 @@ def test_without_eos_each_steps_tokens_are_read_after_the_next_step_is_launched(
         return res, events
 
     lagged, lag_events = run(None)
-    synced, sync_events = run([V + 1])  # an eos id no token equals
+    never = next(t for t in range(V) if all(t not in toks for toks in lagged.tokens))
+    synced, sync_events = run([never])  # an eos id no generated token equals
     assert lagged.tokens == synced.tokens and len(lagged.tokens[0]) == n_new
     tokens = [e for e in lag_events if e[0] == "token"]
     assert tokens == [e for e in sync_events if e[0] == "token"]
