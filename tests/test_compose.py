@@ -93,6 +93,9 @@ def test_a_name_carries_its_parameters_as_it_prints_them():
     ("snapkv(chunk=10", "cannot read the policy"),
     ("snap kv", "cannot read the policy"),
     ("snapkv(chunk=10)(window=8)", "keyword=literal"),
+    ("h2o(0.5)", r"keyword=literal pairs, e.g. 'h2o\(recent=0.\d+\)'"),  # the policy's own parameter
+    ("full(1)", r"e.g. 'full' \(it takes no parameters\)"),
+    ("nosuch(1)", r"e.g. 'snapkv\(chunk=10, per_head=False\)'"),
 ])
 def test_unreadable_parameters_name_the_fix(text, match):
     with pytest.raises(ValueError, match=match):

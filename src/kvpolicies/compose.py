@@ -525,7 +525,18 @@ def _parse_name(part: str) -> tuple[str, dict[str, Any]]:
         except ValueError:  # a value that is not a literal
             pass
     raise ValueError(f"cannot read the parameters of {part!r}; give them as keyword=literal pairs, e.g. "
-                     f"'{name}(chunk=10, per_head=False)'")
+                     f"{_example(name)}")
+
+
+def _example(name: str) -> str:
+    """A policy text of ``name`` with one of its own parameters at its default (for error messages)."""
+    try:
+        fields = [f for f in dataclasses.fields(get_policy(name)) if f.default is not dataclasses.MISSING]
+    except Exception:  # noqa: BLE001 -- an unknown name (reported later) or a policy that is no dataclass
+        return "'snapkv(chunk=10, per_head=False)'"
+    if not fields:
+        return f"'{name}' (it takes no parameters)"
+    return f"'{name}({fields[0].name}={fields[0].default!r})'"
 
 
 def _expand(item: Any, names: list[tuple[str, dict[str, Any]]], options: dict[str, Any]) -> None:
