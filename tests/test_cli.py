@@ -208,3 +208,16 @@ def test_generation_with_quantized_rows_names_the_row_format(capsys, tiny_ckpt):
     # full = the unquantized float32 cache: 4-bit rows plus their parameters take well under half of it
     ratio = float(err.split("MiB full (")[1].split("%")[0]) / 100
     assert ratio < 0.5 * 0.5
+
+
+def test_a_device_this_torch_cannot_use_is_named(capsys, tiny_ckpt, monkeypatch):
+    """``--device cuda`` on a CPU build (or with no GPU visible) raised torch's bare AssertionError from
+    inside the checkpoint load; an unknown or unsupported device name likewise."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, _, err = run_cli(capsys, "--model", str(tiny_ckpt), "--device", "cuda", "hi")
+    assert rc == 2 and err.count("\n") == 1
+    assert "--device cuda: " in err and "use --device cpu" in err
+    rc, _, err = run_cli(capsys, "--model", str(tiny_ckpt), "--device", "tpu", "hi")
+    assert rc == 2 and "--device tpu: " in err and "use cpu or cuda" in err
+    rc, _, err = run_cli(capsys, "--model", str(tiny_ckpt), "--device", "mps", "hi")
+    assert rc == 2 and "--device mps: kvgen runs on cpu or cuda" in err

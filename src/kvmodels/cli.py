@@ -254,7 +254,17 @@ class _Setup:
 
         from kvmodels.loading import TOKENIZER_ERROR, load_checkpoint
 
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except RuntimeError as e:  # a name torch does not know
+            raise CliError(f"--device {args.device}: {e}; use cpu or cuda") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            why = ("this torch is a CPU build" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise CliError(f"--device {args.device}: {why} (torch {torch.__version__}); use --device cpu, or "
+                           "leave --device out to take a GPU when there is one")
+        if self.device.type not in ("cpu", "cuda"):
+            raise CliError(f"--device {args.device}: kvgen runs on cpu or cuda")
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         t0 = time.perf_counter()
         self.loaded = loaded = load_checkpoint(args.model, dtype=self.dtype, device=self.device)
