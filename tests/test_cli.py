@@ -85,7 +85,7 @@ def test_unsupported_architecture_and_too_long_prompt(capsys, tmp_path, tiny_ckp
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     rc, _, err = run_cli(capsys, "--model", str(tmp_path), "hi")
     assert rc == 2 and "unsupported architecture 'mamba'" in err and "supported: llama" in err
-    assert "attention interface: MambaForCausalLM uses sliding-window / hybrid attention layers" in err
+    assert "attention interface: MambaForCausalLM has ['linear_attention'] layers" in err
     assert err.count("\n") == 1
     rc, _, err = run_cli(capsys, "--model", str(tiny_ckpt), "--no-chat", "hello " * 60)
     assert rc == 2 and "context of 64 tokens" in err and "shorten the prompt" in err and err.count("\n") == 1

@@ -241,3 +241,50 @@ def test_a_transformers_model_and_kvmodels_own_take_the_same_plan(spec, monkeypa
         for x, y in zip(getattr(got, part), getattr(want, part)):
             assert torch.equal(x, y), part
     assert wrapped.report.layer_budgets == tuple(tuple(row) for row in want.storage.budgets.tolist())
+
+
+@given(lens=st.lists(st.integers(1, 60), min_size=1, max_size=3), new=st.integers(0, 8),
+       windows=st.lists(st.sampled_from([0, 2, 5, 33]), min_size=4, max_size=4),
+       spec=st.sampled_from(["full", "h2o", "streaming(sinks=2)", "squeeze+keyformer", "snapkv"]))
+def test_sliding_windows_keep_their_last_tokens_and_leave_the_rest_to_the_policy(lens, new, windows, spec):
+    """A layer of window ``W`` keeps its last ``min(W - 1, capacity)`` tokens, all forced recent, no sinks,
+    whatever the policy; the other layers' budgets and forced counts are the plan without windows'."""
+    first, *rest = spec.split("+")
+    policy = compose(first, *rest, budget=0.3)
+    prompt = torch.tensor(lens)
+    stats = LayerStats(cos_sim=torch.linspace(0.1, 0.9, 4)[:, None].expand(4, len(lens)).contiguous())
+    plain = policy.plan(prompt, 4, stats, max_new_tokens=new)
+    plan = policy.plan(prompt, 4, stats, max_new_tokens=new, windows=windows)
+    assert plan.windows == (tuple(windows) if any(windows) else ())
+    assert plan.sliding == tuple(l for l, w in enumerate(windows) if w)
+    for l, w in enumerate(windows):
+        got, want = plan.storage.row(l), plain.storage.row(l)
+        if w:
+            keep = torch.minimum(prompt + new, torch.tensor(w - 1)).clamp_min(1)
+            assert got[0].tolist() == keep.tolist() == got[2].tolist() and got[1].tolist() == [0] * len(lens)
+        else:
+            assert all(a.tolist() == b.tolist() for a, b in zip(got, want, strict=True))
+    assert plan.schedule == plain.schedule  # the windows' own eviction is every step, whatever it says
+    joined = CompressionPlan.cat([
+        policy.plan(prompt[i:i + 1], 4, LayerStats(cos_sim=stats.cos_sim[:, i:i + 1]), max_new_tokens=new,
+                    windows=windows) for i in range(len(lens))])
+    assert joined.windows == plan.windows and torch.equal(joined.storage.budgets, plan.storage.budgets)
+
+
+@pytest.mark.parametrize("windows,needle", [
+    ((5, 0), "windows has 2 entries for 4 cache layers"),
+    ((5, 1, 0, 0), "windows[1] = 1"),
+    ((5, -2, 0, 0), "windows[1] = -2"),
+    ((5, 2.5, 0, 0), "windows[1] = 2.5"),
+    ((5, True, 0, 0), "windows[1] = True"),
+    ("5555", "windows must be a sequence of ints"),
+])
+def test_bad_windows_are_refused_naming_the_entry(windows, needle):
+    with pytest.raises(ValueError) as err:
+        compose("h2o", budget=0.5).plan(torch.tensor([10]), 4, windows=windows)
+    assert needle in str(err.value)
+    for spec, what in (("snapkv+minicache", "'minicache' is not supported"), ("snapkv+adakv", "'adakv'")):
+        with pytest.raises(ValueError, match="sliding-window layers") as err:
+            compose(*spec.split("+"), budget=0.5).plan(torch.tensor([10]), 4, windows=(5, 0, 5, 0),
+                                                       head_scores=lambda l, j: torch.ones(2, 10))
+        assert what in str(err.value)

@@ -259,9 +259,9 @@ class _Setup:
         except RuntimeError as e:  # a name torch does not know
             raise CliError(f"--device {args.device}: {e}; use cpu or cuda") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            why = ("this torch is a CPU build" if torch.version.cuda is None
-                   else "no CUDA device is visible")
-            raise CliError(f"--device {args.device}: {why} (torch {torch.__version__}); use --device cpu, or "
+            cause = ("this torch is a CPU build" if torch.version.cuda is None
+                     else "no CUDA device is visible")
+            raise CliError(f"--device {args.device}: {cause} (torch {torch.__version__}); use --device cpu, or "
                            "leave --device out to take a GPU when there is one")
         if self.device.type not in ("cpu", "cuda"):
             raise CliError(f"--device {args.device}: kvgen runs on cpu or cuda")

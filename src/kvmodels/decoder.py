@@ -251,6 +251,14 @@ class Decoder:
                                       f"prompt's token scores ({policy.heads.name}), which evicted tokens no "
                                       "longer have, so it cannot take tokens after the prompt (extend, "
                                       "chunk=); duo's per-head budgets can")
+        windows = [w for w in model.cache_layout().windows if w]
+        if windows and (continues or policy.eviction.probe):
+            what = f"{policy.eviction.name}'s reconstruction pass" if policy.eviction.probe else (
+                "chunk=" if first_call else "a follow-up turn (extend after the prompt)")
+            raise NotImplementedError(
+                f"{type(model).__name__} has sliding-window layers (windows {sorted(set(windows))}), and "
+                f"{what} attends after the prompt, which has no window yet; give the whole prompt at once "
+                "(no chunk=), in one turn")
         if first_call and policy.eviction.probe:
             self._check_probe(new)
         if first_call and continues and _two_formats(policy):
@@ -340,7 +348,7 @@ class Decoder:
             n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
             n_q_heads=layout.n_q_heads, max_batch=batch, max_tokens=self.max_tokens,
             page_size=self.page_size, num_pages=self.num_pages, dtype=self.dtype, device=self.device,
-            policy=self.policy, seed=self.seed)
+            policy=self.policy, seed=self.seed, windows=layout.windows or None)
         self.lengths, self.pending = [0] * batch, [None] * batch
         self.closed, self._logits = [False] * batch, [None] * batch
 

@@ -27,13 +27,16 @@ class CacheLayout:
     """What a model needs from the cache: the ``PagedKVCache`` constructor's shape arguments.
 
     ``n_layers`` counts *cache* layers (fewer than model layers for LCKV); the model owns the
-    model-layer → cache-layer map.
+    model-layer → cache-layer map. ``windows``: a model with sliding-window layers gives one entry per cache
+    layer, ``W`` for a layer that attends to its last ``W`` tokens (itself included), 0 for one that attends
+    to every token (``PagedKVCache(windows=...)``); empty when every layer attends to every token.
     """
 
     n_layers: int
     n_kv_heads: int
     head_dim: int
     n_q_heads: int
+    windows: tuple[int, ...] = ()
 
 
 @runtime_checkable

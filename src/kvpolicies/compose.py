@@ -37,7 +37,7 @@ from .base import (
     PrecisionPolicy,
 )
 from .budget._rounding import cap_budgets
-from .plan import CompressionPlan, EvictionSchedule, LayerBudgets, MergeLayout
+from .plan import CompressionPlan, EvictionSchedule, LayerBudgets, MergeLayout, check_windows
 from .registry import _REGISTRY, available, get_policy
 
 # Roles left out of a composition get these; their names are omitted from ``ComposedPolicy.name``.
@@ -340,7 +340,8 @@ class ComposedPolicy:
 
     def plan(self, prompt_lens: torch.Tensor, n_layers: int, stats: LayerStats | None = None, *,
              max_new_tokens: int = 0, budget_tokens: torch.Tensor | None = None,
-             head_scores: Callable[[int, int], torch.Tensor] | None = None) -> CompressionPlan:
+             head_scores: Callable[[int, int], torch.Tensor] | None = None,
+             windows: Sequence[int] | None = None) -> CompressionPlan:
         """The compression decision every cache acts on, made once per batch (docs/contract.md, "The plan").
 
         Parameters
@@ -360,6 +361,14 @@ class ComposedPolicy:
             The prompt scores of layer ``l`` of the ``j``-th sequence before any compression, which
             :meth:`head_budgets` splits the layer's budget by; the plan then has ``head_budgets``. Required
             by a head-budget policy (``heads.per_head``); a cache of per-head pages passes it always.
+        windows : sequence of int, optional
+            The model's sliding windows, one per cache layer (0: the layer attends to every token; ``W >= 2``:
+            to its last ``W``, e.g. five of Gemma 3's six layers). Such a layer keeps its last
+            ``min(W - 1, prompt_len + max_new_tokens)`` tokens whatever the policy (its own attention reads
+            no more), evicting after every decode step (``CompressionPlan.sliding``); the policy's budgets and
+            selection act on the other layers. A layer-budget policy still plans over every layer: what it
+            gives a sliding layer is replaced by the window, not moved to the others. Refused with a merge
+            policy or per-head budgets.
 
         Returns
         -------
@@ -375,7 +384,19 @@ class ComposedPolicy:
         if budgets.shape != (n_layers, B) or bool((budgets < 1).any()):
             raise ValueError(f"policy {self.name!r} gave layer budgets {budgets.tolist()}; expected shape "
                              f"[{n_layers}, {B}] with every entry >= 1")
-        layers = LayerBudgets(budgets, *self._forced(budgets))
+        windows = check_windows(windows, n_layers)
+        n_sink, n_recent = self._forced(budgets)
+        if windows:  # the model's own window: its last min(W - 1, capacity) tokens, forced, whatever the plan
+            if self.merge.name != DEFAULTS["merge"] or self.heads.per_head:
+                what = self.merge.name if self.merge.name != DEFAULTS["merge"] else self.heads.name
+                raise ValueError(f"policy {self.name!r}: {what!r} is not supported on a model with "
+                                 "sliding-window layers (windows=...); drop it, or run a model whose layers "
+                                 "all attend to every token")
+            for l, w in enumerate(windows):
+                if w:
+                    budgets[l] = torch.minimum(capacity, torch.tensor(w - 1)).clamp_min(1)
+                    n_sink[l], n_recent[l] = 0, budgets[l]
+        layers = LayerBudgets(budgets, n_sink, n_recent)
         if bool((layers.n_sink + layers.n_recent > budgets).any()):
             raise ValueError(f"eviction policy {self.eviction.name!r} forces more tokens (sinks + recent) "
                              f"than the layer budgets {budgets.tolist()} allow; raise the budget")
@@ -394,7 +415,7 @@ class ComposedPolicy:
         if self.heads.per_head or head_scores is not None:
             heads = self._plan_heads(layers, head_scores)
         return CompressionPlan(layout, schedule, bt, layers, LayerBudgets(regions, n_sink, n_recent),
-                               LayerBudgets(keep, *self._forced(keep)), heads)
+                               LayerBudgets(keep, *self._forced(keep)), heads, windows)
 
     def _forced(self, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The eviction's forced ``(n_sink, n_recent)`` for each row of ``budgets [rows, B]``."""

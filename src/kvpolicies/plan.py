@@ -149,6 +149,25 @@ class LayerBudgets:
                               for name in ("budgets", "n_sink", "n_recent")))
 
 
+def check_windows(windows: Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
+    """A model's sliding windows, one per cache layer (``W >= 2``: the layer attends to its last ``W`` tokens;
+    0: to every token), as a tuple; ``()`` when no layer has one. Errors name ``windows`` and the entry."""
+    if windows is None:
+        return ()
+    if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
+        raise ValueError(f"windows must be a sequence of ints, one per cache layer, got {windows!r}")
+    out = []
+    for l, w in enumerate(windows):
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0 or w == 1:
+            raise ValueError(f"windows[{l}] = {w!r}; each entry must be 0 (the layer attends to every token) "
+                             "or a sliding window W >= 2 (its last W tokens, itself included)")
+        out.append(int(w))
+    if out and len(out) != n_layers:
+        raise ValueError(f"windows has {len(out)} entries for {n_layers} cache layers; give one per layer "
+                         "(0 for a layer that attends to every token)")
+    return tuple(out) if any(out) else ()
+
+
 @dataclass(frozen=True)
 class EvictionSchedule:
     """When a cache compresses: the prompt (``prefill_compress``) and after which decode steps.
@@ -197,6 +216,11 @@ class CompressionPlan:
     head_budgets : Tensor ``[Lc, B, Hkv]`` int64 or None
         Per-KV-head budgets of a head-budget policy (``heads.per_head``); None when every head keeps the
         layer's budget.
+    windows : tuple of int, ``[Lc]`` or empty
+        The model's sliding windows (``ComposedPolicy.plan(windows=...)``): a layer with ``W > 0`` attends to
+        its last ``W`` tokens only, so it keeps its last ``min(W - 1, capacity)`` (``n_sink = 0``,
+        ``n_recent`` its whole budget) and is compacted to them after *every* decode step, whatever
+        :attr:`schedule` says (:attr:`sliding`); 0 (or an empty tuple) for layers that attend to every token.
     """
 
     layout: MergeLayout
@@ -206,6 +230,7 @@ class CompressionPlan:
     storage: LayerBudgets
     joint: LayerBudgets
     head_budgets: torch.Tensor | None = None
+    windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         Lc, B = self.layout.n_layers, int(self.budget_tokens.numel())
@@ -218,6 +243,14 @@ class CompressionPlan:
                                               or tuple(self.head_budgets.shape[:2]) != (Lc, B)):
             raise ValueError(f"CompressionPlan.head_budgets has shape {list(self.head_budgets.shape)}; "
                              f"expected [{Lc}, {B}, Hkv]")
+        if self.windows and len(self.windows) != Lc:
+            raise ValueError(f"CompressionPlan.windows has {len(self.windows)} entries; expected one per "
+                             f"cache layer ({Lc}) or none")
+
+    @property
+    def sliding(self) -> tuple[int, ...]:
+        """The sliding-window layers (:attr:`windows` ``> 0``), compacted to their window every step."""
+        return tuple(l for l, w in enumerate(self.windows) if w)
 
     @property
     def batch_size(self) -> int:
@@ -245,7 +278,8 @@ class CompressionPlan:
         if not plans:
             raise ValueError("CompressionPlan.cat needs at least one plan")
         first = plans[0]
-        if any(p.layout != first.layout or p.schedule != first.schedule for p in plans):
+        if any(p.layout != first.layout or p.schedule != first.schedule or p.windows != first.windows
+               for p in plans):
             raise ValueError("CompressionPlan.cat: the plans come from different policies or layer counts")
         heads = [p.head_budgets for p in plans]
         if any((h is None) != (heads[0] is None) for h in heads):
@@ -254,4 +288,5 @@ class CompressionPlan:
             first.layout, first.schedule, torch.cat([p.budget_tokens for p in plans]),
             LayerBudgets.cat([p.layers for p in plans]), LayerBudgets.cat([p.storage for p in plans]),
             LayerBudgets.cat([p.joint for p in plans]),
-            None if heads[0] is None else torch.cat(heads, dim=1))  # type: ignore[arg-type]
+            None if heads[0] is None else torch.cat(heads, dim=1),  # type: ignore[arg-type]
+            first.windows)

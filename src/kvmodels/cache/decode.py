@@ -270,24 +270,30 @@ class DecodeSteps(CacheState):
         assert self.plan is not None  # set by finish_prefill
         evicts = self.plan.evicts_after(step)
         if evicts and self.side is None:
-            # Every slot holds one token in all heads of its layer.
-            share = self.eviction.heads_share_selection
-            calls = self._compress_calls(in_place=True)
-
-            def evict() -> None:
-                if share:
-                    self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
-                for call in calls:
-                    call.device()
-
-            # The same calls every step at a steady width: on CUDA, one graph replay instead of ~50 launches.
-            self._replays.run((share, *(c.key for c in calls)), evict, keep=tuple(c.rows for c in calls))
-            for call in calls:
-                call.commit()
+            self._evict_in_place(None, self.eviction.heads_share_selection)
+        elif self.sliding:  # the model's sliding windows: back to their last W - 1 tokens after every step
+            self._evict_in_place(self.sliding, False)
         if self.side is not None:  # KIVI: tokens older than the residual move to the quantized region
             self.side.migrate(self)
             if evicts and self.eviction.decode_evict:  # then the quantized tokens over budget go
                 self.side.evict(self)
         self._step += 1
         self._state = "decode"
+
+    def _evict_in_place(self, layers: list[int] | None, share: bool) -> None:
+        """Decode-time eviction of ``layers`` (all when None) over their budgets, in place; ``share``: one
+        ranking for a layer's heads first (``eviction_scores``). Every slot holds one token in all heads of
+        its layer."""
+        calls = self._compress_calls(layers, in_place=True)
+
+        def evict() -> None:
+            if share:
+                self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
+            for call in calls:
+                call.device()
+
+        # The same calls every step at a steady width: on CUDA, one graph replay instead of ~50 launches.
+        self._replays.run((share, *(c.key for c in calls)), evict, keep=tuple(c.rows for c in calls))
+        for call in calls:
+            call.commit()
 

@@ -70,6 +70,11 @@ class ExtendSteps(CacheState):
                                       "not supported (a merged region cannot take prefill tokens); use a "
                                       "policy without merging")
         self.rows.check_extendable(self.policy)
+        if self.sliding:
+            raise NotImplementedError(
+                f"extending a sequence on a model with sliding-window layers (layers {self.sliding}, windows "
+                f"{sorted(set(self.windows) - {0})}) is not supported: an extension's attention has no "
+                "window yet; give the whole prompt at once (no chunk=, no follow-up turns, no kvzip)")
 
     def slots_held(self, b: int) -> int:
         """The most slots any cache layer (any of its rows) holds for sequence ``b`` now (host mirror)."""

@@ -33,9 +33,11 @@ class HostMirror:
         ``[R]`` bool, prompt compressed by ``compress_prompt``.
     peak_pages, full_peak_pages:
         Most pages held since ``start``, and most an uncompressed cache would have held.
+    full_caps:
+        ``[Lc, 1]`` the most tokens an uncompressed layer holds (a sliding-window layer's window ``W``).
     """
 
-    def __init__(self, n_layers: int, n_rows: int):
+    def __init__(self, n_layers: int, n_rows: int, windows: tuple[int, ...] = ()):
         self.lens = np.zeros((n_layers, n_rows), dtype=np.int64)
         self.seen = np.zeros(n_rows, dtype=np.int64)
         self.active = np.zeros(n_rows, dtype=bool)
@@ -45,6 +47,9 @@ class HostMirror:
         self.compressed = np.zeros(n_rows, dtype=bool)
         self.peak_pages = 0
         self.full_peak_pages = 0
+        # [Lc, 1] the most tokens an uncompressed layer holds: a sliding-window layer its window
+        big = np.iinfo(np.int64).max
+        self.full_caps = np.array([w or big for w in windows] or [big] * n_layers, dtype=np.int64)[:, None]
 
     def holding(self) -> np.ndarray:
         """``[R]`` bool, rows holding a sequence: decoding (active) or paused."""
@@ -55,8 +60,9 @@ class HostMirror:
 
     def full_pages(self, page_size: int) -> int:
         """Pages an uncompressed cache would hold now: every token seen by every holding row, in every
-        layer."""
-        return self.lens.shape[0] * int(ceil_div(self.seen[self.holding()], page_size).sum())
+        layer (a sliding-window layer: the last ``W``, all its attention reads)."""
+        seen = np.minimum(self.seen[self.holding()][None, :], self.full_caps)  # [Lc, rows]
+        return int(ceil_div(seen, page_size).sum())
 
     def track_peak(self, page_size: int) -> None:
         self.peak_pages = max(self.peak_pages, int(self.pages_held(page_size).sum()))

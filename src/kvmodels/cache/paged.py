@@ -69,6 +69,12 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         holds a token of every KV head) or ``"heads"`` (one row per (sequence, KV head), pages of one head,
         for head-budget policies such as ``adakv``; ``num_pages`` then counts pages of ONE head).
         :func:`kvmodels.cache.paged_cache` picks it for a policy.
+    windows:
+        The model's sliding windows, one per cache layer (``kvmodels.generate.CacheLayout.windows``): a layer
+        with ``W > 0`` attends to its last ``W`` tokens only (Gemma 3's local layers, Mistral's), so it keeps
+        its last ``W - 1`` and is compacted to them after every decode step (``CompressionPlan.sliding``);
+        the policy acts on the other layers. ``None`` or all 0: every layer attends to every token.
+        Rows per sequence only, one storage format, no merging; extensions are refused.
     seed:
         Seeds, together with ``policy.seed``, the Gumbel noise of score modes that draw it (decode: a
         per-step keys ``kvkernels.decode_keys(noise_seed, step, ...)``, the step counted from ``start``;
@@ -108,8 +114,9 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
-                 seed: int = 0, rows: str = "sequences"):
+                 seed: int = 0, rows: str = "sequences", windows=None):
         from kvpolicies import ComposedPolicy, compose
+        from kvpolicies.plan import check_windows
 
         if policy is None:
             policy = compose("full")
@@ -143,6 +150,16 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         # Where each layer stores its tokens (MiniCache pairs share a region), decided by the policy.
         self.layout = policy.merge_layout(n_layers)
         self._width = np.asarray(self.layout.width, dtype=np.int64)  # [Lc] the layout's, as an array
+        # The model's sliding-window layers keep their window (the plan's); the policy acts on the rest.
+        self.windows = check_windows(windows, n_layers)
+        self.sliding = [l for l, w in enumerate(self.windows) if w]
+        if self.windows:
+            why = ("two storage formats (use one: kivi(residual=0))" if side is not None
+                   else "rows per KV head (a head-budget policy); drop it" if rows != "sequences"
+                   else f"merge policy {self.layout.merge_name!r}; drop it" if self.layout.pairs else None)
+            if why is not None:
+                raise ValueError(f"policy {policy.name!r}: a cache with sliding-window layers (windows=...) "
+                                 f"does not support {why}")
 
         self.policy = policy
         self.eviction = policy.eviction
@@ -240,7 +257,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self.active.zero_()
         self.budgets.fill_(1)
         self.cos_sim.zero_()
-        self.host = HostMirror(self.n_layers, self.max_batch)
+        self.host = HostMirror(self.n_layers, self.max_batch, self.windows)
         self._extension: Extension | None = None  # the extension in progress (begin_extend)
         self._shared_scores: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> scores others reuse
         self.plan: CompressionPlan | None = None  # the batch's plan (finish_prefill)
@@ -369,6 +386,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         groups = self.compactor.width_groups(range(self.n_layers))
         if plan.schedule.prefill_compress:
             self._compress(groups.get(1, []))
+        elif self.sliding:  # the model's windows hold whatever the policy (no merging with them)
+            self._compress(self.sliding)
         self._split_formats(list(range(n)))
         budgets, n_sink, n_recent = (x.numpy() for x in plan.rows)  # [Lc, n] each
         for ls in groups.values():  # upload decode-time eviction's rows (_compress) now, not mid-decode
@@ -433,7 +452,7 @@ class HeadPagedKVCache(PagedKVCache):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
-                 seed: int = 0):
+                 seed: int = 0, windows=None):
         super().__init__(n_layers, n_kv_heads, head_dim, n_q_heads, max_batch, max_tokens,
                          page_size=page_size, num_pages=num_pages, dtype=dtype, device=device, policy=policy,
-                         seed=seed, rows="heads")
+                         seed=seed, rows="heads", windows=windows)

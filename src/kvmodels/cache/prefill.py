@@ -251,7 +251,8 @@ class PrefillSteps(CacheState):
             raise RuntimeError(f"sequence {b} has {missing} layer(s) not prefilled; call "
                                f"compress_prompt({b}) "
                                "after its whole prefill")
-        if not self.eviction.prefill_compress or self.layout.pairs or self.host.compressed[rows].all():
+        compresses = self.eviction.prefill_compress or self.sliding  # (windows: the model's own, always)
+        if not compresses or self.layout.pairs or self.host.compressed[rows].all():
             self._split_formats(rows)
             return
         self._compress_rows(rows, *(x.numpy() for x in self._plan(rows).rows))

@@ -117,7 +117,8 @@ class SequenceRows:
         in the whole batch (``finish_prefill``)."""
         stats = LayerStats(cos_sim=cache.cos_sim[:, rows].cpu())
         return cache.policy.plan(torch.tensor([cache.prompt_lens[b] for b in rows]), cache.n_layers, stats,
-                                 max_new_tokens=cache.max_new_tokens, budget_tokens=cache.budget_tokens[rows])
+                                 max_new_tokens=cache.max_new_tokens, budget_tokens=cache.budget_tokens[rows],
+                                 windows=cache.windows)
 
     def check_layer_contents(self) -> None:
         pass

@@ -61,6 +61,8 @@ class CacheState:
     device: torch.device
     _width: np.ndarray
     _width_masks: list[torch.Tensor]
+    windows: tuple[int, ...]
+    sliding: list[int]
 
     # The pool's buffers, and the tables over them.
     k_pages: torch.Tensor

@@ -20,8 +20,9 @@ attend in code of their own instead of calling the interface: the wrapped model 
 methods (:func:`mpt_attention`, :func:`gptj_attention`).
 
 The attention implementation is switched for the duration of each call only: between calls the model is the
-user's, unchanged (the routed methods call the model's own outside a call). Models with sliding-window or
-hybrid layers are refused (:func:`attention_layers`). This module replaced the transformers bridge
+user's, unchanged (the routed methods call the model's own outside a call). Sliding-window layers (Gemma 3,
+Mistral) keep their window in the cache (``CacheLayout.windows``, docs/hf.md); other kinds of layer are
+refused (:func:`kvmodels.hf.model.sliding_windows`). This module replaced the transformers bridge
 ``kvpolicies.hf`` (retired 2026-11-28), which kept a second cache of its own.
 """
 

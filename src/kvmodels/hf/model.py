@@ -27,22 +27,42 @@ class UnsupportedModelError(ValueError):
 
 # --- the model's parts ----------------------------------------------------------------------------------
 
+def sliding_windows(model: Any) -> tuple[int, ...]:
+    """Each decoder layer's sliding window ``W`` (it attends to its last ``W`` tokens, itself included: the
+    mask transformers builds from ``config.sliding_window``), 0 for a layer that attends to every token;
+    ``()`` when no layer has a window. ``config.layer_types`` says which layers slide (Gemma 2 and 3,
+    Cohere 2, ...), else every layer does when ``sliding_window`` is set and ``use_sliding_window`` is not
+    off (Mistral).
+    :class:`UnsupportedModelError` for other layer types (chunked, linear or state-space layers)."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None)
+    use = getattr(config, "use_sliding_window", True) is not False
+    if layer_types:
+        other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if other:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has {other} layers (layer_types); the paged cache runs layers of "
+                "full or sliding-window attention")
+        if "sliding_attention" not in layer_types or not use:
+            return ()
+        if not isinstance(sliding, int) or isinstance(sliding, bool) or sliding < 2:
+            raise UnsupportedModelError(f"{type(model).__name__}: sliding_attention layers with "
+                                        f"sliding_window={sliding!r}; expected an int >= 2")
+        return tuple(sliding if t == "sliding_attention" else 0 for t in layer_types)
+    if sliding is None or not use:
+        return ()
+    return (int(sliding),) * int(config.num_hidden_layers)
+
+
 def attention_layers(model: Any) -> tuple[Any, list[Any], list[Any], int | None]:
     """A decoder-only model's base module, decoder layers, their attention modules and the positions it was
-    built for; :class:`UnsupportedModelError` for an encoder-decoder model or sliding / hybrid layers (a
-    compressed cache needs full attention in every layer)."""
+    built for; :class:`UnsupportedModelError` for an encoder-decoder model (sliding-window layers:
+    :func:`sliding_windows`)."""
     config = model.config.get_text_config(decoder=True)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model; the paged cache "
                                     "runs decoder-only causal LMs (AutoModelForCausalLM)")
-    layer_types = getattr(config, "layer_types", None)
-    sliding = getattr(config, "sliding_window", None)
-    if (layer_types and any(t != "full_attention" for t in layer_types)) or (
-            sliding is not None and getattr(config, "use_sliding_window", True)):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} uses sliding-window / hybrid attention layers "
-            f"(layer_types={layer_types}, sliding_window={sliding}); a compressed cache needs full attention "
-            "in every layer. Set config.sliding_window=None if the model allows it")
     base, n = getattr(model, "base_model", model), config.num_hidden_layers
     layers = next((m for m in (getattr(base, name, None) for name in ("layers", "h", "blocks"))
                    if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
@@ -88,11 +108,15 @@ def _cached_attention(module: Any, call: _Call, q: Tensor, k: Tensor, v: Tensor,
     ALiBi ``prefill_layer`` and the model's own causal attention, as :class:`kvmodels.mpt.MPT`)."""
     l: int = module._kvmodels_layer
     call.layers_seen += 1
-    if call.mode == "decode":
+    if call.mode == "decode":  # (a sliding-window layer holds only its window: the cache evicts each step)
         call.cache.append(l, k[:, 0], v[:, 0], call.positions, q=q[:, 0])
         return call.cache.attend(l, q[:, 0], call.positions, scale=scale, alibi_slopes=alibi_slopes)[:, None]
     q, k, v = q[0], k[0], v[0]  # [L, H, D]: one sequence
-    if call.mode == "extend":
+    window = call.cache.windows[l] if call.cache.windows else 0
+    if window and call.mode == "prefill":  # stored (and compressed to its window later); attends in its band
+        call.cache.prefill_layer(l, call.b, q, k, v, call.positions, scale=scale)
+        out = sliding_causal_attention(q, k, v, window, scale=scale)
+    elif call.mode == "extend":
         out = call.cache.extend_attend(l, call.b, q, k, v, call.positions, scale=scale,
                                        alibi_slopes=alibi_slopes)
     elif alibi_slopes is None:
@@ -101,6 +125,19 @@ def _cached_attention(module: Any, call: _Call, q: Tensor, k: Tensor, v: Tensor,
         call.cache.prefill_layer(l, call.b, q, k, v, call.positions, scale=scale, alibi_slopes=alibi_slopes)
         out = alibi_causal_attention(q, k, v, alibi_slopes, scale=scale)
     return out[None]
+
+
+def sliding_causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int, *, scale: float) -> Tensor:
+    """One sequence's causal attention in a sliding window: ``q [L, Hq, D]``, ``k``/``v [L, Hkv, D]`` ->
+    ``[L, Hq, D]``, query ``i`` attending to keys ``j`` with ``i - window < j <= i`` (transformers' sliding
+    mask)."""
+    L = q.shape[0]
+    i = torch.arange(L, device=q.device)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [L, L]: query row, key column
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=band,
+        scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
@@ -112,7 +149,15 @@ def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     if call is None:
         raise RuntimeError(f"attention implementation {ATTENTION!r} runs only inside a wrap_transformers "
                            "model's prefill or decode_step; use attn_implementation='sdpa' for other calls")
-    for name in ("sliding_window", "softcap", "s_aux"):
+    window = kwargs.get("sliding_window")
+    layer_window = call.cache.windows[module._kvmodels_layer] if call.cache.windows else 0
+    if (window or 0) != layer_window:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {module._kvmodels_layer}) attends with "
+            f"sliding_window={window!r}, and its cache was built with window {layer_window} (0: none) from "
+            "the model's config (layer_types, sliding_window); build the cache from this model "
+            "(kvmodels.Decoder, paged_cache)")
+    for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(
                 f"{type(module).__name__} passes {name}={kwargs[name]!r} to its attention; the paged cache "
@@ -177,7 +222,8 @@ class TransformersModel(torch.nn.Module):
         super().__init__()
         self.hf = hf
         self.config = hf.config.get_text_config(decoder=True)
-        # the decoder layers and attention modules; refuses encoder-decoders and sliding / hybrid layers
+        windows = sliding_windows(hf)  # refuses layers of other kinds (linear, chunked, state-space)
+        # the decoder layers and attention modules; refuses encoder-decoders
         _, self._layers, self._attns, positions = attention_layers(hf)
         modeling = sys.modules[type(self._attns[0]).__module__]
         # MPT, and GPT-J before transformers 5.24, attend in code of their own: routed at their own methods
@@ -194,7 +240,8 @@ class TransformersModel(torch.nn.Module):
         c, hq = self.config, self.config.num_attention_heads
         self._layout = CacheLayout(n_layers=len(self._attns), n_q_heads=hq,
                                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // hq,
-                                   n_kv_heads=getattr(c, "num_key_value_heads", None) or hq)
+                                   n_kv_heads=getattr(c, "num_key_value_heads", None) or hq,
+                                   windows=windows)
         self._max_positions = positions or 2048
         self._call = _Call()
         for l, attn in enumerate(self._attns):
