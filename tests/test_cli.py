@@ -25,6 +25,10 @@ def checkpoint(d, kind: str = "llama"):
                  eos_token_id=None)  # no eos: every run makes all its tokens
     if kind == "llama":
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).save_pretrained(d)
+    elif kind == "gemma3":  # sliding-window layers: a window of 4 on the first layer, the second global
+        config = transformers.Gemma3TextConfig(**shape, num_key_value_heads=1, head_dim=8, sliding_window=4,
+                                               layer_types=["sliding_attention", "full_attention"])
+        transformers.Gemma3ForCausalLM(config).save_pretrained(d)
     else:
         config = transformers.Qwen2Config(**shape, num_key_value_heads=1)
         transformers.Qwen2ForCausalLM(config).save_pretrained(d)
@@ -221,3 +225,14 @@ def test_a_device_this_torch_cannot_use_is_named(capsys, tiny_ckpt, monkeypatch)
     assert rc == 2 and "--device tpu: " in err and "use cpu or cuda" in err
     rc, _, err = run_cli(capsys, "--model", str(tiny_ckpt), "--device", "mps", "hi")
     assert rc == 2 and "--device mps: kvgen runs on cpu or cuda" in err
+
+
+def test_a_sliding_window_model_names_its_windows_in_full(capsys, tmp_path):
+    """A checkpoint with sliding-window layers (Gemma 3's kind) runs through transformers; its summary's
+    "full" is the model's own cache, the sliding layer at its window."""
+    rc, out, err = run_cli(capsys, "--model", str(checkpoint(tmp_path, "gemma3")), "--no-chat", "--policy",
+                           "h2o", "--budget", "0.5", "--max-new-tokens", "6", "hello " * 20)
+    assert rc == 0 and len(out.split()) == 6
+    assert "full = every prompt and generated token in every layer, a sliding-window layer's last 4" in err
+    budgets = next(line for line in err.splitlines() if line.startswith("layer budgets"))
+    assert budgets.split(": ")[1].split()[0] == "3"  # the window's W - 1, whatever the policy's 0.5

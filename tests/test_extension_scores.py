@@ -94,3 +94,26 @@ def test_a_reconstruction_pass_replaces_the_scores_inside_its_span_only(m, n, lo
     inside = (pos[:m] >= lo) & (pos[:m] < (m if hi is None else hi))
     want = torch.where(inside, best, old)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@example(m=4, n=3, window=2, Hkv=1, G=1, seed=0)  # the smallest window: each token sees itself and one more
+@given(m=st.integers(0, 12), n=st.integers(1, 8), window=st.integers(2, 16), Hkv=st.integers(1, 2),
+       G=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_an_extension_in_a_sliding_window_attends_as_the_windowed_prompt(m, n, window, Hkv, G, seed):
+    """``sliding_window=W``: each new token attends to the keys at positions ``> its own - W``, kept ones
+    (whatever their slots' order) and new ones, as a dense softmax under transformers' sliding mask over the
+    whole sequence does."""
+    L = m + n
+    q, k, v = tensors(L, Hkv, G, 8, seed)
+    scale = 8**-0.5
+    order = torch.randperm(m, generator=torch.Generator().manual_seed(seed))  # kept rows out of order
+    pos = torch.arange(L)
+    out, _ = compose("h2o").eviction.extension_scores(
+        q[m:], k[m:], v[m:], pos[m:], k[:m][order], v[:m][order], pos[:m][order, None].expand(m, Hkv),
+        torch.zeros(Hkv, m), scale=scale, sliding_window=window)
+    logits = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(G, dim=1)) * scale
+    i = torch.arange(L)
+    outside = (i[None, :] > i[:, None]) | (i[None, :] <= i[:, None] - window)  # [query, key]
+    dense = torch.einsum("hqk,khd->qhd", logits.masked_fill(outside, float("-inf")).softmax(-1),
+                         v.repeat_interleave(G, dim=1))
+    torch.testing.assert_close(out, dense[m:], rtol=1e-5, atol=1e-5)

@@ -13,8 +13,10 @@ layers that attend to every token. The reference is the model's own ``generate``
 * with a compressing policy (scores at the prompt and while decoding, layer budgets, 4-bit rows) the sliding
   layers still hold exactly their window and the others what the policy keeps, under kvmodels' ``Decoder``,
   the compiled decode step and ``model.generate`` with a ``paged_cache`` alike;
-* what has no window yet (extensions: chunked prefill, follow-up turns, kvzip's reconstruction pass) and
-  the policies that cannot hold a window (merging, per-head budgets, two formats) are refused by name.
+* a chunked prefill and follow-up turns (extensions) attend in the windows too: with ``full``, the model's
+  own ``generate`` on the whole sequence; under compressing policies (kvzip's reconstruction pass included)
+  the windows still hold exactly;
+* the policies that cannot hold a window (merging, per-head budgets, two formats) are refused by name.
 """
 
 from __future__ import annotations
@@ -174,19 +176,44 @@ def test_compiled_decode_step_keeps_the_windows() -> None:
     assert generate(model, batch, 8, policy, compile=True).tokens == generate(model, batch, 8, policy).tokens
 
 
-def test_what_has_no_window_is_refused_by_name() -> None:
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_chunked_prefill_and_follow_up_turns_are_the_models_own_generate(kind: str) -> None:
+    """An extension (the next chunk of a prompt, a follow-up turn) attends in each sliding layer's window
+    over the kept tokens and itself, then the layer is compacted back to it: with ``full``, the tokens of
+    the model's own ``generate`` on the whole sequence."""
+    model = sliding_model(kind, 5)
+    wrapped, batch = wrap_transformers(model), prompts([23, 3, 12], seed=8)
+    dec = Decoder(wrapped, compose("full"), page_size=4)
+    dec.extend(batch, chunk=4, max_new_tokens=4)  # chunks shorter and longer than the window
+    first = dec.generate(4).tokens
+    assert first == own_generate(model, batch, 4)
+    assert_windows_hold(dec.cache, model, batch, 4)
+    follow = prompts([7, 1, 2], seed=9)
+    dec.extend(follow, max_new_tokens=4)
+    whole = [p + t + f for p, t, f in zip(batch, first, follow, strict=True)]
+    assert dec.generate(4).tokens == own_generate(model, whole, 4)
+    assert_windows_hold(dec.cache, model, whole, 4)
+
+
+@pytest.mark.parametrize("spec,budget,probe", [("h2o", 0.5, ()), ("snapkv(window=3)", 0.4, ()),
+                                               ("kvzip(skip=0)", 0.4, (5, 6, 7))])
+def test_extensions_under_compressing_policies_keep_the_windows(spec, budget, probe) -> None:
     model = sliding_model("gemma3", 5)
-    wrapped, batch = wrap_transformers(model), prompts([12, 9], seed=3)
-    dec = Decoder(wrapped, compose("h2o", budget=0.5))
-    with pytest.raises(NotImplementedError, match=r"sliding-window layers \(windows \[5\]\).*chunk="):
-        dec.extend(batch, chunk=4, max_new_tokens=2)
-    dec = Decoder(wrapped, compose("h2o", budget=0.5))
-    dec.extend(batch, max_new_tokens=2)
-    dec.generate(2)
-    with pytest.raises(NotImplementedError, match="follow-up turn"):
-        dec.extend([[5, 6], []], max_new_tokens=2)
-    with pytest.raises(NotImplementedError, match="kvzip's reconstruction pass"):
-        Decoder(wrapped, compose("kvzip(skip=0)", budget=0.5), probe_prefix=[1, 2]).extend(batch)
+    batch = prompts([30, 9], seed=5)
+    dec = Decoder(wrap_transformers(model), compose(spec, budget=budget), probe_prefix=list(probe))
+    dec.extend(batch, chunk=None if probe else 8, max_new_tokens=4)
+    first = dec.generate(4).tokens
+    assert_windows_hold(dec.cache, model, batch, 4)
+    assert max(len(h) for h in kept(dec.cache, 0)[2]) < 30 + 3  # the global layer: compressed
+    follow = prompts([6, 2], seed=6)
+    dec.extend(follow, max_new_tokens=4)
+    dec.generate(4)
+    whole = [p + t + f for p, t, f in zip(batch, first, follow, strict=True)]
+    assert_windows_hold(dec.cache, model, whole, 4)
+
+
+def test_what_cannot_hold_a_window_is_refused_by_name() -> None:
+    wrapped, batch = wrap_transformers(sliding_model("gemma3", 5)), prompts([12, 9], seed=3)
     for spec, what in (("snapkv(window=3)+minicache(start=1)", "minicache"),
                        ("snapkv(window=3)+adakv", "rows per KV head"),
                        ("snapkv(window=3)+kivi(bits=4, group=8, residual=2)", "two storage formats")):

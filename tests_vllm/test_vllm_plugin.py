@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import VllmFailed, assert_blocks_follow_kept_lengths, prompts, run_transformers, run_vllm
 from kvpolicies import compose
@@ -117,3 +118,21 @@ def test_bad_spec_fails_at_startup(raw, message, model_dir, tmp_path):
         run_vllm(tmp_path, model_dir, prompts([10]), 2, raw)
     last = err.value.args[0].strip().splitlines()[-1]
     assert last.startswith("kvpolicies.vllm.config.PolicySpecError: " + message), last
+
+
+def test_a_sliding_window_model_is_refused_at_startup(tmp_path):
+    """Compaction moves tokens between slots, which vLLM's window masks by; a Mistral with a window is
+    refused when its layers are built, naming what to do instead."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=128, intermediate_size=192,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=512, sliding_window=16, bos_token_id=None,
+                                     eos_token_id=None, pad_token_id=None)
+    d = tmp_path / "mistral"
+    transformers.MistralForCausalLM(cfg).save_pretrained(d)
+    with pytest.raises(VllmFailed) as err:
+        run_vllm(tmp_path / "run", str(d), prompts([10]), 2, "snapkv")
+    assert "sliding-window attention layers (window 16)" in err.value.args[0]
+    assert "Unset KVPOLICIES_VLLM_POLICY" in err.value.args[0]

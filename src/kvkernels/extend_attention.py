@@ -37,7 +37,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                      kept_k: torch.Tensor, kept_v: torch.Tensor, kept_pos: torch.Tensor, *, scale: float,
                      alibi_slopes: torch.Tensor | None = None, mode: str | None = None, window: int = 0,
                      decay: float = 1.0, seed: int = 0, temperature: float = 1.0,
-                     skip: tuple[int, int] | None = None,
+                     skip: tuple[int, int] | None = None, sliding_window: int = 0,
                      block: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``n`` new tokens over ``m`` kept tokens and themselves (causal among the new ones).
 
@@ -60,6 +60,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     skip : ``max`` only: key positions ``lo <= pos < hi`` are left out of the scores: each row's
         probabilities are renormalised over the other keys, and those tokens score 0 (kvzip's ``skip``: the
         chat template's opening before the context). The attention output is unchanged.
+    sliding_window : a layer's sliding window ``W`` (0: none): each new token attends only to the keys at
+        positions ``> its position - W`` (``W`` tokens, itself included), kept or new.
     block : query rows per step; memory is ``O(block * (m + n))`` per query head.
 
     Returns
@@ -98,6 +100,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             x.add_(slopes * (key_pos[:, None, None, :] - q_pos))
         hidden = columns > (m + rows)[:, None]  # [C, T]: new tokens after the row
         x.masked_fill_(hidden, float("-inf"))
+        if sliding_window:  # keys that left the row's window (positions, per KV head)
+            x.masked_fill_(key_pos[:, None, None, :] <= q_pos - sliding_window, float("-inf"))
         probs = torch.softmax(x, dim=-1)  # [Hkv, G, C, T]
         attn = torch.bmm(probs.view(Hkv, G * C, T), values).view(Hkv, G, C, D)
         out[start:end] = attn.permute(2, 0, 1, 3).reshape(C, Hq, D).to(q.dtype)

@@ -179,8 +179,10 @@ def _summary(result: Any, policy: Any, path: str = "") -> str:
              f"{result.decode_s:.2f} s ({result.decode_tok_s:.1f} tok/s{_steady(result)})"]
     if r is not None:
         ratio = r.total_bytes / r.full_cache_bytes if r.full_cache_bytes else float("nan")
+        windows = "/".join(map(str, sorted(set(r.windows) - {0})))  # the model's own cache holds only these
+        where = f"in every layer, a sliding-window layer's last {windows}" if windows else "in every layer"
         lines.append(f"KV cache: {r.total_bytes * mib:.2f} MiB kept vs {r.full_cache_bytes * mib:.2f} MiB "
-                     f"full ({ratio:.1%}; full = every prompt and generated token in every layer, at the "
+                     f"full ({ratio:.1%}; full = every prompt and generated token {where}, at the "
                      f"cache's longest); peak {r.peak_bytes * mib:.2f} MiB")
         if r.quantized:  # quantized storage: say what a row costs (full = unquantized)
             lines.append(f"KV rows: {r.rows}")
@@ -261,8 +263,8 @@ class _Setup:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             cause = ("this torch is a CPU build" if torch.version.cuda is None
                      else "no CUDA device is visible")
-            raise CliError(f"--device {args.device}: {cause} (torch {torch.__version__}); use --device cpu, or "
-                           "leave --device out to take a GPU when there is one")
+            raise CliError(f"--device {args.device}: {cause} (torch {torch.__version__}); use --device cpu, "
+                           "or leave --device out to take a GPU when there is one")
         if self.device.type not in ("cpu", "cuda"):
             raise CliError(f"--device {args.device}: kvgen runs on cpu or cuda")
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32

@@ -251,14 +251,6 @@ class Decoder:
                                       f"prompt's token scores ({policy.heads.name}), which evicted tokens no "
                                       "longer have, so it cannot take tokens after the prompt (extend, "
                                       "chunk=); duo's per-head budgets can")
-        windows = [w for w in model.cache_layout().windows if w]
-        if windows and (continues or policy.eviction.probe):
-            what = f"{policy.eviction.name}'s reconstruction pass" if policy.eviction.probe else (
-                "chunk=" if first_call else "a follow-up turn (extend after the prompt)")
-            raise NotImplementedError(
-                f"{type(model).__name__} has sliding-window layers (windows {sorted(set(windows))}), and "
-                f"{what} attends after the prompt, which has no window yet; give the whole prompt at once "
-                "(no chunk=), in one turn")
         if first_call and policy.eviction.probe:
             self._check_probe(new)
         if first_call and continues and _two_formats(policy):

@@ -295,11 +295,12 @@ class EvictionPolicy(Policy):
                          kept_k: torch.Tensor, kept_v: torch.Tensor, kept_pos: torch.Tensor,
                          kept_scores: torch.Tensor, *, scale: float, seed: int = 0,
                          alibi_slopes: torch.Tensor | None = None,
-                         probe: tuple[int, int | None] | None = None,
-                         scoring: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         probe: tuple[int, int | None] | None = None, scoring: bool = True,
+                         sliding_window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """An extension's attention and scores: ``n`` new tokens (``q [n, Hq, D]``, ``k, v [n, Hkv, D]``,
         ``positions [n]``) after the kept ones (``kept_k, kept_v [m, Hkv, D]``, ``kept_pos [m, Hkv]`` and
-        ``kept_scores [Hkv, m]``, each KV head's in position order), through ``kvkernels.extend_attention``.
+        ``kept_scores [Hkv, m]``, each KV head's in position order), through ``kvkernels.extend_attention``
+        (``sliding_window``: the layer's, when the model has one there).
 
         Returns its output ``[n, Hq, D]`` and the scores the tokens hold after it (None when nothing is
         scored: no ``prefill_mode``, or ``scoring=False``):
@@ -322,7 +323,7 @@ class EvictionPolicy(Policy):
         out, scores = extend_attention(
             q, k, v, positions, kept_k, kept_v, kept_pos, scale=scale, alibi_slopes=alibi_slopes, mode=mode,
             window=window, decay=decay, seed=seed, temperature=float(kwargs.get("temperature", 1.0)),
-            skip=self.probe_skip if probe is not None else None)
+            skip=self.probe_skip if probe is not None else None, sliding_window=sliding_window)
         if scores is None:
             return out, None
         if probe is not None:

@@ -92,4 +92,4 @@ class InspectSteps(CacheState):
             full_cache_peak_bytes=host.full_peak_pages * self.pool.native_page_bytes,
             rows=rows, quantized=self.storage.quantized or self.side is not None,
             tokens_per_layer=tuple(tuple(int(x) for x in row[:n]) for row in tokens),
-            layer_budgets=budgets, merged_pairs=self.layout.pairs), self.n_sequences)
+            layer_budgets=budgets, merged_pairs=self.layout.pairs, windows=self.windows), self.n_sequences)

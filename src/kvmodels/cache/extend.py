@@ -70,11 +70,6 @@ class ExtendSteps(CacheState):
                                       "not supported (a merged region cannot take prefill tokens); use a "
                                       "policy without merging")
         self.rows.check_extendable(self.policy)
-        if self.sliding:
-            raise NotImplementedError(
-                f"extending a sequence on a model with sliding-window layers (layers {self.sliding}, windows "
-                f"{sorted(set(self.windows) - {0})}) is not supported: an extension's attention has no "
-                "window yet; give the whole prompt at once (no chunk=, no follow-up turns, no kvzip)")
 
     def slots_held(self, b: int) -> int:
         """The most slots any cache layer (any of its rows) holds for sequence ``b`` now (host mirror)."""
@@ -285,7 +280,7 @@ class ExtendSteps(CacheState):
         out, scores = ev.extension_scores(
             q, k, v, positions, kept_k, kept_v, kept_pos, old, scale=scale, seed=self.prefill_seed(l, b),
             alibi_slopes=alibi_slopes, probe=None if span is None else (span.start, span.stop),
-            scoring=scoring)
+            scoring=scoring, sliding_window=self.windows[l] if self.windows else 0)
         if span is not None:  # a reconstruction pass: its rows' mass replaces the scores; nothing stored
             assert scores is not None and ms == 0  # _check_probe: one format, a scoring policy
             self.slot_score[page, offset] = torch.empty_like(kept_score).scatter_(0, order, scores.t())
@@ -390,4 +385,6 @@ class ExtendSteps(CacheState):
             if self.eviction.heads_share_selection:  # as after_step: one ranking for the layer's heads
                 self.slot_score.copy_(self.eviction.eviction_scores(self.slot_score, head_dim=-1))
             self._compress(in_place=True, rows=rows)
+        elif self.sliding:  # the model's windows hold whatever the policy: back to their last W - 1 tokens
+            self._compress(self.sliding, in_place=True, rows=rows)
 

@@ -74,7 +74,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         with ``W > 0`` attends to its last ``W`` tokens only (Gemma 3's local layers, Mistral's), so it keeps
         its last ``W - 1`` and is compacted to them after every decode step (``CompressionPlan.sliding``);
         the policy acts on the other layers. ``None`` or all 0: every layer attends to every token.
-        Rows per sequence only, one storage format, no merging; extensions are refused.
+        Rows per sequence only, one storage format, no merging; an extension attends in each window
+        (``kvkernels.extend_attention(sliding_window=)``) and is compacted back to it.
     seed:
         Seeds, together with ``policy.seed``, the Gumbel noise of score modes that draw it (decode: a
         per-step keys ``kvkernels.decode_keys(noise_seed, step, ...)``, the step counted from ``start``;

@@ -25,7 +25,8 @@ class CacheReport:
         Largest ``total_bytes`` since ``start`` (prefill holds the full prompt before compression).
     full_cache_bytes, full_cache_peak_bytes:
         What an uncompressed cache with the same pages would hold now / at its peak: every token seen by
-        every active sequence in every cache layer, with K and V in the cache's dtype (unquantized).
+        every active sequence in every cache layer (a sliding-window layer: its last ``W``, as the model's
+        own cache), with K and V in the cache's dtype (unquantized).
     tokens_per_layer:
         ``[Lc][B]`` slots each layer stores for each sequence of the batch (0 for finished sequences); with
         two formats, both regions' (``kvmodels.cache.tiers``).
@@ -44,6 +45,8 @@ class CacheReport:
         How a stored row holds a token (``kvmodels.cache.storage``: the dtype, or the quantized format and
         its bytes per row); ``quantized`` whether rows are quantized (``full_cache_bytes`` is then the
         unquantized cache's).
+    windows:
+        The model's sliding windows per cache layer (``PagedKVCache(windows=...)``; empty without any).
     """
 
     page_size: int
@@ -60,6 +63,7 @@ class CacheReport:
     head_tokens: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     rows: str = ""
     quantized: bool = False
+    windows: tuple[int, ...] = ()
 
     @property
     def pages_in_use(self) -> int:

@@ -316,6 +316,16 @@ class CompressingImpl(CPUAttentionBackendImpl):
     """``CPU_ATTN``'s attention; new tokens go to the builder's remapped slots, and after the attention of a
     step in which a request's prompt completes, this layer's copy of that prompt is compressed."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        window = getattr(self, "sliding_window", -1)
+        if window not in (-1, None) and policy_from_env() is not None:  # (unset: the plugin does nothing)
+            raise ValueError(
+                f"kvpolicies vLLM plugin: this model has sliding-window attention layers (window {window}), "
+                "which vLLM masks by slot and its hybrid cache manager sizes by position, and compaction "
+                "moves tokens between slots; not supported yet. Unset KVPOLICIES_VLLM_POLICY to serve it "
+                "without the plugin, or run it on kvmodels (kvmodels.hf.wrap_transformers keeps its windows)")
+
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         meta = _metadata_of(layer)
