@@ -123,6 +123,26 @@ def test_ragged_batches_match_the_models_own_generate(lens, window, page_size, k
     assert_windows_hold(dec.cache, model, batch, 8)
 
 
+@given(L=st.integers(1, 40), window=st.integers(2, 20), block=st.integers(1, 16), G=st.sampled_from([1, 3]),
+       seed=st.integers(0, 2**16))
+@example(L=33, window=5, block=4, G=1, seed=0)  # blocks shorter than the window
+def test_the_prompts_banded_attention_is_the_sliding_mask(L, window, block, G, seed) -> None:
+    """``sliding_causal_attention`` in blocks of query rows equals one dense softmax under transformers'
+    sliding mask (``i - W < j <= i``)."""
+    from kvmodels.hf.model import sliding_causal_attention
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(L, 2 * G, 8, generator=g)
+    k, v = torch.randn(L, 2, 8, generator=g), torch.randn(L, 2, 8, generator=g)
+    got = sliding_causal_attention(q, k, v, window, scale=0.3, block=block)
+    i = torch.arange(L)
+    outside = (i[None, :] > i[:, None]) | (i[None, :] <= i[:, None] - window)
+    logits = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(G, dim=1)) * 0.3
+    want = torch.einsum("hqk,khd->qhd", logits.masked_fill(outside, float("-inf")).softmax(-1),
+                        v.repeat_interleave(G, dim=1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_windows_kv_are_the_tokens_the_model_wrote() -> None:
     """After the prompt, the K/V a sliding layer keeps are the last ``W - 1`` the model's own cache holds:
     bit for bit in the first layer (the same input, the same projections; compaction moves rows, it does not
@@ -146,6 +166,7 @@ def test_a_windows_kv_are_the_tokens_the_model_wrote() -> None:
 
 
 POLICIES = [("h2o", 0.5), ("snapkv(window=3)", 0.4), ("streaming(sinks=2)", 0.5), ("tova", 0.4),
+            ("chunkkv(window=4, chunk=3)", 0.4),  # layer-wise index reuse: a global layer may read a local's
             ("squeeze+keyformer", 0.5), ("snapkv(window=3)+kivi(bits=4, group=8, residual=0)", 0.5)]
 
 

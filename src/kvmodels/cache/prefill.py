@@ -145,7 +145,9 @@ class PrefillSteps(CacheState):
                                  "scores")
             check_tensor("scores", scores, ndim=2, dtypes=(torch.float32,), device=dev)
             check_shape("scores", scores, [H, L], f"n_kv_heads x prompt_lens[{b}]")
-        if self.eviction.prefill_mode is not None:
+        if self._windowed_unscored(l):  # a sliding layer keeps its window: its scores rank nothing
+            scores = None
+        elif self.eviction.prefill_mode is not None:
             scores = self._prefill_scores(l, b, q, k, scale, alibi_slopes, lse, scores)  # [H, L]
         elif self.eviction.scores_tokens:  # an open rule: each token's score from what its step provides
             scores = self._token_scores(q, k, v, positions, check=True).t()  # [H, L]
@@ -162,6 +164,13 @@ class PrefillSteps(CacheState):
         self.host.lens[l, b] = L
         self.host.prefilled[l, b] = True
         self.host.track_peak(self.page_size)
+
+    def _windowed_unscored(self, l: int) -> bool:
+        """Layer ``l`` has a sliding window (it keeps its last ``W - 1`` tokens, whatever their scores) and no
+        later layer reuses its prompt scores (ChunkKV's layer-wise index reuse): its prompt is not scored."""
+        if not (self.windows and self.windows[l]):
+            return False
+        return all(self.eviction.score_source_layer(m) != l for m in range(l + 1, self.n_layers))
 
     def prefill_seed(self, l: int, b: int) -> int:
         """Seed of the prompt-scoring noise of layer ``l``, sequence ``b`` (``prefill_scores(seed=...)``).

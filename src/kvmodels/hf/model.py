@@ -127,17 +127,25 @@ def _cached_attention(module: Any, call: _Call, q: Tensor, k: Tensor, v: Tensor,
     return out[None]
 
 
-def sliding_causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int, *, scale: float) -> Tensor:
+def sliding_causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int, *, scale: float,
+                             block: int = 512) -> Tensor:
     """One sequence's causal attention in a sliding window: ``q [L, Hq, D]``, ``k``/``v [L, Hkv, D]`` ->
     ``[L, Hq, D]``, query ``i`` attending to keys ``j`` with ``i - window < j <= i`` (transformers' sliding
-    mask)."""
+    mask). ``block`` query rows at a time over the keys their windows reach, so memory is
+    ``O(block * (block + window))`` per head, not ``O(L^2)``."""
     L = q.shape[0]
-    i = torch.arange(L, device=q.device)
-    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [L, L]: query row, key column
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=band,
-        scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    out = torch.empty_like(q)
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
+    for start in range(0, L, block):
+        end = min(start + block, L)
+        lo = max(0, start - window + 1)  # the first key the block's first query sees
+        i = torch.arange(start, end, device=q.device)[:, None]
+        j = torch.arange(lo, end, device=q.device)[None, :]
+        band = (j <= i) & (j > i - window)  # [rows, keys]
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            qh[:, :, start:end], kh[:, :, lo:end], vh[:, :, lo:end], attn_mask=band, scale=scale,
+            enable_gqa=True)[0].transpose(0, 1)
+    return out
 
 
 def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
