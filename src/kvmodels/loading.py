@@ -382,8 +382,11 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
     from safetensors.torch import save_file
 
     path, out = Path(path), Path(out_dir)
-    cfg, sd = read_gguf(path)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    if gguf_architecture(path) in _transformers_gguf_architectures():  # (Gemma 3, Qwen2, Mistral, ...)
+        _convert_with_transformers(path, tmp)
+        return _publish(tmp, out)
+    cfg, sd = read_gguf(path)
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -395,6 +398,48 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
         # Kept beside the conversion: a failure that was not the file's (a broken transformers install)
         # would otherwise leave a cached copy without a tokenizer and no trace of why.
         (tmp / TOKENIZER_ERROR).write_text(f"{type(e).__name__}: {e}\n")
+    return _publish(tmp, out)
+
+
+def gguf_architecture(path: str | os.PathLike[str]) -> str | None:
+    """The ``general.architecture`` of the GGUF file ``path`` (its header only)."""
+    import gguf
+
+    return _field(gguf.GGUFReader(str(path)), "general.architecture")
+
+
+def _transformers_gguf_architectures() -> tuple[str, ...]:
+    """GGUF architectures ``transformers`` reads that kvmodels' own reader does not (``()`` without it)."""
+    try:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    except ImportError:
+        return ()
+    return tuple(a for a in GGUF_CONFIG_MAPPING if a not in (*GGUF_ARCHITECTURES, "general", "tokenizer"))
+
+
+def _convert_with_transformers(path: Path, tmp: Path) -> None:
+    """A GGUF of another architecture, dequantized by ``transformers``' reader (it needs ``accelerate``) and
+    written as a float32 Hugging Face directory: a fresh model of its config takes the weights, since
+    transformers refuses to save the GGUF-loaded one."""
+    import transformers
+
+    arch = gguf_architecture(path)
+    try:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                   dtype=torch.float32)
+    except (ImportError, ValueError) as e:
+        raise CheckpointError(f"{path}: transformers could not read this {arch!r} GGUF: "
+                              f"{str(e).splitlines()[0]}") from e
+    fresh = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    tmp.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(str(tmp))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(tmp))
+
+
+def _publish(tmp: Path, out: Path) -> Path:
+    """Rename the finished conversion ``tmp`` to ``out``."""
     # Rename last, so a half-written conversion is never picked up as a cache hit. Another process (a
     # second test worker, a second kvgen) may have renamed its own copy in place meanwhile: then keep its.
     try:
