@@ -110,7 +110,8 @@ STUDIES = sorted(m.name for m in pkgutil.iter_modules(experiments.__path__))
 
 
 def test_the_studies_are_all_here():
-    assert STUDIES == ["adakv_imbalance", "adakv_retrieval", "chunked_prefill", "hf_kivi_perplexity",
+    assert STUDIES == ["adakv_imbalance", "adakv_retrieval", "chunked_prefill", "gemma3_passkey",
+                       "hf_kivi_perplexity",
                        "hf_wrap_speed", "key_digits_kept", "kivi_channel_keys", "kvpress_question_agnostic",
                        "passkey_layer_ablation", "passkey_margins", "passkey_profile", "passkey_variants",
                        "quantized_baseline", "quantized_kv", "question_agnostic"]
