@@ -383,8 +383,9 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
 
     path, out = Path(path), Path(out_dir)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    if gguf_architecture(path) in _transformers_gguf_architectures():  # (Gemma 3, Qwen2, Mistral, ...)
-        _convert_with_transformers(path, tmp)
+    arch = gguf_architecture(path)
+    if arch in _transformers_gguf_architectures():  # (Gemma 3, Qwen2, Mistral, ...)
+        _convert_with_transformers(path, arch, tmp)
         return _publish(tmp, out)
     cfg, sd = read_gguf(path)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -417,13 +418,12 @@ def _transformers_gguf_architectures() -> tuple[str, ...]:
     return tuple(a for a in GGUF_CONFIG_MAPPING if a not in (*GGUF_ARCHITECTURES, "general", "tokenizer"))
 
 
-def _convert_with_transformers(path: Path, tmp: Path) -> None:
+def _convert_with_transformers(path: Path, arch: str, tmp: Path) -> None:
     """A GGUF of another architecture, dequantized by ``transformers``' reader (it needs ``accelerate``) and
     written as a float32 Hugging Face directory: a fresh model of its config takes the weights, since
     transformers refuses to save the GGUF-loaded one."""
     import transformers
 
-    arch = gguf_architecture(path)
     try:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                    dtype=torch.float32)

@@ -168,6 +168,11 @@ def check_windows(windows: Sequence[int] | None, n_layers: int) -> tuple[int, ..
     return tuple(out) if any(out) else ()
 
 
+def sliding_layers(windows: Sequence[int]) -> tuple[int, ...]:
+    """The layers of ``windows`` (:func:`check_windows`'s) that have a sliding window."""
+    return tuple(l for l, w in enumerate(windows) if w)
+
+
 @dataclass(frozen=True)
 class EvictionSchedule:
     """When a cache compresses: the prompt (``prefill_compress``) and after which decode steps.
@@ -250,7 +255,7 @@ class CompressionPlan:
     @property
     def sliding(self) -> tuple[int, ...]:
         """The sliding-window layers (:attr:`windows` ``> 0``), compacted to their window every step."""
-        return tuple(l for l, w in enumerate(self.windows) if w)
+        return sliding_layers(self.windows)
 
     @property
     def batch_size(self) -> int:

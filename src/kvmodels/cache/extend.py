@@ -280,7 +280,7 @@ class ExtendSteps(CacheState):
         out, scores = ev.extension_scores(
             q, k, v, positions, kept_k, kept_v, kept_pos, old, scale=scale, seed=self.prefill_seed(l, b),
             alibi_slopes=alibi_slopes, probe=None if span is None else (span.start, span.stop),
-            scoring=scoring, sliding_window=self.windows[l] if self.windows else 0)
+            scoring=scoring, sliding_window=self.window(l))
         if span is not None:  # a reconstruction pass: its rows' mass replaces the scores; nothing stored
             assert scores is not None and ms == 0  # _check_probe: one format, a scoring policy
             self.slot_score[page, offset] = torch.empty_like(kept_score).scatter_(0, order, scores.t())

@@ -117,7 +117,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
                  seed: int = 0, rows: str = "sequences", windows=None):
         from kvpolicies import ComposedPolicy, compose
-        from kvpolicies.plan import check_windows
+        from kvpolicies.plan import check_windows, sliding_layers
 
         if policy is None:
             policy = compose("full")
@@ -153,7 +153,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self._width = np.asarray(self.layout.width, dtype=np.int64)  # [Lc] the layout's, as an array
         # The model's sliding-window layers keep their window (the plan's); the policy acts on the rest.
         self.windows = check_windows(windows, n_layers)
-        self.sliding = [l for l, w in enumerate(self.windows) if w]
+        self.sliding = list(sliding_layers(self.windows))
         if self.windows:
             why = ("two storage formats (use one: kivi(residual=0))" if side is not None
                    else "rows per KV head (a head-budget policy); drop it" if rows != "sequences"
@@ -267,6 +267,10 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self._split = np.zeros(self.max_batch, dtype=bool)  # rows whose tokens the side region split
         if self.side is not None:
             self.side.reset()
+
+    def window(self, l: int) -> int:
+        """Cache layer ``l``'s sliding window ``W`` (0: it attends to every token)."""
+        return self.windows[l] if self.windows else 0
 
     def _check_layer(self, l: int) -> None:
         check_layer(l, self.n_layers)

@@ -168,7 +168,7 @@ class PrefillSteps(CacheState):
     def _windowed_unscored(self, l: int) -> bool:
         """Layer ``l`` has a sliding window (it keeps its last ``W - 1`` tokens, whatever their scores) and no
         later layer reuses its prompt scores (ChunkKV's layer-wise index reuse): its prompt is not scored."""
-        if not (self.windows and self.windows[l]):
+        if not self.window(l):
             return False
         return all(self.eviction.score_source_layer(m) != l for m in range(l + 1, self.n_layers))
 

@@ -112,7 +112,7 @@ def _cached_attention(module: Any, call: _Call, q: Tensor, k: Tensor, v: Tensor,
         call.cache.append(l, k[:, 0], v[:, 0], call.positions, q=q[:, 0])
         return call.cache.attend(l, q[:, 0], call.positions, scale=scale, alibi_slopes=alibi_slopes)[:, None]
     q, k, v = q[0], k[0], v[0]  # [L, H, D]: one sequence
-    window = call.cache.windows[l] if call.cache.windows else 0
+    window = call.cache.window(l)
     if window and call.mode == "prefill":  # stored (and compressed to its window later); attends in its band
         call.cache.prefill_layer(l, call.b, q, k, v, call.positions, scale=scale)
         out = sliding_causal_attention(q, k, v, window, scale=scale)
@@ -158,7 +158,7 @@ def paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
         raise RuntimeError(f"attention implementation {ATTENTION!r} runs only inside a wrap_transformers "
                            "model's prefill or decode_step; use attn_implementation='sdpa' for other calls")
     window = kwargs.get("sliding_window")
-    layer_window = call.cache.windows[module._kvmodels_layer] if call.cache.windows else 0
+    layer_window = call.cache.window(module._kvmodels_layer)
     if (window or 0) != layer_window:
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {module._kvmodels_layer}) attends with "
