@@ -111,6 +111,12 @@ TEST_FILES = (
     "tests/test_gpu.py::test_quant_decode_attention_triton_equals_reference",  # issue 36
     "tests/test_gpu.py::test_quantized_cache_on_cuda_keeps_quantized_rows_and_matches_cpu",
     "tests/test_score_update.py::test_column_pass_loop_orders_agree",
+    # Sliding-window models (2026-12-02, twenty-first session; never run on a GPU): the windows' compaction
+    # after every decode step (one graph replay on CUDA) beside the compiled step, and windowed extensions.
+    "tests/test_sliding_window.py::test_compiled_decode_step_keeps_the_windows",
+    "tests/test_sliding_window.py::test_full_policy_is_the_models_own_generate",
+    "tests/test_sliding_window.py::test_compressing_policies_keep_the_windows_and_compress_the_rest",
+    "tests/test_sliding_window.py::test_chunked_prefill_and_follow_up_turns_are_the_models_own_generate",
     # Run 10's correctness stage never reached test_quant_attention.py (cut in test_cache_quantized.py, ~90 s
     # there); a pytest run by hand after it, cut too, showed GPU-only failures in its first 17 tests.
     "tests/test_quant_attention.py",
@@ -130,6 +136,7 @@ TEST_FILES = (
     "tests/test_cache_policies.py", "tests/test_cache_minicache.py", "tests/test_cache_compress_each.py",
     "tests/test_cache_prefill_attend.py", "tests/test_cache_compile.py", "tests/test_generate.py",
     "tests/test_hf_generate.py", "tests/test_hf_wrap.py",  # transformers models on the paged cache
+    "tests/test_sliding_window.py",
 )
 # Tests whose ids hold one of these run after all others: never run on a GPU, and a CUDA error there (run 5 of
 # 2026-11-28: a misaligned read in [triton-bytes]) fails every later test of the process.
