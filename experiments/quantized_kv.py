@@ -19,6 +19,14 @@ Tasks (one JSON line per (task, config, budget), appended to ``--out``; a rerun 
 
 Run: ``python -m experiments.quantized_kv --out experiments/results/quantized-kv.jsonl``;
 ``--report`` prints the tables and runs nothing.
+
+Issue 36's table, one run per prompt length, beside transformers' ``QuantizedCache`` on the same prompts::
+
+    python -m experiments.quantized_kv --set table --tasks passkey --context 2048 \
+        --out experiments/results/quantized-kv-table.jsonl
+    python -m experiments.quantized_baseline --length 2048 --tasks passkey   # in the backend's venv
+    python -m experiments.quantized_kv --set table --report --context 2048 \
+        --out experiments/results/quantized-kv-table.jsonl
 """
 
 from __future__ import annotations
@@ -57,6 +65,18 @@ PASSKEY += [(f"{SNAPKV}+zipcache(group=64, rotate=True)", 0.2)]
 PASSKEY += [("h2o", 0.2), ("h2o+mikv(low=4)", 0.2), ("h2o+mikv", 0.2)]
 # ZipCache while decoding: re-compressed every 100 tokens, H2O evicting its low bits (SideRegion.recompress)
 PASSKEY += [("h2o+zipcache", 0.2), ("h2o+zipcache(rotate=True)", 0.2)]
+# Issue 36's table in one run per prompt length (``--set table``): each format alone and composed with the
+# passkey setting at 0.2 and 0.5, the most telling rows first (a run cut short keeps them). "Alone": KIVI with
+# its residual of 128 float tokens and without one, its best 2-bit row (rotated, group 16), ZipCache over
+# every prompt query's votes, MiKV over H2O (its paper's eviction, the dropped tokens at 2 bits).
+ROT2G16 = f"{KIVI2[:-1]}, rotate=True)"
+TABLE = [("full", 1.0), (SNAPKV, 0.2), (f"{SNAPKV}+kivi(bits=4, residual=0)", 0.2),
+         (f"{SNAPKV}+zipcache(rotate=True)", 0.2), ("full+kivi", 1.0), ("full+kivi(bits=4, residual=0)", 1.0),
+         ("full+kivi(bits=2)", 1.0), (f"full+{ROT2G16}", 1.0), (f"{SCORER}+zipcache(rotate=True)", 1.0),
+         ("h2o", 0.2), ("h2o+mikv", 0.2), (f"{SNAPKV}+mikv", 0.2), (f"{SNAPKV}+{ROT2G16}", 0.2)]
+TABLE += [(p, 0.5) for p in (SNAPKV, f"{SNAPKV}+kivi(bits=4, residual=0)", f"{SNAPKV}+zipcache(rotate=True)",
+                             f"{SNAPKV}+mikv", f"{SNAPKV}+{ROT2G16}")]
+SETS = {"all": PASSKEY, "table": TABLE}
 PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi", 1.0),
               (f"full+{KIVI2}", 1.0), ("streaming", 0.2), ("streaming+kivi(bits=4, residual=0)", 0.2),
               ("h2o", 0.2), ("h2o+kivi(bits=4, residual=0)", 0.2),  # h2o: scores fused over packed rows
@@ -64,6 +84,10 @@ PERPLEXITY = [("full", 1.0), ("full+kivi(bits=4, residual=0)", 1.0), ("full+kivi
               ("h2o+mikv(low=4)", 0.2), ("h2o+zipcache", 0.2), ("h2o+zipcache(rotate=True)", 0.2),
               ("h2o+zipcache(every=10)", 0.2), (f"{SCORER}+zipcache", 1.0),
               (f"{SCORER}+zipcache(rotate=True)", 1.0)]
+# QuantizedCache's settings, as the library stores them (keys per token in both; float16 parameters here,
+# float32 there): its defaults (4 bits, group 64, residual 128) and 2 bits at groups 32 and 64; MiKV at 2 bits
+PERPLEXITY += [("full+kivi(group=64)", 1.0), ("full+kivi(bits=2)", 1.0), ("full+kivi(bits=2, group=64)", 1.0),
+               ("h2o+mikv", 0.2)]
 
 
 def fp16_share(rep, model) -> dict:
@@ -135,6 +159,63 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+BASELINE_ORDER = ("full", "q4-g64", "q4-g32", "q2-g64", "q2-g32")  # experiments/quantized_baseline.CONFIGS
+
+
+def side_by_side(records: list[dict], baseline: list[dict], context: int, seed: int = 0) -> str:
+    """Issue 36's table at one prompt length: the library's ``TABLE`` rows and transformers'
+    ``QuantizedCache`` rows (``experiments/quantized_baseline.py``'s records) on the same passkey prompts,
+    each with how many of its own full cache's answers it keeps. The prompts' answers come from the
+    baseline's records (the same harness prompts: ``passkey_samples`` at the same seed and length); every
+    library count is checked against them, so a record of other prompts is refused rather than compared."""
+    from evals.tasks import exact_match
+
+    base = {r["config"]: r for r in baseline if r.get("task") == "passkey" and r["context"] == context
+            and r.get("seed", 0) == seed}
+    if "full" not in base:
+        raise ValueError(f"no QuantizedCache baseline record at context {context}: run "
+                         f"experiments.quantized_baseline --length {context} --tasks passkey first")
+    answers = base["full"]["answers"]
+    ours = {(r["policy"], r["budget"]): r for r in records
+            if r.get("task") == "passkey" and r["context"] == context and r.get("status") == "ok"
+            and f"|seed={seed}|" in r["key"] and r["n"] == len(answers)}
+
+    def right(outputs: list[str]) -> list[bool]:
+        return [exact_match(o, a) for o, a in zip(outputs, answers, strict=True)]
+
+    for r in ours.values():
+        if sum(right(r["outputs"])) != r["correct"]:
+            raise ValueError(f"{r['policy']!r} at {context}: its outputs do not score {r['correct']} against "
+                             "the baseline's answers; the two runs drew different prompts")
+    lines = [f"| cache | budget | passkey ~{context} (of {len(answers)}) | of its full cache's answers | "
+             "held vs fp16 |", "|---|---|---|---|---|"]
+
+    def kept(mine: list[bool], full: list[bool]) -> str:
+        extra = sum(m and not f for m, f in zip(mine, full, strict=True))
+        return f"{sum(m and f for m, f in zip(mine, full, strict=True))} of {sum(full)}" + (
+            f" (+{extra})" if extra else "")
+
+    full = right(ours[("full", 1.0)]["outputs"]) if ("full", 1.0) in ours else None
+    for name, budget in TABLE:
+        r = ours.get((name, budget))
+        if r is None:
+            lines.append(f"| `{name}` | {budget:g} | not run | | |")
+            continue
+        k = kept(right(r["outputs"]), full) if full else "-"
+        lines.append(f"| `{name}` | {budget:g} | {r['correct']} | {k} | {100 * r['held_vs_fp16']:.1f}% |")
+    qfull = base["full"]["right"]
+    for name in BASELINE_ORDER:
+        r = base.get(name)
+        if r is None:
+            continue
+        label = "QuantizedCache " + ("off (`DynamicCache`, fp32)" if name == "full" else
+                                     f"{r['nbits']} bits, group {r['q_group_size']}, residual "
+                                     f"{r['residual_length']}")
+        lines.append(f"| {label} | 1 | {r['correct']} | {kept(r['right'], qfull)} | "
+                     f"{100 * r['vs_fp16']:.1f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="experiments/results/quantized-kv.jsonl")
@@ -143,12 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-tokens", type=int, default=2048)
     p.add_argument("--ppl-prefill", type=int, default=128)
     p.add_argument("--tasks", default="passkey,perplexity")
+    p.add_argument("--set", default="all", choices=sorted(SETS),
+                   help="passkey configs: every one recorded so far, or issue 36's table (one run a length)")
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--reverse", action="store_true", help="run the configs last to first (a second process)")
     p.add_argument("--only", help="run only the configs whose policy text is one of these ('|'-separated)")
-    p.add_argument("--report", action="store_true", help="print the recorded table and run nothing")
+    p.add_argument("--report", action="store_true", help="print the recorded table and run nothing (with "
+                   "--set table: beside QuantizedCache's records at --context)")
+    p.add_argument("--baseline", help="QuantizedCache's records for --set table's report (default: "
+                   "experiments/results/quantized-baseline.jsonl)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     if args.report:
-        print(table([r for r in read_records(out) if r.get("status") == "ok"]))
+        records = [r for r in read_records(out) if r.get("status") == "ok"]
+        if args.set == "table":
+            from experiments.quantized_baseline import DEFAULT_OUT
+
+            print(side_by_side(records, read_records(args.baseline or DEFAULT_OUT), args.context, args.seed))
+        else:
+            print(table(records))
         return 0
     from evals.sweep import Runner
 
@@ -164,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     done = {r["key"] for r in read_records(out)}
     todo = []
     if "passkey" in args.tasks:
-        todo += [("passkey", args.context, name, b) for name, b in PASSKEY]
+        todo += [("passkey", args.context, name, b) for name, b in SETS[args.set]]
     if "perplexity" in args.tasks:
         todo += [("perplexity", args.ppl_tokens, name, b) for name, b in PERPLEXITY]
     if args.only:

@@ -128,6 +128,45 @@ def test_quantized_kv_table_reads_its_records():
     assert lines[3] == "| perplexity 4096 | `full` | 1 | ppl 52.56 | - |"
 
 
+def test_quantized_kv_configs_all_compose():
+    """Every config the quantized study runs is a valid policy at its budget (a typo would cost a run its
+    row, recorded as an error an hour in)."""
+    from experiments.quantized_kv import PERPLEXITY, SETS
+
+    for configs in [*SETS.values(), PERPLEXITY]:
+        for name, budget in configs:
+            assert compose(compose(name, budget=budget).spec()) == compose(name, budget=budget)
+
+
+def test_quantized_kv_side_by_side_counts_each_caches_own_full_answers():
+    """``--set table --report``: each row counts the answers its own full cache gives (the library's rows
+    against ``full``, QuantizedCache's against its ``DynamicCache``), marks answers only it gives, names a
+    row not run, and refuses records of other prompts."""
+    from experiments.quantized_kv import SNAPKV, side_by_side
+
+    answers = ["11111", "22222", "33333", "44444"]
+    common = {"key": "quantized-kv|m|passkey|64|n=4|seed=0|x|1", "task": "passkey", "context": 64, "n": 4,
+              "status": "ok", "held_vs_fp16": 0.5}
+    ours = [{**common, "policy": "full", "budget": 1.0, "correct": 3,
+             "outputs": [" 11111.", " 22222.", " 33333.", " 5."]},
+            {**common, "policy": SNAPKV, "budget": 0.2, "correct": 2, "held_vs_fp16": 0.061,
+             "outputs": [" 11111.", " 2.", " 3.", " 44444."]}]
+    base_common = {"task": "passkey", "context": 64, "n": 4, "seed": 0, "answers": answers}
+    base = [{**base_common, "config": "full", "correct": 2, "right": [True, True, False, False],
+             "vs_fp16": 2.0},
+            {**base_common, "config": "q4-g64", "nbits": 4, "q_group_size": 64, "residual_length": 128,
+             "correct": 2, "right": [True, False, True, False], "vs_fp16": 0.3125}]
+    rows = side_by_side(ours, base, 64).splitlines()
+    assert rows[2] == "| `full` | 1 | 3 | 3 of 3 | 50.0% |"
+    assert rows[3] == f"| `{SNAPKV}` | 0.2 | 2 | 1 of 3 (+1) | 6.1% |"
+    assert rows[4].endswith("| not run | | |")
+    assert rows[-1] == "| QuantizedCache 4 bits, group 64, residual 128 | 1 | 2 | 1 of 2 (+1) | 31.2% |"
+    with pytest.raises(ValueError, match="different prompts"):
+        side_by_side([{**ours[0], "correct": 2}], base, 64)
+    with pytest.raises(ValueError, match="--length 128"):
+        side_by_side(ours, base, 128)
+
+
 @pytest.mark.parametrize("name", STUDIES)
 def test_study_entry_point_parses_its_arguments(name, capsys):
     """``main(["--help"])`` imports what the study needs (the harness, the library) and prints its usage."""
