@@ -159,9 +159,6 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-BASELINE_ORDER = ("full", "q4-g64", "q4-g32", "q2-g64", "q2-g32")  # experiments/quantized_baseline.CONFIGS
-
-
 def side_by_side(records: list[dict], baseline: list[dict], context: int, seed: int = 0) -> str:
     """Issue 36's table at one prompt length: the library's ``TABLE`` rows and transformers'
     ``QuantizedCache`` rows (``experiments/quantized_baseline.py``'s records) on the same passkey prompts,
@@ -169,6 +166,7 @@ def side_by_side(records: list[dict], baseline: list[dict], context: int, seed: 
     baseline's records (the same harness prompts: ``passkey_samples`` at the same seed and length); every
     library count is checked against them, so a record of other prompts is refused rather than compared."""
     from evals.tasks import exact_match
+    from experiments.quantized_baseline import CONFIGS
 
     base = {r["config"]: r for r in baseline if r.get("task") == "passkey" and r["context"] == context
             and r.get("seed", 0) == seed}
@@ -204,7 +202,7 @@ def side_by_side(records: list[dict], baseline: list[dict], context: int, seed: 
         k = kept(right(r["outputs"]), full) if full else "-"
         lines.append(f"| `{name}` | {budget:g} | {r['correct']} | {k} | {100 * r['held_vs_fp16']:.1f}% |")
     qfull = base["full"]["right"]
-    for name in BASELINE_ORDER:
+    for name in CONFIGS:
         r = base.get(name)
         if r is None:
             continue
