@@ -252,6 +252,17 @@ def near_miss(prediction: str, answer: str) -> bool:
     return len(got) == len(answer) - 1 and any(answer[:i] + answer[i + 1:] == got for i in range(len(answer)))
 
 
+def kept_answers(full: Sequence[bool], other: Sequence[bool]) -> tuple[int, int]:
+    """Of the samples the full cache answers right (``full[i]``), how many ``other`` answers right too, and
+    how many ``other`` answers right that the full cache misses: ``(kept, extra)``. The two lists score the
+    same samples in the same order (a length mismatch raises)."""
+    if len(full) != len(other):
+        raise ValueError(f"full and other score different sample sets ({len(full)} and {len(other)} samples)")
+    kept = sum(bool(f and o) for f, o in zip(full, other, strict=True))
+    extra = sum(bool(o and not f) for f, o in zip(full, other, strict=True))
+    return kept, extra
+
+
 def lcs_length(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the longest common subsequence of ``a`` and ``b`` (O(len(a)·len(b)) dynamic program)."""
     prev = [0] * (len(b) + 1)

@@ -122,7 +122,7 @@ def report(out: Path) -> int:
     """Per context and budget: of the answers the full cache gets right, how many each variant keeps (per
     seed, then pooled), and the answers it gets that the full cache does not."""
     from evals.sweep import read_records
-    from evals.tasks import exact_match
+    from evals.tasks import exact_match, kept_answers
 
     records = read_records(out)
     full = {(r["context"], r["n"], r.get("seed", 0)): r["outputs"] for r in read_records(FULL_RECORDS)
@@ -139,8 +139,7 @@ def report(out: Path) -> int:
             continue
         right_full = [exact_match(o, a) for o, a in zip(ref, r["answers"], strict=True)]
         right = [exact_match(o, a) for o, a in zip(r["outputs"], r["answers"], strict=True)]
-        kept = sum(f and v for f, v in zip(right_full, right))
-        extra = sum(v and not f for f, v in zip(right_full, right))
+        kept, extra = kept_answers(right_full, right)
         cell = (r["context"], r.get("eviction", SETTING), r["budget"], r["variant"])
         plus = f" +{extra}" if extra else ""
         rows.setdefault(cell, []).append((r["seed"], f"seed {r['seed']}: {kept}/{sum(right_full)}{plus}"))

@@ -165,7 +165,7 @@ def side_by_side(records: list[dict], baseline: list[dict], context: int, seed: 
     each with how many of its own full cache's answers it keeps. The prompts' answers come from the
     baseline's records (the same harness prompts: ``passkey_samples`` at the same seed and length); every
     library count is checked against them, so a record of other prompts is refused rather than compared."""
-    from evals.tasks import exact_match
+    from evals.tasks import exact_match, kept_answers
     from experiments.quantized_baseline import CONFIGS
 
     base = {r["config"]: r for r in baseline if r.get("task") == "passkey" and r["context"] == context
@@ -189,9 +189,8 @@ def side_by_side(records: list[dict], baseline: list[dict], context: int, seed: 
              "held vs fp16 |", "|---|---|---|---|---|"]
 
     def kept(mine: list[bool], full: list[bool]) -> str:
-        extra = sum(m and not f for m, f in zip(mine, full, strict=True))
-        return f"{sum(m and f for m, f in zip(mine, full, strict=True))} of {sum(full)}" + (
-            f" (+{extra})" if extra else "")
+        n, extra = kept_answers(full, mine)
+        return f"{n} of {sum(full)}" + (f" (+{extra})" if extra else "")
 
     full = right(ours[("full", 1.0)]["outputs"]) if ("full", 1.0) in ours else None
     for name, budget in TABLE:

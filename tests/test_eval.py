@@ -183,6 +183,21 @@ def test_exact_match():
     assert not tasks.exact_match(" unknown", "12345")
 
 
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=30))
+def test_kept_answers_counts_the_full_caches_answers_kept_and_the_others(pairs):
+    full, other = [f for f, _ in pairs], [o for _, o in pairs]
+    kept, extra = tasks.kept_answers(full, other)
+    assert kept == len([i for i in range(len(pairs)) if full[i] and other[i]])
+    assert extra == len([i for i in range(len(pairs)) if other[i] and not full[i]])
+    assert kept + extra == sum(other) and kept <= sum(full)
+
+
+def test_kept_answers_refuses_different_sample_sets():
+    assert tasks.kept_answers([True, False, True], [True, True, False]) == (1, 1)
+    with pytest.raises(ValueError, match="different sample sets"):
+        tasks.kept_answers([True, False], [True])
+
+
 def test_near_miss_is_the_key_with_one_digit_left_out():
     assert tasks.near_miss(" 7828.", "78281")  # the last digit's token evicted
     assert tasks.near_miss(" 8281", "78281") and tasks.near_miss("7281", "78281")
