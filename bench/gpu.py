@@ -1048,6 +1048,7 @@ def _quant_sweep(st: Stage) -> None:
     fmt = QuantFormat(4, st.shapes.quant_group)
     args = (t["q"], quantize_rows(t["k_pages"], fmt), quantize_rows(t["v_pages"], fmt), t["table"], t["lens"])
     del t["k_pages"], t["v_pages"]
+    _quant_occupancy(st, shape, args, t["scale"], fmt)
     default = _quant_prefetch_default(4)
     both = [(cfg, on) for cfg in configs for on in (default, not default)]
     if st.smoke:  # that the sweep runs (its first config both ways), not how many configs fit the box
@@ -1067,17 +1068,46 @@ def _quant_sweep(st: Stage) -> None:
         except Exception:  # noqa: BLE001 -- e.g. out of shared memory for this tile
             st.emit("quant_sweep", shape=shape, bits=4, config=cfg.__dict__, prefetch=on,
                     error=traceback.format_exc(limit=2)[-800:])
-    # Split-K at the default config: at B64 the launcher's choice is one split (512 programs, one wave of
-    # ~4 per SM on an H200); more splits add programs to hide each tile's load latency, and the reduce.
-    for splits in (1, 2, 4):
-        if st.left() < 3 and not st.smoke:
-            st.skipped("quant splits", f"time box: {st.left():.0f} s left")
-            break
-        s, how = st.seconds(lambda splits=splits: quant_decode_attention_triton(
-            *args, scale=t["scale"], k_format=fmt, v_format=fmt, num_splits=splits), reps=5)
-        st.emit("quant_splits", shape=shape, bits=4, num_splits=splits, us=s * 1e6, timed_by=how)
     if st.cuda:
         torch.cuda.empty_cache()
+
+
+#: The occupancy probe's ``(registers per thread, splits)`` points, the launcher's own first. At B64 / 4k the
+#: launcher takes one split: 512 programs (64 sequences x 8 KV heads), all resident at once at four per SM
+#: (114 registers x 128 threads each), 16 warps an SM to hide each tile's loads behind. A quarter of the
+#: warps an SM can hold, while the 4-bit kernel issues ~470 instructions a tile (sm_90, ``bench/sass.py``)
+#: and still takes 1.5x the bf16 pages' time: if it waits on memory, more resident warps should help. That
+#: needs more programs (splits) *and* room for them (fewer registers: 64 fit eight per SM, 1024 programs in
+#: one wave; 80 six, 96 five). Splits alone at 128 registers only add waves. The ceiling costs spills
+#: (sm_90, Triton 3.9, the bench shape, prefetched: 208 stack bytes at 64 registers, 112 at 80, 40 at 96,
+#: none at 128, where it takes 114).
+OCCUPANCY = ((128, 1), (128, 2), (128, 4), (64, 2), (80, 2), (96, 2), (64, 4))
+
+
+def _quant_occupancy(st: Stage, shape: str, args: tuple, scale: float, fmt: Any) -> None:
+    """4-bit pages at the target's shape, default launch config, at each ``OCCUPANCY`` point (registers per
+    thread x split count): whether more resident warps, not fewer bytes, is what the quantized decode
+    lacks."""
+    from kvkernels import quant_attention
+    from kvkernels.quant_attention import quant_decode_attention_triton
+
+    batch, n_kv = args[0].shape[0], args[1].shape[2]
+    first = None
+    for i, (regs, splits) in enumerate(OCCUPANCY):
+        if st.left() < 3 and not st.smoke:
+            st.skipped("quant occupancy", f"time box: {i} of {len(OCCUPANCY)} points measured")
+            return
+        try:
+            with quant_attention.max_registers(regs):
+                s, how = st.seconds(lambda splits=splits: quant_decode_attention_triton(
+                    *args, scale=scale, k_format=fmt, v_format=fmt, num_splits=splits), reps=5)
+        except Exception:  # noqa: BLE001 -- one point failing leaves the others
+            st.emit("quant_occupancy", shape=shape, bits=4, max_registers=regs, num_splits=splits,
+                    error=traceback.format_exc(limit=2)[-800:])
+            continue
+        first = s if first is None else first
+        st.emit("quant_occupancy", shape=shape, bits=4, max_registers=regs, num_splits=splits,
+                programs=batch * n_kv * splits, us=s * 1e6, over_first=s / first, timed_by=how)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1818,8 +1848,10 @@ def summarize(out: Path, status: dict[str, dict[str, Any]], commit: str | None) 
                                                     "bit_equal_to_default", "max_abs_diff_vs_default",
                                                     "timed_by"])
     lines += half_rows_lines(kinds)
-    lines += ["", "4-bit pages at the default config, split-K by hand:", ""]
-    lines += _table(kinds.get("quant_splits", []), ["shape", "num_splits", "us", "timed_by"])
+    lines += ["", "4-bit pages at the default config, registers per thread x split count (the occupancy "
+              "probe: `OCCUPANCY`; `over_first`, the time over the launcher's own point, the first row):", ""]
+    lines += _table(kinds.get("quant_occupancy", []), ["shape", "max_registers", "num_splits", "programs",
+                                                       "us", "over_first", "error"])
     lines += ["", "One decode step's 4-bit K write (one layer):", ""]
     lines += _table(kinds.get("quant_write", []), ["rows", "head_dim", "us", "torch_path_us", "speedup",
                                                    "bit_equal", "timed_by"])

@@ -98,7 +98,10 @@ def test_smoke_run_every_stage_ok(tmp_path):
     assert all(quant[f]["max_abs_diff_vs_default"] == 0 for f in flipped)
     assert {r["kind"] for r in records if r["stage"] == "quant"} >= {"quant_write"}
     assert all(r["bit_equal"] for r in records if r["kind"] == "quant_write")
-    assert [r["num_splits"] for r in records if r["kind"] == "quant_splits"] == [1, 2, 4]
+    occupancy = [r for r in records if r["kind"] == "quant_occupancy"]  # registers x splits, every point
+    assert [(r["max_registers"], r["num_splits"]) for r in occupancy] == list(gpu.OCCUPANCY), occupancy
+    assert all("us" in r and r["programs"] == 2 * 2 * r["num_splits"] for r in occupancy), occupancy
+    assert occupancy[0]["over_first"] == 1
     sweep = [r for r in records if r["kind"] == "quant_sweep"]
     assert sweep and all("us" in r for r in sweep), sweep  # the quantized decode's launch configs
     assert quant["int4"]["kv_bytes"] < quant["int8"]["kv_bytes"] < quant["native"]["kv_bytes"]

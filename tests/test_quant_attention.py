@@ -542,3 +542,34 @@ def test_compiles_fullgraph_with_scores_over_two_regions():
     torch.testing.assert_close(compiled(q, *traced), step(q, *eager))
     torch.testing.assert_close(traced, eager)
     assert not torch.equal(eager[1].cpu(), score2)  # the second region's slots were scored
+
+
+def test_max_registers_sets_the_launch_ceiling_inside_the_block_only():
+    """``quant_attention.max_registers`` (``bench/gpu.py``'s occupancy probe): the launcher's ``maxnreg``
+    inside the block, the default after it (also after an error), and bad values refused by name."""
+    from kvkernels._triton import record_launches
+
+    meta = torch.device("meta")
+    fmt = QuantFormat(4, 32)
+    q = torch.empty(2, 8, 64, dtype=torch.bfloat16, device=meta)
+    pool = torch.empty(4, 16, 2, fmt.row_bytes(64), dtype=torch.uint8, device=meta)
+    table, lens = (torch.empty(*s, dtype=torch.int32, device=meta) for s in ((2, 2), (2,)))
+
+    def ceiling() -> int:
+        with record_launches() as launches:
+            quant_decode_attention_triton(q, pool, pool, table, lens, scale=0.125, k_format=fmt, v_format=fmt,
+                                          num_splits=2)
+        return launches[0].maxnreg
+
+    default = quant_attention.MAX_REGISTERS
+    assert ceiling() == default == 128
+    with quant_attention.max_registers(64):
+        assert ceiling() == 64
+    assert ceiling() == default
+    with pytest.raises(RuntimeError, match="inside"), quant_attention.max_registers(80):
+        raise RuntimeError("inside")
+    assert quant_attention.MAX_REGISTERS == default
+    for bad in (16, 256, 96.0, True, "64"):
+        with pytest.raises(ValueError, match="n=.* registers per thread"), quant_attention.max_registers(bad):
+            pass
+    assert quant_attention.MAX_REGISTERS == default

@@ -715,6 +715,22 @@ MAX_REGISTERS = 128
 
 
 @contextlib.contextmanager
+def max_registers(n: int) -> Iterator[None]:
+    """:data:`MAX_REGISTERS` set to ``n`` inside the block (a compiled variant per value; under 128 the
+    kernel spills: ``bench/sass.py``). For ``bench/gpu.py``'s occupancy probe: at batch 64 the launcher's
+    one split gives 512 programs, all resident at four per SM; more programs per SM need both more splits
+    and fewer registers."""
+    global MAX_REGISTERS
+    if isinstance(n, bool) or not isinstance(n, int) or not 24 <= n <= 255:
+        raise ValueError(f"n={n!r}: registers per thread, an integer in [24, 255] (the default is 128)")
+    old, MAX_REGISTERS = MAX_REGISTERS, n
+    try:
+        yield
+    finally:
+        MAX_REGISTERS = old
+
+
+@contextlib.contextmanager
 def half_rows(on: bool) -> Iterator[None]:
     """:data:`HALF_ROWS` set to ``on`` inside the block."""
     global HALF_ROWS
