@@ -546,7 +546,8 @@ def test_compiles_fullgraph_with_scores_over_two_regions():
 
 def test_max_registers_sets_the_launch_ceiling_inside_the_block_only():
     """``quant_attention.max_registers`` (``bench/gpu.py``'s occupancy probe): the launcher's ``maxnreg``
-    inside the block, the default after it (also after an error), and bad values refused by name."""
+    inside the block, the default after it (also after an error), scaled up for programs of fewer than 4
+    warps (the same registers per program), and bad values refused by name."""
     from kvkernels._triton import record_launches
 
     meta = torch.device("meta")
@@ -569,6 +570,15 @@ def test_max_registers_sets_the_launch_ceiling_inside_the_block_only():
     with pytest.raises(RuntimeError, match="inside"), quant_attention.max_registers(80):
         raise RuntimeError("inside")
     assert quant_attention.MAX_REGISTERS == default
+    # under 4 warps a program keeps the same registers: each thread holds more of the tile
+    from kvkernels.tuning import LaunchConfig, override
+
+    with override(quant_decode=LaunchConfig(32, 2, 3)):
+        assert ceiling() == 255
+        with quant_attention.max_registers(64):
+            assert ceiling() == 128
+    with override(quant_decode=LaunchConfig(32, 8, 3)):
+        assert ceiling() == default
     for bad in (16, 256, 96.0, True, "64"):
         with pytest.raises(ValueError, match="n=.* registers per thread"), quant_attention.max_registers(bad):
             pass

@@ -714,6 +714,13 @@ HALF_ROWS = True
 MAX_REGISTERS = 128
 
 
+def _register_ceiling(num_warps: int) -> int:
+    """``maxnreg`` at ``num_warps`` warps a program: :data:`MAX_REGISTERS` from 4 warps up; under 4 the same
+    registers per program (each thread then holds more of the tile: at 2 warps, block 32, the 4-bit decode
+    takes 167 registers and spills 144 bytes at 128; sm_90, ``bench/sass.py``), at most 255."""
+    return MAX_REGISTERS if num_warps >= 4 else min(255, MAX_REGISTERS * 4 // num_warps)
+
+
 @contextlib.contextmanager
 def max_registers(n: int) -> Iterator[None]:
     """:data:`MAX_REGISTERS` set to ``n`` inside the block (a compiled variant per value; under 128 the
@@ -834,7 +841,8 @@ def quant_decode_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, p
         LOADS=loads, LOADS2=loads2, HALF=_half(q, k_format, v_format, loads),
         HALF2=_half(q, two.k_format, two.v_format, loads2),
         G_P2=triton.next_power_of_2(group),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=MAX_REGISTERS, **consts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_register_ceiling(cfg.num_warps),
+        **consts,
     )
     if not one_split:
         # The second region's scores: updated by the same reduce launch (a region without scores still counts

@@ -81,7 +81,11 @@ TUNED: dict[tuple[str, int], LaunchConfig] = {
 SWEEP: dict[str, dict[str, tuple[int, ...]]] = {
     "decode": {"block": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
     "prefill_scores": {"block": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)},
-    "quant_decode": {"block": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)},
+    # Run 4 of 2026-11-28 (H200, B64/4k, 4-bit): block 128 no better than 64 (376-377 us at 4 warps vs
+    # 383), 8 warps 15-45% slower than 4 at every block, num_stages within 1% (the prefetched loop's loads
+    # are issued by hand); 2 warps never measured. Fewer warps per program: fewer to synchronise at each
+    # tile's layout conversions, and room for more programs per SM.
+    "quant_decode": {"block": (32, 64), "num_warps": (2, 4, 8), "num_stages": (2, 3)},
 }
 
 _INTERPRETER = LaunchConfig(block=16, num_warps=4, num_stages=3)
@@ -134,6 +138,8 @@ def override(**configs: LaunchConfig) -> Iterator[None]:
 SWEEP_FIRST: dict[str, tuple[LaunchConfig, ...]] = {
     "decode": (LaunchConfig(64, 4, 2), LaunchConfig(64, 8, 2), LaunchConfig(64, 8, 3),
                LaunchConfig(128, 8, 2), LaunchConfig(128, 4, 2), LaunchConfig(64, 2, 2)),
+    # The quantized decode's: 2 warps first (never measured; the rest were, run 4 of 2026-11-28).
+    "quant_decode": (LaunchConfig(32, 2, 3), LaunchConfig(64, 2, 3), LaunchConfig(32, 2, 2)),
 }
 
 
