@@ -1076,13 +1076,15 @@ def _quant_sweep(st: Stage) -> None:
 
 #: The occupancy probe's ``(registers per thread, splits)`` points, the launcher's own first. At B64 / 4k the
 #: launcher takes one split: 512 programs (64 sequences x 8 KV heads), all resident at once at four per SM
-#: (114 registers x 128 threads each), 16 warps an SM to hide each tile's loads behind. A quarter of the
-#: warps an SM can hold, while the 4-bit kernel issues ~470 instructions a tile (sm_90, ``bench/sass.py``)
-#: and still takes 1.5x the bf16 pages' time: if it waits on memory, more resident warps should help. That
-#: needs more programs (splits) *and* room for them (fewer registers: 64 fit eight per SM, 1024 programs in
-#: one wave; 80 six, 96 five). Splits alone at 128 registers only add waves. The ceiling costs spills
-#: (sm_90, Triton 3.9, the bench shape, prefetched: 208 stack bytes at 64 registers, 112 at 80, 40 at 96,
-#: none at 128, where it takes 114).
+#: (114 registers x 128 threads each): 16 warps an SM, a quarter of what it can hold. The 4-bit loop issues
+#: 470-570 instructions a 32-row tile (sm_90, Triton 3.9 / 3.6; the native loop 418 a 64-row tile:
+#: ``bench/sass.py``), 120-150 us of issue at B64 where it took 364 us (H200, 2026-11-28): its warps mostly
+#: wait, on memory or on their own chains (a tile's products, layout conversions, softmax), and larger
+#: tiles did not help (block 128: 377 us). More resident warps would hide that waiting. They need more
+#: programs (splits) *and* room for them (fewer registers: 64 fit eight per SM, 1024 programs in one wave;
+#: 80 six, 96 five). Splits alone at 128 registers only add waves. The ceiling costs spills
+#: (sm_90, the bench shape, prefetched; Triton 3.6, the device's / 3.9: 152 / 208 stack bytes at 64
+#: registers, 80 / 112 at 80, 8 / 40 at 96, none at 128, where it takes 114).
 OCCUPANCY = ((128, 1), (128, 2), (128, 4), (64, 2), (80, 2), (96, 2), (64, 4))
 
 
