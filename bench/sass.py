@@ -6,10 +6,11 @@
 Each case calls the real launcher on ``meta`` tensors (``kvkernels._triton.record_launches``, as
 ``kvkernels.compile_check`` does), compiles the first kernel it launches for ``sm_90`` down to a cubin
 with the ``ptxas`` Triton ships, and reads it back with ``cuobjdump``: registers per thread, stack bytes
-(spilled registers), and how many tensor-core (``HMMA``), float32 FMA, global-load, asynchronous-copy and
-local-memory (spill) instructions the kernel holds. Static counts, not timings: they tell a kernel on the
-CUDA cores from one on the tensor cores, and a kernel that spills from one that does not, before a device
-is lent.
+(spilled registers), how many tensor-core (``HMMA``), float32 FMA, global-load, asynchronous-copy and
+local-memory (spill) instructions the kernel holds, and how many its longest loop holds (``loop``: in a
+decode kernel, what each warp issues per tile of the sequence). Static counts, not timings: they tell a
+kernel on the CUDA cores from one on the tensor cores, and a kernel that spills from one that does not,
+before a device is lent.
 
 The first quantized decode kernel (issue 36) ran 36x slower than bf16 pages on an H200
 (``bench/results/nvidia-h200-2026-11-26/run6``); here it read 255 registers and 344 spilled bytes, with
@@ -113,6 +114,20 @@ def _launch(case: str) -> None:
                                       v_format=fmt, second=second, scores=scores, num_splits=1)
 
 
+def loop_instructions(sass: str) -> int:
+    """Instructions in the longest loop of ``sass`` (``cuobjdump -sass`` text): the span from a backward
+    branch's target to the branch, both included; 0 without one (a branch to itself, the kernel's closing
+    trap, is not a loop). In a decode kernel that is the loop over the sequence's tiles: what one tile costs
+    each warp to issue, inner branches included whether taken or not."""
+    addr = r"/\*([0-9a-f]{4,})\*/"
+    best = 0
+    for m in re.finditer(addr + r"\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x([0-9a-f]+)", sass):
+        at, target = int(m.group(1), 16), int(m.group(2), 16)
+        if target < at:
+            best = max(best, (at - target) // 16 + 1)
+    return best
+
+
 def stats(case: str, arch: int = 90) -> dict:
     """Registers, stack bytes and instruction counts of ``case``'s first kernel (``@reduce``: its last)
     compiled for ``sm_{arch}``."""
@@ -146,7 +161,8 @@ def stats(case: str, arch: int = 90) -> dict:
     return dict(case=case, kernel=first.kernel.__name__, arch=arch, triton=triton.__version__,
                 num_warps=first.num_warps, num_stages=first.num_stages, maxnreg=first.maxnreg, registers=reg,
                 stack_bytes=stack,
-                instructions=sum(ops.values()), **{name: ops[op] for name, op in OPS.items()})
+                instructions=sum(ops.values()), loop=loop_instructions(sass),
+                **{name: ops[op] for name, op in OPS.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    cols = ["case", "kernel", "registers", "stack_bytes", "instructions", *OPS]
+    cols = ["case", "kernel", "registers", "stack_bytes", "instructions", "loop", *OPS]
     print(f"sm_{args.arch}, triton {rows[0]['triton']}, B{BATCH} Hq{HQ} Hkv{HKV} D{D} pages of {PAGE}, "
           f"{CONTEXT} tokens")
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

@@ -58,6 +58,24 @@ def test_the_quantized_decode_runs_on_the_tensor_cores_without_spills(tmp_path):
         # the prefill scorer's column pass (64-row tiles) takes sm_90's warpgroup products (HGMMA)
         assert r["hmma"] + r["hgmma"] > 0 and r["stack_bytes"] == 0 and r["ldl"] == r["stl"] == 0, r
         assert r["ffma"] < r["instructions"] // 8, r  # the products are not float32 FMAs
+        assert 0 < r["loop"] < r["instructions"], r  # the loop over the tiles, within the kernel
+
+
+def test_loop_instructions_spans_the_longest_backward_branch():
+    """``bench/sass.py``'s ``loop``: the longest span from a backward branch's target to the branch (both
+    included; 16 bytes an instruction); forward branches and a branch to itself (the closing trap) are not
+    loops."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass", Path(SRC).parent / "bench" / "sass.py")
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    lines = {0x10: "@P0 BRA 0x60 ;", 0x40: "IMAD R1, R2, R3, R4 ;", 0x60: "@!P1 BRA 0x20 ;",
+             0x70: "BRA 0x90 ;", 0x80: "@P2 BRA 0x50 ;", 0x90: "BRA 0x90;"}
+    text = "\n".join(f"        /*{a:04x}*/              {op}   /* 0x0000 */" for a, op in lines.items())
+    assert sass.loop_instructions(text) == (0x60 - 0x20) // 16 + 1 == 5  # not 0x80 -> 0x50 (4)
+    assert sass.loop_instructions("\n".join(text.splitlines()[:2])) == 0  # forward branches only
+    assert sass.loop_instructions("        /*0090*/                   BRA 0x90;") == 0
 
 
 def test_float16_rows_decode_codes_without_float32_arithmetic(tmp_path):
