@@ -671,16 +671,25 @@ PREFETCH_TILES = 8
 
 
 @contextlib.contextmanager
-def prefetch_tiles(bits: int) -> Iterator[None]:
-    """:data:`PREFETCH_TILES` set to ``bits`` inside the block (0: off, 8: every packed width)."""
-    global PREFETCH_TILES
-    if bits not in (0, 2, 4, 8) or isinstance(bits, bool):
-        raise ValueError(f"bits={bits!r}: the largest bit width to prefetch, one of 0 (none), 2, 4, 8")
-    old, PREFETCH_TILES = PREFETCH_TILES, bits
+def _setting(name: str, value: object) -> Iterator[None]:
+    """This module's launch setting ``name`` (:data:`PREFETCH_TILES`, :data:`MAX_REGISTERS`,
+    :data:`HALF_ROWS`) set to ``value`` inside the block, restored after it (also after an error); the
+    public context managers check the value first."""
+    old = globals()[name]
+    globals()[name] = value
     try:
         yield
     finally:
-        PREFETCH_TILES = old
+        globals()[name] = old
+
+
+@contextlib.contextmanager
+def prefetch_tiles(bits: int) -> Iterator[None]:
+    """:data:`PREFETCH_TILES` set to ``bits`` inside the block (0: off, 8: every packed width)."""
+    if bits not in (0, 2, 4, 8) or isinstance(bits, bool):
+        raise ValueError(f"bits={bits!r}: the largest bit width to prefetch, one of 0 (none), 2, 4, 8")
+    with _setting("PREFETCH_TILES", bits):
+        yield
 
 
 def _loads(k_pages: Tensor, v_pages: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None,
@@ -727,27 +736,19 @@ def max_registers(n: int) -> Iterator[None]:
     kernel spills: ``bench/sass.py``). For ``bench/gpu.py``'s occupancy probe: at batch 64 the launcher's
     one split gives 512 programs, all resident at four per SM; more programs per SM need both more splits
     and fewer registers."""
-    global MAX_REGISTERS
     if isinstance(n, bool) or not isinstance(n, int) or not 24 <= n <= 255:
         raise ValueError(f"n={n!r}: registers per thread, an integer in [24, 255] (the default is 128)")
-    old, MAX_REGISTERS = MAX_REGISTERS, n
-    try:
+    with _setting("MAX_REGISTERS", n):
         yield
-    finally:
-        MAX_REGISTERS = old
 
 
 @contextlib.contextmanager
 def half_rows(on: bool) -> Iterator[None]:
     """:data:`HALF_ROWS` set to ``on`` inside the block."""
-    global HALF_ROWS
     if not isinstance(on, bool):
         raise ValueError(f"on={on!r}: True (float16 rows for 16-bit queries) or False (float32 rows)")
-    old, HALF_ROWS = HALF_ROWS, on
-    try:
+    with _setting("HALF_ROWS", on):
         yield
-    finally:
-        HALF_ROWS = old
 
 
 def _half(q: Tensor, k_format: QuantFormat | None, v_format: QuantFormat | None, loads: int) -> bool:
