@@ -204,7 +204,42 @@ def test_compiled_decode_step_over_quantized_rows_matches_eager_without_recompil
                 check_invariants(compiled)
 
 
+@pytest.mark.parametrize("spec", ["kivi(bits=4, group=8, residual=0)", "kivi(bits=2, group=8, residual=4)",
+                                  "zipcache(group=8)", "mikv(group=8)"])
+def test_alibi_model_with_quantized_rows_is_refused_before_any_prefill(spec):
+    """An ALiBi model (``CacheLayout.alibi``: MPT, kvmodels' own or transformers' wrapped) with a quantizing
+    precision is refused where the cache or the Decoder is built, naming the policy, the reason and the fix,
+    not at the first decode step after the whole prompt was prefilled; unquantized rows still run, and a RoPE
+    model takes the same policy."""
+    from kvmodels.decoder import Decoder
+    from kvmodels.generate import generate
+    from kvmodels.llama import Llama, LlamaConfig
+    from kvmodels.mpt import MPT, MPTConfig
+
+    policy = compose("h2o", spec, budget=0.5)
+    why = r"policy 'h2o\+\w+': precision .*ALiBi.* use a RoPE model .* or precision 'native'"
+    run = FakeRun(1, 1, 2, 8, [3], 1, seed=0, alibi=True)
+    with pytest.raises(ValueError, match=why):
+        run.cache(policy, alibi=True)
+    run.cache(compose("h2o", budget=0.5), alibi=True)  # native rows: ALiBi is read by the native kernel
+    torch.manual_seed(0)
+    mpt = MPT(MPTConfig(vocab_size=11, n_layers=1, n_heads=2, hidden_size=16, intermediate_size=8,
+                        max_seq_len=16)).to(DEVICE)
+    assert mpt.cache_layout().alibi
+    prefilled = []
+    with pytest.raises(ValueError, match=why):
+        Decoder(mpt, policy)
+    with pytest.raises(ValueError, match=why):
+        generate(mpt, [[1, 2, 3]], 2, policy, on_prefill=lambda *a: prefilled.append(a))
+    assert not prefilled
+    llama = Llama(LlamaConfig(vocab_size=11, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, intermediate=8,
+                              max_seq_len=16)).to(DEVICE)
+    assert not llama.cache_layout().alibi
+    assert len(generate(llama, [[1, 2, 3]], 2, policy).tokens[0]) == 2
+
+
 def test_alibi_with_quantized_rows_is_refused_by_name():
+    """A cache built without ``alibi`` (a model that did not say) still refuses ALiBi slopes at ``attend``."""
     run = FakeRun(1, 1, 2, 8, [3], 1, seed=0, alibi=True)
     cache = run.cache(compose("full", "kivi(bits=4, group=8, residual=0)"))
     run.prefill(cache)

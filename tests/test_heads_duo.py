@@ -131,6 +131,34 @@ def test_split_errors_name_what_is_missing():
     assert Duo().split(torch.rand(2, 3), 4, (0, 2), layer=0).tolist() == [4, 4]
 
 
+@pytest.mark.parametrize("role, bad, good, match", [
+    ("duo", ((1.0, 0.0),) * 3, ((1.0, 0.0), (0.0, 1.0)),
+     "weights has 3 cache layers of 2 KV heads, and the model 2 of 2"),
+    ("duo", ((1.0,), (0.0,)), ((1.0, 0.0), (0.0, 1.0)),
+     "weights has 2 cache layers of 1 KV heads, and the model 2 of 2"),
+    ("profile", (1.0, 2.0, 3.0), (1.0, 2.0), "weights has 3 entries but the model has 2 cache layers"),
+])
+def test_weights_of_another_model_are_refused_before_any_prefill(role, bad, good, match):
+    """Weights measured on another model (``duo``'s per layer and KV head, ``profile``'s per layer) are
+    refused where the Decoder or the cache is built (``ComposedPolicy.check_model``), not after a prefill,
+    nor only once a prompt is long enough to be split (a short first turn used to pass, and the follow-up
+    failed); weights of this model run both turns."""
+    from kvmodels.cache import paged_cache
+
+    model = tiny_llama()  # 2 cache layers, 2 KV heads
+    scorer = "snapkv(window=4)" if role == "duo" else "h2o"
+    policy = compose(scorer, (role, {"weights": bad}), budget=0.5)
+    with pytest.raises(ValueError, match=match):
+        Decoder(model, policy)
+    with pytest.raises(ValueError, match=match):
+        paged_cache(**vars(model.cache_layout()), max_batch=1, max_tokens=32, policy=policy)
+    dec = Decoder(model, compose(scorer, (role, {"weights": good}), budget=0.5))
+    dec.extend([[1, 2, 3]])  # a prompt under the budget's floor: nothing to split
+    dec.generate(2)
+    dec.extend([list(range(1, 30))])
+    assert len(dec.generate(2).tokens[0]) == 2
+
+
 def test_compose_round_trip():
     policy = compose("profile(weights=(1.0, 2.0))", "snapkv(window=4)",
                      ("duo", {"weights": [[0.5, 0.1], [0.2, 0.9]], "fraction": 0.5}), budget=0.3)

@@ -135,10 +135,12 @@ class Decoder:
         self.model, self.policy = model, policy
         param = next(iter(model.parameters()))
         self.device, self.dtype = param.device, param.dtype
-        if getattr(policy, "precision", None) is not None:  # a storage the cache cannot hold: say so now
-            from kvmodels.cache.storage import row_storage
+        # What the cache would refuse, refused now: weights measured on another model, rows it cannot store.
+        layout = model.cache_layout()
+        policy.check_model(layout.n_layers, layout.n_kv_heads)
+        from kvmodels.cache.storage import row_storage
 
-            row_storage(policy, model.cache_layout().head_dim, self.dtype)
+        row_storage(policy, layout.head_dim, self.dtype, alibi=layout.alibi)
         self.max_tokens = model.max_seq_len if max_tokens is None else _positive("max_tokens", max_tokens)
         self.page_size, self.num_pages, self.seed, self.compile = page_size, num_pages, seed, compile
         self.cache: Any = None
@@ -340,7 +342,7 @@ class Decoder:
             n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
             n_q_heads=layout.n_q_heads, max_batch=batch, max_tokens=self.max_tokens,
             page_size=self.page_size, num_pages=self.num_pages, dtype=self.dtype, device=self.device,
-            policy=self.policy, seed=self.seed, windows=layout.windows or None)
+            policy=self.policy, seed=self.seed, windows=layout.windows or None, alibi=layout.alibi)
         self.lengths, self.pending = [0] * batch, [None] * batch
         self.closed, self._logits = [False] * batch, [None] * batch
 

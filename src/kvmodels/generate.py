@@ -29,7 +29,9 @@ class CacheLayout:
     ``n_layers`` counts *cache* layers (fewer than model layers for LCKV); the model owns the
     model-layer → cache-layer map. ``windows``: a model with sliding-window layers gives one entry per cache
     layer, ``W`` for a layer that attends to its last ``W`` tokens (itself included), 0 for one that attends
-    to every token (``PagedKVCache(windows=...)``); empty when every layer attends to every token.
+    to every token (``PagedKVCache(windows=...)``); empty when every layer attends to every token. ``alibi``:
+    the model biases attention by each slot's position (ALiBi: ``alibi_slopes=`` on ``cache.attend``), which
+    quantized rows do not support yet (``PagedKVCache(alibi=...)`` refuses them up front).
     """
 
     n_layers: int
@@ -37,6 +39,7 @@ class CacheLayout:
     head_dim: int
     n_q_heads: int
     windows: tuple[int, ...] = ()
+    alibi: bool = False
 
 
 @runtime_checkable

@@ -167,7 +167,7 @@ class MPT(nn.Module):
     def cache_layout(self) -> CacheLayout:
         c = self.config
         return CacheLayout(n_layers=c.n_layers, n_kv_heads=c.n_heads, head_dim=c.head_dim,
-                           n_q_heads=c.n_heads)
+                           n_q_heads=c.n_heads, alibi=True)
 
     def prefill(self, tokens: Tensor, cache: Any, b: int, *, start: int = 0, last_only: bool = False,
                 on_layer: Callable[[int], None] | None = None) -> Tensor:

@@ -138,6 +138,11 @@ class Policy:
     role: ClassVar[Role]
     description: ClassVar[str] = ""
 
+    def check_model(self, n_layers: int, n_kv_heads: int) -> None:
+        """``ValueError`` naming this policy and the fix when its parameters do not fit a model of
+        ``n_layers`` cache layers and ``n_kv_heads`` KV heads (weights measured on another model). A cache
+        calls it where it is built, before any prefill; the default checks nothing."""
+
     def params(self) -> dict[str, Any]:
         """Parameters that differ from the defaults (what ``spec()`` serialises)."""
         out = {}

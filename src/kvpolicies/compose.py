@@ -158,6 +158,13 @@ class ComposedPolicy:
         notes = [f"{p.name}: {n}" for p, n in ((budget_policy, note), (heads, head_note)) if n]
         return dataclasses.replace(self, budget_policy=budget_policy, heads=heads), notes
 
+    def check_model(self, n_layers: int, n_kv_heads: int) -> None:
+        """Each role policy's :meth:`~kvpolicies.base.Policy.check_model` for a model of ``n_layers`` cache
+        layers and ``n_kv_heads`` KV heads: weights measured on another model (``profile``'s per layer,
+        ``duo``'s per layer and KV head) are refused where the cache is built, not after a prefill."""
+        for p in self.policies().values():
+            p.check_model(n_layers, n_kv_heads)
+
     # -- naming and serialisation -------------------------------------------------------------------------
     def policies(self) -> dict[str, Policy]:
         """The role policies by role, in canonical order (budget, eviction, heads, merge, precision)."""

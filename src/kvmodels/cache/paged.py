@@ -76,6 +76,9 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         the policy acts on the other layers. ``None`` or all 0: every layer attends to every token.
         Rows per sequence only, one storage format, no merging; an extension attends in each window
         (``kvkernels.extend_attention(sliding_window=)``) and is compacted back to it.
+    alibi:
+        The model biases attention by each slot's position (``CacheLayout.alibi``, MPT): quantized rows are
+        refused here (the quantized decode kernel does not read positions), before any prefill.
     seed:
         Seeds, together with ``policy.seed``, the Gumbel noise of score modes that draw it (decode: a
         per-step keys ``kvkernels.decode_keys(noise_seed, step, ...)``, the step counted from ``start``;
@@ -115,7 +118,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
-                 seed: int = 0, rows: str = "sequences", windows=None):
+                 seed: int = 0, rows: str = "sequences", windows=None, alibi: bool = False):
         from kvpolicies import ComposedPolicy, compose
         from kvpolicies.plan import check_windows, sliding_layers
 
@@ -135,10 +138,11 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         if n_q_heads % n_kv_heads:
             raise ValueError(f"n_q_heads={n_q_heads} must be a multiple of n_kv_heads={n_kv_heads} "
                              "(GQA groups)")
+        policy.check_model(n_layers, n_kv_heads)  # weights measured on another model: refused now
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         # How a pool row holds a token: the cache's dtype, or a packed quantized row (the precision role).
-        self.storage, side = row_storage(policy, head_dim, dtype, device)
+        self.storage, side = row_storage(policy, head_dim, dtype, device, alibi=alibi)
         if side is not None and rows != "sequences":
             raise ValueError(f"policy {policy.name!r}: precision {policy.precision.name!r} keeps tokens in "
                              "two formats, which the paged cache holds for one row per sequence only; drop "
@@ -457,7 +461,7 @@ class HeadPagedKVCache(PagedKVCache):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
-                 seed: int = 0, windows=None):
+                 seed: int = 0, windows=None, alibi: bool = False):
         super().__init__(n_layers, n_kv_heads, head_dim, n_q_heads, max_batch, max_tokens,
                          page_size=page_size, num_pages=num_pages, dtype=dtype, device=device, policy=policy,
-                         seed=seed, rows="heads", windows=windows)
+                         seed=seed, rows="heads", windows=windows, alibi=alibi)

@@ -115,15 +115,21 @@ def stored_formats(precision) -> list[int]:
     return sorted(precision.formats())
 
 
-def row_storage(policy, head_dim: int, dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> tuple[NativeRows, PackedRows | None]:
+def row_storage(policy, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                alibi: bool = False) -> tuple[NativeRows, PackedRows | None]:
     """The row storages ``policy``'s precision role asks for: the main region's, and the side region's
     (``kvmodels.cache.tiers``) when tokens come in two formats (else ``None``). ``ValueError`` naming what
-    the paged cache cannot store and the fix."""
+    the paged cache cannot store and the fix; ``alibi``: the model biases attention by each slot's position
+    (``CacheLayout.alibi``), which the quantized decode kernel does not read, so quantized rows are refused
+    here, before any prefill, rather than at the first decode step."""
     precision = policy.precision
     if not precision.quantizes:
         return NativeRows(head_dim, dtype), None
     name = f"policy {policy.name!r}: precision {precision.name!r} ({precision})"
+    if alibi:
+        raise ValueError(f"{name} does not fit this model: it biases attention by each slot's position "
+                         "(ALiBi, MPT), which the quantized decode kernel does not read yet; use a RoPE "
+                         "model (Llama, GPT-J) or precision 'native'")
     rotation = None
     if getattr(precision, "rotate", False):  # every format is quantized (the policy checked it)
         try:

@@ -249,7 +249,7 @@ class TransformersModel(torch.nn.Module):
         self._layout = CacheLayout(n_layers=len(self._attns), n_q_heads=hq,
                                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // hq,
                                    n_kv_heads=getattr(c, "num_key_value_heads", None) or hq,
-                                   windows=windows)
+                                   windows=windows, alibi=cls == "MptAttention")
         self._max_positions = positions or 2048
         self._call = _Call()
         for l, attn in enumerate(self._attns):

@@ -109,6 +109,14 @@ class Duo(HeadBudgetPolicy):
         return fitted, (f"this model's retrieval heads ({probe.name}): {int(mask.sum())} of {mask.numel()} "
                         f"KV heads (fraction={self.fraction:g}), per layer {per_layer}")
 
+    def check_model(self, n_layers: int, n_kv_heads: int) -> None:
+        """Weights (when given) of ``n_layers`` cache layers of ``n_kv_heads`` KV heads each: the retrieval
+        heads are chosen model-wide, so weights of another model are refused, not cut or padded."""
+        if self.weights and (len(self.weights), len(self.weights[0])) != (n_layers, n_kv_heads):
+            raise ValueError(f"{self.name}: parameter weights has {len(self.weights)} cache layers of "
+                             f"{len(self.weights[0])} KV heads, and the model {n_layers} of {n_kv_heads}; "
+                             "measure the weights on this model (kvmodels.profile.retrieval_head_weights)")
+
     # -- the split ------------------------------------------------------------------------------------------
     def split(self, scores: torch.Tensor, budget: int, n_forced: tuple[int, int], *,
               layer: int | None = None) -> torch.Tensor:
