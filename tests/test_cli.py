@@ -72,6 +72,9 @@ def test_help_explains_every_option(capsys):
     (["--policy", "h2o", "--budget", "lots", "hi"], "not a number"),
     (["--model", "/no/such/model", "hi"], "checkpoint not found"),
     (["--max-new-tokens", "0", "hi"], "--max-new-tokens"),
+    (["--temperature", "-1", "hi"], "--temperature -1.0 must be"),
+    (["--temperature", "nan", "hi"], "--temperature nan must be a finite number"),  # was a traceback
+    (["--temperature", "inf", "hi"], "--temperature inf must be a finite number"),
     (["--batch-file", "/no/such/file.txt"], "cannot read --batch-file"),
     (["--prompt-file", "/no/such/file.txt"], "cannot read --prompt-file"),
     ([], "no prompt given"),

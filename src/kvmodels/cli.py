@@ -229,8 +229,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     if args.page_size < 1:
         raise CliError(f"--page-size {args.page_size} must be >= 1")
-    if args.temperature < 0:
-        raise CliError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise CliError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     if args.chunk is not None and args.chunk < 1:
         raise CliError(f"--chunk {args.chunk} must be >= 1 (tokens prefilled at a time)")
 
