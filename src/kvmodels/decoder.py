@@ -283,9 +283,11 @@ class Decoder:
             step = len(toks) if chunk is None or not compresses else min(chunk, len(toks))
             if held + step > capacity:
                 arg = "chunk" if chunk is not None else f"tokens[{b}]"
+                fix = ("prefill in smaller chunks (chunk=) or raise max_tokens" if compresses else
+                       f"raise max_tokens (policy {policy.name!r} compresses no prompt, so chunks would not "
+                       "help)")
                 raise ValueError(f"{arg}: sequence {b} would hold {held} + {step} tokens in a layer, more "
-                                 f"than max_tokens={self.max_tokens} allows; prefill in smaller chunks "
-                                 "(chunk=) or raise max_tokens")
+                                 f"than max_tokens={self.max_tokens} allows; {fix}")
             if chunk is not None and compresses and len(toks) > chunk:
                 budget = int(policy.budget_tokens(torch.tensor([before + len(toks)]))[0])
                 # A layer holds its budget plus one chunk, and never more than the tokens it has seen.
