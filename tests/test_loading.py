@@ -203,6 +203,17 @@ def smollm2():
     return ours, hf, tok
 
 
+def gguf_eos_id(path) -> int:
+    """The end-of-sequence id the GGUF file itself declares, read with the ``gguf`` package (not kvmodels'
+    reader, which is under test). transformers' GGUF tokenizer is no reference for it: 5.17 (torch 2.11's
+    machines) gives SmolLM2's ``eos_token_id`` as 1 (``<|im_start|>``) where the file says 2 (``<|im_end|>``),
+    so its ``generate`` ran past the end of the answer; 5.25 reads 2."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
+    return int(field.parts[field.data[0]][0])
+
+
 def chat_ids(tok, text: str) -> list[int]:
     rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                        tokenize=False)
@@ -217,7 +228,7 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
         rendered = ours.tokenizer.apply_chat_template(messages)
         assert rendered == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert ours.tokenizer.encode(rendered) == tok(rendered)["input_ids"]
-    assert ours.tokenizer.eos_ids == [tok.eos_token_id]
+    assert ours.tokenizer.eos_ids == [gguf_eos_id(loading.default_model_path())] == [2]  # <|im_end|>
 
 
 @pytest.mark.slow
@@ -235,10 +246,11 @@ def test_smollm2_greedy_generation_equals_transformers_generate(smollm2):
     ours, hf, tok = smollm2
     prompts = [chat_ids(tok, p) for p in PROMPTS]
     result = generate(ours.model, prompts, 20, eos_ids=ours.tokenizer.eos_ids)
+    eos = gguf_eos_id(loading.default_model_path())  # the file's, for both (see gguf_eos_id)
     for p, got in zip(prompts, result.tokens):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+            out = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos)
         assert got == out[0, len(p):].tolist()
 
 
