@@ -137,12 +137,13 @@ def test_split_errors_name_what_is_missing():
     ("duo", ((1.0,), (0.0,)), ((1.0, 0.0), (0.0, 1.0)),
      "weights has 2 cache layers of 1 KV heads, and the model 2 of 2"),
     ("profile", (1.0, 2.0, 3.0), (1.0, 2.0), "weights has 3 entries but the model has 2 cache layers"),
+    ("duo", (), ((1.0, 0.0), (0.0, 1.0)), r"weights is empty; .* calibrate the policy on the model"),
 ])
 def test_weights_of_another_model_are_refused_before_any_prefill(role, bad, good, match):
-    """Weights measured on another model (``duo``'s per layer and KV head, ``profile``'s per layer) are
-    refused where the Decoder or the cache is built (``ComposedPolicy.check_model``), not after a prefill,
-    nor only once a prompt is long enough to be split (a short first turn used to pass, and the follow-up
-    failed); weights of this model run both turns."""
+    """Weights measured on another model (``duo``'s per layer and KV head, ``profile``'s per layer), or none
+    where the policy needs them (``duo`` not calibrated), are refused where the Decoder or the cache is built
+    (``ComposedPolicy.check_model``), not after a prefill, nor only once a prompt is long enough to be split
+    (a short first turn used to pass, and the follow-up failed); weights of this model run both turns."""
     from kvmodels.cache import paged_cache
 
     model = tiny_llama()  # 2 cache layers, 2 KV heads

@@ -110,9 +110,11 @@ class Duo(HeadBudgetPolicy):
                         f"KV heads (fraction={self.fraction:g}), per layer {per_layer}")
 
     def check_model(self, n_layers: int, n_kv_heads: int) -> None:
-        """Weights (when given) of ``n_layers`` cache layers of ``n_kv_heads`` KV heads each: the retrieval
-        heads are chosen model-wide, so weights of another model are refused, not cut or padded."""
-        if self.weights and (len(self.weights), len(self.weights[0])) != (n_layers, n_kv_heads):
+        """Weights of ``n_layers`` cache layers of ``n_kv_heads`` KV heads each: the retrieval heads are
+        chosen model-wide, so weights of another model are refused, not cut or padded, and none at all (not
+        calibrated: :meth:`retrieval_heads` says how to get them) before a prompt is prefilled."""
+        self.retrieval_heads()
+        if (len(self.weights), len(self.weights[0])) != (n_layers, n_kv_heads):
             raise ValueError(f"{self.name}: parameter weights has {len(self.weights)} cache layers of "
                              f"{len(self.weights[0])} KV heads, and the model {n_layers} of {n_kv_heads}; "
                              "measure the weights on this model (kvmodels.profile.retrieval_head_weights)")
