@@ -161,7 +161,8 @@ class ComposedPolicy:
     def check_model(self, n_layers: int, n_kv_heads: int) -> None:
         """Each role policy's :meth:`~kvpolicies.base.Policy.check_model` for a model of ``n_layers`` cache
         layers and ``n_kv_heads`` KV heads: weights measured on another model (``profile``'s per layer,
-        ``duo``'s per layer and KV head) are refused where the cache is built, not after a prefill."""
+        ``duo``'s per layer and KV head), or none where they are needed (``duo`` not calibrated), are refused
+        where the cache is built, not after a prefill."""
         for p in self.policies().values():
             p.check_model(n_layers, n_kv_heads)
 
