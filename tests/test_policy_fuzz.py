@@ -45,10 +45,10 @@ LAYOUTS = {"llama": (3, 1), "gptj": (3, 2), "mpt": (3, 2), "lckv": (2, 1)}
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # built, moved and checked once for every example
     llama = LlamaConfig(vocab_size=VOCAB, dim=64, n_layers=3, n_heads=2, n_kv_heads=1, intermediate=32,
                         max_seq_len=80)
-    return {
+    models = {
         "llama": widen(Llama(llama), 0.1),
         "gptj": widen(GPTJ(GPTJConfig(vocab_size=VOCAB, n_layers=3, n_heads=2, hidden_size=64, rotary_dim=8,
                                       intermediate_size=32, max_seq_len=80)), 0.1),
@@ -57,6 +57,10 @@ def models():
         "lckv": widen(LCKV(LCKVConfig(LlamaConfig(**{**llama.to_dict(), "n_layers": 4}), warmup_bottom=1,
                                       warmup_top=1, forward_iterations=2, backward_iterations=1)), 0.1),
     }
+    for family, model in models.items():
+        layout = model.to(DEVICE).cache_layout()
+        assert (layout.n_layers, layout.n_kv_heads) == LAYOUTS[family]
+    return models
 
 
 def _part(draw, name: str, n_layers: int, n_kv_heads: int):
@@ -110,9 +114,7 @@ def test_random_compositions_run_or_are_refused_by_name(models, run):
         assert any(n in str(e) for n in names), e
         event("refused by compose")
         return
-    model = models[run["family"]].to(DEVICE)
-    layout = model.cache_layout()
-    assert (layout.n_layers, layout.n_kv_heads) == LAYOUTS[run["family"]]
+    model = models[run["family"]]
     generated = False
     try:
         dec = Decoder(model, policy, page_size=run["page_size"], max_tokens=80)

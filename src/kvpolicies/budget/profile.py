@@ -61,6 +61,9 @@ class Profile(BudgetPolicy):
         return replace(self, weights=weights), note
 
     def check_model(self, n_layers: int, n_kv_heads: int) -> None:
+        self._check_layers(n_layers)
+
+    def _check_layers(self, n_layers: int) -> None:
         if self.weights and len(self.weights) != n_layers:
             raise ValueError(f"profile: weights has {len(self.weights)} entries but the model has {n_layers} "
                              "cache layers; measure a profile for this model (one weight per cache layer)")
@@ -68,7 +71,7 @@ class Profile(BudgetPolicy):
     def allocate(self, budget_tokens: torch.Tensor, n_layers: int, stats: LayerStats | None,
                  min_budget: int = 1) -> torch.Tensor:
         budget_tokens = check_budget_tokens(budget_tokens, n_layers)
-        self.check_model(n_layers, 0)  # (the layer count only: budgets are per layer)
+        self._check_layers(n_layers)
         w = torch.tensor(self.weights or (1.0,) * n_layers, dtype=torch.float64, device=budget_tokens.device)
         multipliers = w * (n_layers / w.sum())                                         # [L], mean 1
         targets = multipliers[:, None] * budget_tokens.to(torch.float64)[None, :]     # [L, B]
