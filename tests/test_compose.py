@@ -39,6 +39,10 @@ def test_input_forms_agree():
         compose(expected.spec()),
         compose(expected.to_json()),
         compose(expected),
+        compose(["squeeze", "keyformer"], budget=0.2, squeeze={"p": 0.25}, keyformer={"tau_end": 3.0}),
+        # a pair as JSON writes it (a list), in a spec's policies
+        compose(json.loads('{"policies": [["squeeze", {"p": 0.25}], ["keyformer", {"tau_end": 3.0}]], '
+                           '"budget": 0.2}')),
     ]
     for got in forms:
         assert got == expected
@@ -148,6 +152,7 @@ def test_full_with_a_budget_policy_is_an_error():
     (lambda: compose("h2o", seed=False), TypeError, "seed=False"),
     (lambda: compose("h2o+"), ValueError, "empty policy name"),
     (lambda: compose(3), TypeError, "compose\\(\\) takes"),
+    (lambda: compose(("h2o", 0.5)), TypeError, "compose\\(\\) takes.*got 0.5"),
     (lambda: compose("{not json"), ValueError, "JSON"),
     (lambda: compose({"policies": ["h2o"], "budget": 0.2}, budget=0.3), ValueError, "'budget' is given"),
     (lambda: compose(("h2o", {"recent": 0.2}), h2o={"recent": 0.3}), ValueError, "given twice"),

@@ -593,13 +593,17 @@ def _expand(item: Any, names: list[tuple[str, dict[str, Any]]], options: dict[st
             if not part.strip():
                 raise ValueError(f"empty policy name in {item!r}; join names with '+', e.g. 'squeeze+h2o'")
             names.append(_parse_name(part.strip()))
-    elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+    elif (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+          and isinstance(item[1], Mapping)):  # (name, params), or the pair as JSON writes it: a list
         names.append((item[0], dict(item[1])))
+    elif isinstance(item, (tuple, list)):  # several of the above: ["h2o", "kivi"]
+        for p in item:
+            _expand(p, names, options)
     elif isinstance(item, Policy):
         names.append((item.name, item.params()))
     else:
-        raise TypeError(f"compose() takes policy names, 'a+b' strings, (name, params) pairs, Policy objects "
-                        f"or a dict/JSON spec; got {item!r}")
+        raise TypeError(f"compose() takes policy names, 'a+b' strings, (name, {{params}}) pairs, Policy "
+                        f"objects, lists of these or a dict/JSON spec; got {item!r}")
 
 
 def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
@@ -608,10 +612,10 @@ def compose(*policies: Any, **kwargs: Any) -> ComposedPolicy:
     Parameters
     ----------
     *policies
-        Any mix of names (``"keyformer"``), ``"squeeze+keyformer"`` strings, ``(name, params)`` pairs,
-        policy objects, or a spec (dict or JSON string, as ``ComposedPolicy.spec()`` returns). Order does
-        not matter; at most one policy per role; missing roles get ``full`` / ``uniform`` / ``none`` /
-        ``even``.
+        Any mix of names (``"keyformer"``), ``"squeeze+keyformer"`` strings, ``(name, params)`` pairs
+        (or ``[name, params]``, as JSON writes a pair), lists of these, policy objects, or a spec (dict or
+        JSON string, as ``ComposedPolicy.spec()`` returns). Order does not matter; at most one policy per
+        role; missing roles get ``full`` / ``uniform`` / ``none`` / ``even``.
     budget : float in (0, 1] or int >= 1, default 1.0
         Fraction of each prompt, or tokens per cache layer (docs/contract.md §4). ``full`` ignores it.
     evict_every : int >= 1, default 1
