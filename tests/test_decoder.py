@@ -301,6 +301,55 @@ def test_a_pool_for_budget_plus_chunk_runs_a_prompt_that_does_not_fit_whole():
     assert res.report.tokens_per_layer == ((12,),) * MODEL.n_cache_layers
 
 
+DEEP = tiny_llama(n_layers=4)  # a layer-budget policy's layers differ
+
+
+@given(length=st.integers(30, 80), chunk=st.sampled_from([4, 8, 13]), budget=st.sampled_from([8, 12, 0.25]),
+       spec=st.sampled_from(["pyramid+h2o", "pyramid+snapkv(window=4)", "squeeze+streaming", "pyramid+knorm",
+                             "squeeze+tova"]),
+       evict_every=st.integers(1, 3), n_new=st.integers(1, 6), page_size=st.sampled_from([1, 4]),
+       horizon=st.booleans())
+def test_layer_budgets_fit_a_cache_sized_for_the_mean_budget(length, chunk, budget, spec, evict_every, n_new,
+                                                             page_size, horizon):
+    """A cache of max_tokens = the mean budget + one chunk (or + the generation) streams a prompt that a
+    layer-budget policy splits unevenly: each layer's budget is capped at what leaves room for the next
+    chunk, then for the generation, the excess handed to the other layers, so nothing is refused mid-prompt
+    (it was: the largest layer overflowed at the next chunk) and the layers keep the whole budget between
+    them. ``horizon``: extend knows the generation's length (as ``generate`` and ``kvgen`` pass it)."""
+    policy = compose(spec, budget=budget, evict_every=evict_every)
+    prompt = [(7 * i + 3) % V for i in range(length)]
+    mean = int(policy.budget_tokens(torch.tensor([length]))[0])
+    max_tokens = mean + max(chunk, n_new)
+    dec = Decoder(DEEP, policy, max_tokens=max_tokens, page_size=page_size)
+    dec.extend([prompt], chunk=chunk, max_new_tokens=n_new if horizon else 0)
+    res = dec.generate(n_new)
+    assert len(res.tokens[0]) == n_new
+    plan, Lc = dec.cache.plan, DEEP.n_cache_layers
+    slots = dec.cache.slots_per_layer
+    ahead = min(evict_every, n_new) if policy.eviction.decode_evict else n_new
+    budgets = plan.layers.budgets[:, 0]
+    if length + n_new > slots:  # the cache cannot hold every token: the plan made room for the generation
+        assert int(budgets.max()) <= slots - ahead
+    assert int(budgets.sum()) == Lc * mean  # the total is conserved
+    held = [t[0] for t in res.report.tokens_per_layer]
+    assert max(held) <= slots
+    if horizon or not policy.eviction.decode_evict:  # planned once with the horizon: every budget kept
+        assert sum(held) >= Lc * mean - (0 if horizon else Lc * n_new)
+
+
+def test_a_layer_budget_policy_streams_into_a_cache_for_its_mean_budget():
+    """The case that failed: pyramid gives the first layer more than max_tokens less a chunk."""
+    policy = compose("pyramid+h2o", budget=12)
+    uncapped = policy.plan(torch.tensor([60]), DEEP.n_cache_layers).layers.budgets[:, 0]
+    assert int(uncapped[0]) > 12 + 8 - 8  # more than a layer of max_tokens = 12 + 8 keeps beside a chunk
+    dec = Decoder(DEEP, policy, max_tokens=12 + 8, page_size=4)
+    dec.extend([[(5 * i) % V for i in range(60)]], chunk=8, max_new_tokens=3)
+    assert len(dec.generate(3).tokens[0]) == 3
+    budgets = dec.cache.plan.layers.budgets[:, 0]
+    assert int(budgets.sum()) == int(uncapped.sum()) and int(budgets.max()) <= 20 - 1  # room for a step
+    assert budgets.tolist() != uncapped.tolist()
+
+
 # ----------------------------------------------------------------------------------------------------- (d)
 def naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, *, scale, slopes, mode, window, decay,
                     seed, temperature):

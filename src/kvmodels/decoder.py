@@ -361,8 +361,11 @@ class Decoder:
         rest chunk by chunk. Budgets are those of the whole prompts."""
         cache = self.cache
         first = [p if chunk is None else p[:chunk] for p in prompts]
+        # each layer keeps room for the next chunk (ComposedPolicy.plan's room), so a layer-budget policy's
+        # largest layers still take it
         cache.start([len(p) for p in first], max_new_tokens, compress_each=True,
-                    budget_lens=[len(p) for p in prompts])
+                    budget_lens=[len(p) for p in prompts],
+                    reserve=[min(len(p) - len(f), chunk or 0) for p, f in zip(prompts, first)])
         for b, toks in enumerate(first):
             logits = self.model.prefill(torch.tensor(toks, dtype=torch.int64, device=self.device), cache, b,
                                         last_only=True, on_layer=self._progress(b, on_prefill))
@@ -381,7 +384,8 @@ class Decoder:
         cache, step = self.cache, chunk or len(toks)
         for i in range(0, len(toks), step):
             piece = toks[i:i + step]
-            cache.begin_extend(b, len(piece), budget_len=budget_len, max_new_tokens=max_new_tokens)
+            cache.begin_extend(b, len(piece), budget_len=budget_len, max_new_tokens=max_new_tokens,
+                               reserve=len(toks[i + step:i + 2 * step]))  # room for the next chunk
             model = cast(_Extendable, self.model)  # checked: model.can_extend
             logits = model.prefill(torch.tensor(piece, dtype=torch.int64, device=self.device), cache, b,
                                    start=self.lengths[b], last_only=True,
@@ -430,6 +434,16 @@ class Decoder:
         for b in stepped:
             self.lengths[b] += 1
         self._positions = self._positions + 1
+
+    def _replan_makes_room(self, b: int, steps: int) -> bool:
+        """Whether the plan this generation makes (``cache.restart_decode``: each layer capped at the slots
+        per layer less ``steps``, the excess handed to the sequence's other layers) leaves sequence ``b``'s
+        layers room for ``steps`` more tokens: the policy compresses prompts (in one format, so a re-plan
+        compresses) and its mean budget per layer leaves that room, so nothing below the budget is dropped."""
+        cache = self.cache
+        if not self.policy.eviction.prefill_compress or cache.side is not None or cache.layout.pairs:
+            return False
+        return int(cache.budget_tokens[cache.rows.rows(b)[0]]) + steps <= cache.slots_per_layer
 
     # ------------------------------------------------------------------ generate
     def generate(self, max_new_tokens: int, *, temperature: float = 0.0,
@@ -484,7 +498,8 @@ class Decoder:
                                  f"{context + max_new_tokens} exceed the model's context of "
                                  f"{model.max_seq_len}; lower max_new_tokens or start a new Decoder")
             steps = (self.pending[b] is not None) + max_new_tokens - 1  # tokens the model will cache
-            if not self.policy.eviction.decode_evict and steps > cache.decode_room(b):
+            if not self.policy.eviction.decode_evict and steps > cache.decode_room(b) and not (
+                    self._replan_makes_room(b, steps)):
                 raise ValueError(f"max_new_tokens={max_new_tokens}: sequence {b} would cache {steps} more "
                                  f"tokens, more than its layers have room for under max_tokens="
                                  f"{self.max_tokens}; raise max_tokens or lower max_new_tokens")

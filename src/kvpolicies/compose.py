@@ -349,7 +349,7 @@ class ComposedPolicy:
     def plan(self, prompt_lens: torch.Tensor, n_layers: int, stats: LayerStats | None = None, *,
              max_new_tokens: int = 0, budget_tokens: torch.Tensor | None = None,
              head_scores: Callable[[int, int], torch.Tensor] | None = None,
-             windows: Sequence[int] | None = None) -> CompressionPlan:
+             windows: Sequence[int] | None = None, room: torch.Tensor | None = None) -> CompressionPlan:
         """The compression decision every cache acts on, made once per batch (docs/contract.md, "The plan").
 
         Parameters
@@ -377,6 +377,11 @@ class ComposedPolicy:
             selection act on the other layers. A layer-budget policy still plans over every layer: what it
             gives a sliding layer is replaced by the window, not moved to the others. Refused with a merge
             policy or per-head budgets.
+        room : Tensor ``[B]`` int, optional
+            The most tokens a layer of each sequence may hold after this compression: a cache's slots per
+            layer less what must still fit before the next one (a chunked prefill's next chunk). Layer
+            budgets are capped at it as at ``prompt_len + max_new_tokens``, the excess handed to the layers
+            with room, so a layer-budget policy's large layers fit a cache sized for the mean budget.
 
         Returns
         -------
@@ -387,6 +392,11 @@ class ComposedPolicy:
         B = int(lens.numel())
         bt = self.checked_budget_tokens(lens, budget_tokens)
         capacity = lens + max_new_tokens  # the most a layer can ever hold
+        if room is not None:
+            room = torch.as_tensor(room).to("cpu", torch.int64)
+            if room.shape != (B,) or bool((room < 1).any()):
+                raise ValueError(f"room={room.tolist()} must be one int >= 1 per sequence ({B})")
+            capacity = torch.minimum(capacity, room)
         budgets = torch.as_tensor(self.layer_budgets(bt, n_layers, stats, capacity=capacity))
         budgets = budgets.to(torch.int64).cpu()
         if budgets.shape != (n_layers, B) or bool((budgets < 1).any()):

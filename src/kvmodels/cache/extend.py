@@ -16,7 +16,7 @@ import torch
 from kvkernels import check_shape, check_tensor
 
 from .pool import ceil_div
-from .rows import INT_DTYPES, check_sequence
+from .rows import INT_DTYPES, check_reserve, check_sequence
 from .state import CacheState
 
 
@@ -41,6 +41,7 @@ class Extension:
     budget_len: int  # the length the sequence's budget is a fraction of afterwards
     done: np.ndarray  # [Lc] bool, the layers extended so far
     probe: ProbeSpan | None = None  # a reconstruction pass: scores kept tokens, stores nothing (begin_extend)
+    reserve: int = 0  # slots each layer keeps free after the extension's compression (the next chunk)
 
 
 class ExtendSteps(CacheState):
@@ -89,7 +90,8 @@ class ExtendSteps(CacheState):
         return self.max_pages * self.page_size // self.layout.max_width
 
     def begin_extend(self, b: int, n: int, *, budget_len: int | None = None,
-                     max_new_tokens: int | None = None, probe: bool | ProbeSpan = False) -> None:
+                     max_new_tokens: int | None = None, probe: bool | ProbeSpan = False,
+                     reserve: int = 0) -> None:
         """Let sequence ``b`` (between decode steps, or paused) take ``n`` more tokens.
 
         The model then runs the ``n`` tokens through every cache layer at their true positions (the
@@ -116,6 +118,11 @@ class ExtendSteps(CacheState):
             the tokens seen (the probe adds none). A :class:`ProbeSpan` makes it one pass of several (KVzip's
             chunked reconstruction): only the kept tokens at its positions take the pass's scores, and only
             its ``last`` pass compresses.
+        reserve:
+            The slots every layer of ``b`` must keep free after this extension's compression (the next
+            chunk of a chunked prefill; 0, the default, after the last): the plan caps its layer budgets at
+            the slots per layer less this and hands the excess to its other layers (``start``'s
+            ``reserve``). It holds for ``b``'s later plans until the next extension sets it.
         """
         if self._state != "decode":
             raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
@@ -131,6 +138,9 @@ class ExtendSteps(CacheState):
         if not isinstance(probe, (bool, ProbeSpan)):
             raise TypeError(f"probe must be True, False or a ProbeSpan, got {probe!r}")
         span = ProbeSpan() if probe is True else probe or None
+        if check_reserve(reserve) >= self.slots_per_layer:
+            raise ValueError(f"reserve={reserve} leaves no slot of the {self.slots_per_layer} per layer "
+                             f"(max_tokens={self.max_tokens}); lower the chunk or raise max_tokens")
         if span is not None:
             self._check_probe()
         seen = int(self.host.seen[rows[0]]) + (0 if span is not None else n)
@@ -143,7 +153,8 @@ class ExtendSteps(CacheState):
                 raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
             self.max_new_tokens = max_new_tokens
         if span is not None:  # stores nothing: no slots or pages to check
-            self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), probe=span)
+            self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), probe=span,
+                                        reserve=reserve)
             self._state = "extend"
             return
         S, capacity = self.page_size, self.max_pages * self.page_size
@@ -163,7 +174,7 @@ class ExtendSteps(CacheState):
             if aged > self.side.pool.free:
                 what = f"the {self.side.side_bits}-bit tokens aging out of the residual"
                 raise self.side.pool.out_of_pages(aged, f"extension of sequence {b} by {n} tokens ({what})")
-        self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool))
+        self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), reserve=reserve)
         self._state = "extend"
 
     def _check_probe(self) -> None:
@@ -334,6 +345,7 @@ class ExtendSteps(CacheState):
             self.host.seen[rows] += ext.n
         for row in rows:
             self.prompt_lens[row] = ext.budget_len
+            self.reserve[row] = ext.reserve
         self.budget_tokens[rows] = self.policy.checked_budget_tokens(torch.tensor([ext.budget_len]))[0]
         self.active[rows] = True
         self.host.active[rows] = True

@@ -38,7 +38,7 @@ from .extend import ExtendSteps, Extension
 from .mirror import HostMirror
 from .pool import PagePool, ceil_div
 from .prefill import PrefillSteps
-from .rows import ROW_LAYOUTS, check_layer, check_sequence
+from .rows import ROW_LAYOUTS, check_layer, check_reserve, check_sequence
 from .storage import row_storage
 from .tiers import SideRegion
 
@@ -281,7 +281,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
 
     # ------------------------------------------------------------------ batch lifecycle
     def start(self, prompt_lens: list[int], max_new_tokens: int, *, compress_each: bool = False,
-              budget_lens: list[int] | None = None) -> None:
+              budget_lens: list[int] | None = None, reserve: list[int] | None = None) -> None:
         """Begin a new batch, dropping whatever the cache held.
 
         Parameters
@@ -298,6 +298,11 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
             The lengths each sequence's budget is a fraction of (docs/contract.md §4); default
             ``prompt_lens``. A chunked prefill prefills the first chunk here and passes the whole prompts'
             lengths, so its budgets are those of the unchunked prompts (:meth:`begin_extend` takes the rest).
+        reserve:
+            Per sequence, the slots every layer must keep free after its prompt's compression (default 0): a
+            chunked prefill's next chunk. The plan caps each layer's budget at ``max_tokens`` (in whole
+            pages) less this, handing the excess to the sequence's other layers (``ComposedPolicy.plan``'s
+            ``room``), so a layer-budget policy's largest layers still take the next chunk.
         """
         sequence_lens = [int(x) for x in prompt_lens]
         if not 1 <= len(sequence_lens) <= self.max_sequences:
@@ -334,6 +339,12 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
             raise ValueError(f"budget_lens={budget_lens} must give one length per sequence, each at least "
                              f"its prompt_lens={prompt_lens}")
         budget_tokens = self.policy.checked_budget_tokens(torch.tensor(budget_lens, dtype=torch.int64))
+        if reserve is not None and len(reserve) != len(sequence_lens):
+            raise ValueError(f"reserve={reserve} must give one count per sequence ({len(sequence_lens)})")
+        reserve = [0] * n if reserve is None else self.rows.per_row([check_reserve(r) for r in reserve])
+        if max(reserve) >= self.slots_per_layer:
+            raise ValueError(f"reserve={max(reserve)} leaves no slot of the {self.slots_per_layer} per layer "
+                             f"(max_tokens={self.max_tokens}); lower the chunk or raise max_tokens")
 
         self._reset_pool()
         self.host.compressed[:] = False
@@ -345,6 +356,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self.prompt_lens = prompt_lens
         self.max_new_tokens = max_new_tokens
         self.budget_tokens = budget_tokens
+        self.reserve = reserve
         self.active[:n] = True
         self.host.active[:n] = True
         self.host.seen[:n] = prompt_lens

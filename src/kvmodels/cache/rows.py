@@ -42,6 +42,35 @@ def check_sequence(b: object, n: int) -> int:
     return b
 
 
+def check_reserve(reserve: object) -> int:
+    """``reserve`` (slots a layer keeps free at its next plan, ``start``/``begin_extend``), checked."""
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+        raise ValueError(f"reserve={reserve!r} must be an int >= 0 (the slots each layer keeps free for the "
+                         "next chunk)")
+    return reserve
+
+
+def plan_room(cache, rows: list[int]) -> torch.Tensor:
+    """``[len(rows)]`` the most tokens a layer of each row may hold after its next compression
+    (``ComposedPolicy.plan``'s ``room``): the slots per layer less what arrives before the compression after
+    it, the row's ``reserve`` (a chunked prefill's next chunk) or else the generation's (``max_new_tokens``
+    steps; ``evict_every`` of them for a policy that evicts while decoding). Where every token the row will
+    have seen by then fits, it binds nothing (the row's context plus ``max_new_tokens``)."""
+    slots, horizon = cache.slots_per_layer, cache.max_new_tokens
+    decoding = min(cache.policy.evict_every, horizon) if cache.eviction.decode_evict else horizon
+    room = []
+    for r in rows:
+        ahead = cache.reserve[r] or decoding
+        if int(cache.host.seen[r]) + (cache.reserve[r] or horizon) <= slots:
+            room.append(cache.prompt_lens[r] + horizon)  # the plan's own capacity: no further cap
+        elif slots - ahead < 1:
+            raise ValueError(f"{ahead} more tokens leave no slot of the {slots} per layer (max_tokens="
+                             f"{cache.max_tokens}); lower the chunk or max_new_tokens, or raise max_tokens")
+        else:
+            room.append(slots - ahead)
+    return torch.tensor(room, dtype=torch.int64)
+
+
 class SequenceRows:
     """One row per sequence (row ``b`` is sequence ``b``), pages of every KV head."""
 
@@ -118,7 +147,7 @@ class SequenceRows:
         stats = LayerStats(cos_sim=cache.cos_sim[:, rows].cpu())
         return cache.policy.plan(torch.tensor([cache.prompt_lens[b] for b in rows]), cache.n_layers, stats,
                                  max_new_tokens=cache.max_new_tokens, budget_tokens=cache.budget_tokens[rows],
-                                 windows=cache.windows)
+                                 windows=cache.windows, room=plan_room(cache, rows))
 
     def check_layer_contents(self) -> None:
         pass
@@ -259,7 +288,7 @@ class HeadRows(SequenceRows):
                 self.plans[b] = cache.policy.plan(
                     torch.tensor([cache.prompt_lens[first]]), cache.n_layers, stats,
                     max_new_tokens=cache.max_new_tokens, budget_tokens=cache.budget_tokens[[first]],
-                    head_scores=head_scores)
+                    head_scores=head_scores, room=plan_room(cache, [first]))
             plans.append(self.plans[b])
         return CompressionPlan.cat(plans)
 

@@ -99,6 +99,7 @@ class CacheState:
     prompt_lens: list[int]
     sequence_prompt_lens: list[int]
     budget_tokens: torch.Tensor
+    reserve: list[int]  # per pool row: slots each layer keeps free at its next plan (a chunk's, start)
     max_new_tokens: int
     plan: CompressionPlan | None
     _state: str
