@@ -350,6 +350,23 @@ def test_a_layer_budget_policy_streams_into_a_cache_for_its_mean_budget():
     assert budgets.tolist() != uncapped.tolist()
 
 
+def test_retrieval_heads_stream_into_a_cache_for_the_mean_budget():
+    """duo's retrieval heads keep more than the layer's budget (per-head pages): capped like the layers, the
+    excess going to the layer's other heads, a cache of the mean budget + one chunk takes the prompt."""
+    duo = ("duo", {"weights": ((0.9, 0.1),) * DEEP.n_cache_layers, "fraction": 0.5})
+    policy = compose("snapkv(window=4)", duo, budget=12)
+    prompt = [(5 * i + 2) % V for i in range(70)]
+    uncapped = Decoder(DEEP, policy, page_size=4)
+    uncapped.extend([prompt], chunk=8, max_new_tokens=3)
+    assert int(uncapped.cache.plan.head_budgets.max()) > 12 + 8 - 3  # would not fit beside a chunk
+    dec = Decoder(DEEP, policy, max_tokens=12 + 8, page_size=4)
+    dec.extend([prompt], chunk=8, max_new_tokens=3)
+    assert len(dec.generate(3).tokens[0]) == 3
+    heads = dec.cache.plan.head_budgets[:, 0]  # [Lc, Hkv]
+    assert int(heads.max()) <= 20 - 3  # room for the generation (snapkv does not evict while decoding)
+    assert heads.sum(1).tolist() == [2 * 12] * DEEP.n_cache_layers  # each layer's heads: the whole budget
+
+
 # ----------------------------------------------------------------------------------------------------- (d)
 def naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, *, scale, slopes, mode, window, decay,
                     seed, temperature):

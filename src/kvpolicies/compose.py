@@ -381,7 +381,8 @@ class ComposedPolicy:
             The most tokens a layer of each sequence may hold after this compression: a cache's slots per
             layer less what must still fit before the next one (a chunked prefill's next chunk). Layer
             budgets are capped at it as at ``prompt_len + max_new_tokens``, the excess handed to the layers
-            with room, so a layer-budget policy's large layers fit a cache sized for the mean budget.
+            with room, so a layer-budget policy's large layers fit a cache sized for the mean budget; so are
+            head budgets (``duo``'s retrieval heads), the excess handed to the layer's other heads.
 
         Returns
         -------
@@ -431,7 +432,7 @@ class ComposedPolicy:
             keep[i] = torch.minimum(lens, regions[a] // 2) if schedule.prefill_compress else lens
         heads = None
         if self.heads.per_head or head_scores is not None:
-            heads = self._plan_heads(layers, head_scores)
+            heads = self._plan_heads(layers, head_scores, None if room is None else capacity)
         return CompressionPlan(layout, schedule, bt, layers, LayerBudgets(regions, n_sink, n_recent),
                                LayerBudgets(keep, *self._forced(keep)), heads, windows)
 
@@ -443,13 +444,14 @@ class ComposedPolicy:
         return (torch.stack([s for s, _ in forced]).to(torch.int64),
                 torch.stack([r for _, r in forced]).to(torch.int64))
 
-    def _plan_heads(self, layers: LayerBudgets,
-                    head_scores: Callable[[int, int], torch.Tensor] | None) -> torch.Tensor:
+    def _plan_heads(self, layers: LayerBudgets, head_scores: Callable[[int, int], torch.Tensor] | None,
+                    room: torch.Tensor | None = None) -> torch.Tensor:
         """``[Lc, B, Hkv]`` head budgets: each compressed layer's budget split by :meth:`head_budgets` (all
         of a sequence's compressed layers together by :meth:`pooled_head_budgets` when the head policy
         ``pools_layers``); a layer the prompt fits in (or without prompt compression) gives every head its
         budget. A policy that ranks the prompt by a reconstruction pass (``kvzip``) compresses after it: its
-        layers are split too (before the pass, by the prompt's own scores; the cache replans after it)."""
+        layers are split too (before the pass, by the prompt's own scores; the cache replans after it).
+        ``room [B]`` (``plan(room=)``): no head keeps more, the excess handed to the layer's other heads."""
         if head_scores is None:
             raise ValueError(f"head-budget policy {self.heads.name!r} splits each layer's budget by its "
                              "heads' prompt scores; pass plan(..., head_scores=lambda l, j: scores [Hkv, L])")
@@ -468,6 +470,8 @@ class ComposedPolicy:
             else:
                 for l in split:
                     row[l] = self.head_budgets(scores[l], budget[l], n_sink[l], n_recent[l], layer=l)
+            if room is not None:  # each layer's heads as the layers of cap_budgets
+                row = cap_budgets(row.T, room[j].repeat(Lc)).T
             out.append(row)
         return torch.stack(out, dim=1)  # [Lc, B, Hkv]
 
