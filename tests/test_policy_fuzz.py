@@ -3,12 +3,13 @@
 ``test_model_policy_matrix`` runs every eviction x layer-budget x merge policy on every model family, one
 turn, in one storage. This draws the rest of the space at random: a head-budget policy and a precision too,
 ragged prompts of 1-31 tokens, page sizes from 1 to 16, budgets as fractions and as token counts, chunked
-prefill and follow-up turns (some sequences given nothing new) on models whose head dim (32) every storage
-format fits.
+prefill and follow-up turns (some sequences given nothing new), caches of the model's context or smaller
+(``max_tokens``), on models whose head dim (32) every storage format fits.
 What may not happen: an error that is not a refusal naming the policy or the argument (an ``IndexError`` or a
-shape error from deep inside), a token outside the vocabulary, a turn that generates fewer tokens than asked
-(no eos ids), a report whose bytes exceed the full cache's, or a refusal of the model's fit (``duo`` without
-weights) after a turn ran.
+shape error from deep inside; a ``RuntimeError`` when a step finds a layer full), a token outside the
+vocabulary, a turn that generates fewer tokens than asked (no eos ids), a report whose bytes exceed the
+full cache's, a refusal of the model's fit (``duo`` without weights) after a turn ran, or the cache's own
+refusal of a chunk past ``max_tokens``, which the Decoder must make before the prompt's first chunk.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import event, given
+from hypothesis import event, example, given
 
 from devices import DEVICE
 from kvmodels.decoder import Decoder
@@ -93,6 +94,8 @@ def runs(draw):
     turns = draw(st.lists(turn.map(lambda t: t if any(t) else [[1], *t[1:]]), max_size=2))
     return dict(family=family, parts=parts, kw=kw, prompts=prompts, turns=turns,
                 page_size=draw(st.sampled_from([1, 2, 4, 16])),
+                # a cache of the model's context, or one too small for some layers' budgets or a prompt
+                max_tokens=draw(st.sampled_from([80, 80, 80, 12, 20, 32])),
                 chunk=draw(st.sampled_from([None, None, 1, 4, 7])),
                 new=draw(st.lists(st.integers(1, 4), min_size=len(turns) + 1, max_size=len(turns) + 1)))
 
@@ -101,11 +104,21 @@ def _refused_by_name(e: Exception, policy) -> bool:
     msg = str(e)
     parts = [p.name for p in policy.policies().values() if p.name not in DEFAULTS]
     return (any(n in msg for n in [policy.name, *parts])  # the policy, or the part that refuses,
-            or "chunk" in msg  # or the argument that cannot be served
+            or "chunk" in msg or "max_tokens" in msg  # or the argument that cannot be served
             or any(n in msg for n in ("LCKV", "ALiBi")))  # or the model that cannot take it
 
 
+def _found(precision: str, evict_every: int) -> dict:
+    """The draw that found a decode step past max_tokens (a follow-up appended to two formats' main region
+    whole, then the first steps before an eviction): refused before the generation since."""
+    return dict(family="gptj", parts=["a2sf", "pyramid", "even", precision, "none"],
+                kw={"budget": 0.1, "evict_every": evict_every}, prompts=[[0], [0], [0, 0, 0, 0]],
+                turns=[[[], [], [0] * 6]], page_size=1, max_tokens=12, chunk=None, new=[1, 3])
+
+
 @given(runs())
+@example(run=_found("kivi", 1))
+@example(run=_found("mikv", 2))
 def test_random_compositions_run_or_are_refused_by_name(models, run):
     try:
         policy = compose(*run["parts"], **run["kw"])
@@ -117,7 +130,7 @@ def test_random_compositions_run_or_are_refused_by_name(models, run):
     model = models[run["family"]]
     generated = False
     try:
-        dec = Decoder(model, policy, page_size=run["page_size"], max_tokens=80)
+        dec = Decoder(model, policy, page_size=run["page_size"], max_tokens=run["max_tokens"])
         for turn, (tokens, new) in enumerate(zip([run["prompts"], *run["turns"]], run["new"])):
             dec.extend(tokens, chunk=run["chunk"] if turn == 0 else None)
             res = dec.generate(new)
@@ -130,4 +143,5 @@ def test_random_compositions_run_or_are_refused_by_name(models, run):
     except (ValueError, NotImplementedError) as e:
         assert _refused_by_name(e, policy), f"{type(e).__name__} (turns generated: {generated}): {e}"
         assert not (generated and "weights is empty" in str(e)), e
+        assert "slots per layer" not in str(e), e  # the cache's own overflow: the Decoder must refuse first
         event(f"refused by the model or cache ({'after' if generated else 'before'} a turn)")

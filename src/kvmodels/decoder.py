@@ -435,6 +435,22 @@ class Decoder:
             self.lengths[b] += 1
         self._positions = self._positions + 1
 
+    def _growth(self, steps: int) -> int:
+        """The most tokens a layer may take beyond what it holds now, in a generation that caches ``steps``:
+        all of them under a policy that evicts nothing while decoding; the first ``evict_every`` under one
+        that does (its eviction then holds each layer at a budget the plan leaves room beside,
+        ``plan_room``); all of them again in two formats whose main region that eviction leaves whole and
+        which may outgrow the slots per layer (KIVI's residual until it ages, ZipCache's waiting tokens; MiKV
+        demotes what eviction drops). Found by tests/test_policy_fuzz.py: a step past max_tokens failed
+        mid-generation after a follow-up, which two formats append whole."""
+        policy, side = self.policy, self.cache.side
+        if not policy.eviction.decode_evict:
+            return steps
+        if side is None or side.main_peak(decode_evict=True) == 0:
+            return min(steps, policy.evict_every)
+        peak = side.main_peak(decode_evict=True)
+        return steps if peak is None or peak > self.cache.slots_per_layer else 0
+
     def _replan_makes_room(self, b: int, steps: int) -> bool:
         """Whether the plan this generation makes (``cache.restart_decode``: each layer capped at the slots
         per layer less ``steps``, the excess handed to the sequence's other layers) leaves sequence ``b``'s
@@ -498,11 +514,14 @@ class Decoder:
                                  f"{context + max_new_tokens} exceed the model's context of "
                                  f"{model.max_seq_len}; lower max_new_tokens or start a new Decoder")
             steps = (self.pending[b] is not None) + max_new_tokens - 1  # tokens the model will cache
-            if not self.policy.eviction.decode_evict and steps > cache.decode_room(b) and not (
-                    self._replan_makes_room(b, steps)):
-                raise ValueError(f"max_new_tokens={max_new_tokens}: sequence {b} would cache {steps} more "
-                                 f"tokens, more than its layers have room for under max_tokens="
-                                 f"{self.max_tokens}; raise max_tokens or lower max_new_tokens")
+            grow = self._growth(steps)
+            if grow > cache.decode_room(b) and not self._replan_makes_room(b, steps):
+                what = (f"would cache {steps} more tokens" if grow == steps else
+                        f"would hold {grow} more tokens before its first decode-time eviction (evict_every="
+                        f"{self.policy.evict_every})")
+                fix = "raise max_tokens or lower max_new_tokens" + (" or evict_every" if grow < steps else "")
+                raise ValueError(f"max_new_tokens={max_new_tokens}: sequence {b} {what}, more than its "
+                                 f"layers have room for under max_tokens={self.max_tokens}; {fix}")
         if any(live[b] and self._logits[b] is None for b in range(B)):
             self.extend([[] for _ in range(B)], max_new_tokens=max_new_tokens)  # feed the pending tokens
         out: list[list[int]] = [[] for _ in range(B)]
