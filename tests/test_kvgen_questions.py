@@ -371,6 +371,31 @@ def test_chunk_prefills_a_prompt_a_chunk_at_a_time(capsys, sharp_ckpt, prefills)
     assert peak_mib(err, "KV cache:") < peak_mib(whole_err, "KV cache:")
 
 
+def test_chunk_sizes_the_cache_for_the_budget_plus_a_chunk(capsys, sharp_ckpt, monkeypatch):
+    """``kvgen --chunk N``: the cache (its page pool) is sized for each layer's budget plus one chunk plus the
+    generation, not for the model's context (what it was), and a layer-budget policy's larger layers are
+    capped to fit it, the total budget kept."""
+    made = []
+
+    class Recording(Decoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("kvmodels.decoder.Decoder", Recording)
+    n, budget, chunk = 4, 6, 5
+    args = ["--policy", "pyramid+h2o", "--budget", str(budget), "--max-new-tokens", str(n),
+            "--chunk", str(chunk)]
+    rc, out, err = run_cli(capsys, "--model", str(sharp_ckpt), "--no-chat", *args, CONTEXT)
+    assert rc == 0, err
+    dec = made[-1]
+    assert dec.max_tokens == budget + chunk + n < dec.model.max_seq_len
+    assert dec.cache.num_pages == dec.model.n_cache_layers * -(-dec.max_tokens // dec.page_size)
+    line = next(x for x in err.splitlines() if x.startswith("layer budgets (sequence 0):"))
+    budgets = [int(x) for x in line.split(":")[1].split()]
+    assert sum(budgets) == budget * dec.model.n_cache_layers and len(set(budgets)) > 1  # pyramid's, whole
+
+
 def test_chunk_streams_the_context_of_questions(capsys, sharp_ckpt, context_file, prefills):
     """``kvgen --context FILE --chunk N``: the context is prefilled a chunk at a time, once; the answers equal
     a Decoder's fed the context in the same chunks, then each question."""

@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=None, metavar="N",
                    help="prefill the prompt (or --context) N tokens at a time, compressing after each chunk, "
                         "so a layer holds at most its budget plus N tokens while a long document streams in "
-                        "(the summary's peak says what it held); a window-vote policy's window must fit in a "
-                        "chunk (default: the whole prompt at once)")
+                        "(the summary's peak says what it held; with a prompt, the cache is allocated for "
+                        "that plus the new tokens, not the model's context); a window-vote policy's window "
+                        "must fit in a chunk (default: the whole prompt at once)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples from softmax(logits / T)")
     p.add_argument("--seed", type=int, default=0,
@@ -352,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
     else:  # chunked prefill: the Decoder compresses after each chunk
         from kvmodels.decoder import Decoder
 
-        dec = Decoder(s.loaded.model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step)
+        dec = Decoder(s.loaded.model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step,
+                      max_tokens=_chunked_slots(policy, ids, args.chunk, args.max_new_tokens))
         _extend(dec, ids, args, on_prefill=progress)
         result = dec.generate(args.max_new_tokens, temperature=args.temperature, eos_ids=s.eos, stream=stream,
                               final=True)
@@ -484,6 +486,21 @@ def _check_continuable(model: Any, policy: Any) -> None:
                        "questions after the compressed context (its split reads the prompt's scores, which "
                        "evicted tokens no longer have); use duo or no head part with --context, or put the "
                        "question in the prompt")
+
+
+def _chunked_slots(policy: Any, ids: list[list[int]], chunk: int, max_new_tokens: int) -> int:
+    """The slots per layer (the cache's ``max_tokens``, which sizes its page pool) a chunked run needs: each
+    layer holds at most its budget plus one chunk while the prompt streams in, then its budget plus the
+    generation (a layer-budget policy's larger layers are capped to fit, ``ComposedPolicy.plan``'s room);
+    never more than the longest prompt plus the generation. Without it the pool was sized for the model's
+    whole context, whatever the chunk."""
+    import torch
+
+    whole = max(len(p) for p in ids) + max_new_tokens
+    if not policy.eviction.prefill_compress:  # every prompt token stays
+        return whole
+    budget = int(policy.budget_tokens(torch.tensor([len(p) for p in ids])).max())
+    return min(whole, budget + chunk + max_new_tokens)
 
 
 def _extend(dec: Any, ids: list[list[int]], args: argparse.Namespace, **kw: Any) -> None:
