@@ -446,18 +446,21 @@ class Decoder:
         policy, side = self.policy, self.cache.side
         if not policy.eviction.decode_evict:
             return steps
-        if side is None or side.main_peak(decode_evict=True) == 0:
+        peak = None if side is None else side.main_peak()
+        if side is None or peak == 0:
             return min(steps, policy.evict_every)
-        peak = side.main_peak(decode_evict=True)
         return steps if peak is None or peak > self.cache.slots_per_layer else 0
 
     def _replan_makes_room(self, b: int, steps: int) -> bool:
         """Whether the plan this generation makes (``cache.restart_decode``: each layer capped at the slots
         per layer less ``steps``, the excess handed to the sequence's other layers) leaves sequence ``b``'s
         layers room for ``steps`` more tokens: the policy compresses prompts (in one format, so a re-plan
-        compresses) and its mean budget per layer leaves that room, so nothing below the budget is dropped."""
+        compresses; not per-head budgets, which are split once per turn) and its mean budget per layer
+        leaves that room, so nothing below the budget is dropped. (Told the generation's length,
+        ``extend(max_new_tokens=)`` plans that room with the prompt: per-head budgets too.)"""
         cache = self.cache
-        if not self.policy.eviction.prefill_compress or cache.side is not None or cache.layout.pairs:
+        if (not self.policy.eviction.prefill_compress or cache.side is not None or cache.layout.pairs
+                or self.policy.heads.per_head):
             return False
         return int(cache.budget_tokens[cache.rows.rows(b)[0]]) + steps <= cache.slots_per_layer
 
@@ -520,6 +523,8 @@ class Decoder:
                         f"would hold {grow} more tokens before its first decode-time eviction (evict_every="
                         f"{self.policy.evict_every})")
                 fix = "raise max_tokens or lower max_new_tokens" + (" or evict_every" if grow < steps else "")
+                if self.policy.eviction.prefill_compress:  # the prompt's plan can leave the room
+                    fix += " (or tell extend() the generation's length: extend(..., max_new_tokens=))"
                 raise ValueError(f"max_new_tokens={max_new_tokens}: sequence {b} {what}, more than its "
                                  f"layers have room for under max_tokens={self.max_tokens}; {fix}")
         if any(live[b] and self._logits[b] is None for b in range(B)):

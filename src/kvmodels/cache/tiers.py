@@ -228,14 +228,14 @@ class SideRegion:
         have = self.lens[:len(total), b]
         return int((ceil_div(have + moved, self.page_size) - ceil_div(have, self.page_size)).sum())
 
-    def main_peak(self, decode_evict: bool) -> int | None:
-        """The most tokens a row's main region can hold after a decode step's append however long it
-        decodes, or ``None`` where it grows with every token: KIVI's residual ages once ``residual + group``
-        are exceeded (``residual + group + 1``); MiKV under an evicting policy demotes what eviction drops,
-        so its main region is held at the budget like a one-format cache (``0``: bounded by eviction); a
-        ZipCache main region is treated as growing (its re-compression depends on the scores)."""
+    def main_peak(self) -> int | None:
+        """Under a policy that evicts while decoding, the most tokens a row's main region can hold after a
+        decode step's append however long it decodes, or ``None`` where it grows with every token: KIVI's
+        residual ages once ``residual + group`` are exceeded (``residual + group + 1``); MiKV demotes what
+        eviction drops, so its main region is held at the budget like a one-format cache (``0``: bounded by
+        eviction); a ZipCache main region is treated as growing (its re-compression depends on the scores)."""
         p = self.precision
-        if p.keeps_evicted and decode_evict:
+        if p.keeps_evicted:
             return 0
         if not self.every and p.name == "kivi" and p.residual:
             return int(p.residual + p.group + 1)
