@@ -446,9 +446,9 @@ class Decoder:
         policy, side = self.policy, self.cache.side
         if not policy.eviction.decode_evict:
             return steps
-        peak = None if side is None else side.main_peak()
-        if side is None or peak == 0:
+        if side is None or policy.precision.keeps_evicted:  # eviction holds every layer at its budget
             return min(steps, policy.evict_every)
+        peak = side.main_peak()
         return steps if peak is None or peak > self.cache.slots_per_layer else 0
 
     def _replan_makes_room(self, b: int, steps: int) -> bool:

@@ -138,9 +138,7 @@ class ExtendSteps(CacheState):
         if not isinstance(probe, (bool, ProbeSpan)):
             raise TypeError(f"probe must be True, False or a ProbeSpan, got {probe!r}")
         span = ProbeSpan() if probe is True else probe or None
-        if check_reserve(reserve) >= self.slots_per_layer:
-            raise ValueError(f"reserve={reserve} leaves no slot of the {self.slots_per_layer} per layer "
-                             f"(max_tokens={self.max_tokens}); lower the chunk or raise max_tokens")
+        check_reserve(reserve, self)
         if span is not None:
             self._check_probe()
         seen = int(self.host.seen[rows[0]]) + (0 if span is not None else n)

@@ -341,10 +341,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         budget_tokens = self.policy.checked_budget_tokens(torch.tensor(budget_lens, dtype=torch.int64))
         if reserve is not None and len(reserve) != len(sequence_lens):
             raise ValueError(f"reserve={reserve} must give one count per sequence ({len(sequence_lens)})")
-        reserve = [0] * n if reserve is None else self.rows.per_row([check_reserve(r) for r in reserve])
-        if max(reserve) >= self.slots_per_layer:
-            raise ValueError(f"reserve={max(reserve)} leaves no slot of the {self.slots_per_layer} per layer "
-                             f"(max_tokens={self.max_tokens}); lower the chunk or raise max_tokens")
+        reserve = [0] * n if reserve is None else self.rows.per_row([check_reserve(r, self) for r in reserve])
 
         self._reset_pool()
         self.host.compressed[:] = False

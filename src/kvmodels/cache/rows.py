@@ -42,11 +42,15 @@ def check_sequence(b: object, n: int) -> int:
     return b
 
 
-def check_reserve(reserve: object) -> int:
-    """``reserve`` (slots a layer keeps free at its next plan, ``start``/``begin_extend``), checked."""
+def check_reserve(reserve: object, cache) -> int:
+    """``reserve`` (slots a layer keeps free at its next plan, ``start``/``begin_extend``), checked: an int
+    >= 0 that leaves a slot of the cache's per layer."""
     if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
         raise ValueError(f"reserve={reserve!r} must be an int >= 0 (the slots each layer keeps free for the "
                          "next chunk)")
+    if reserve >= cache.slots_per_layer:
+        raise ValueError(f"reserve={reserve} leaves no slot of the {cache.slots_per_layer} per layer "
+                         f"(max_tokens={cache.max_tokens}); lower the chunk or raise max_tokens")
     return reserve
 
 

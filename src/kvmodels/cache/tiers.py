@@ -229,14 +229,12 @@ class SideRegion:
         return int((ceil_div(have + moved, self.page_size) - ceil_div(have, self.page_size)).sum())
 
     def main_peak(self) -> int | None:
-        """Under a policy that evicts while decoding, the most tokens a row's main region can hold after a
-        decode step's append however long it decodes, or ``None`` where it grows with every token: KIVI's
-        residual ages once ``residual + group`` are exceeded (``residual + group + 1``); MiKV demotes what
-        eviction drops, so its main region is held at the budget like a one-format cache (``0``: bounded by
-        eviction); a ZipCache main region is treated as growing (its re-compression depends on the scores)."""
+        """Under a policy that evicts while decoding and a precision that does not keep what it evicts (MiKV,
+        ``keeps_evicted``, demotes it, so its main region is held at the budget), the most tokens a row's main
+        region can hold after a decode step's append however long it decodes, or ``None`` where it grows
+        with every token: KIVI's residual ages once ``residual + group`` are exceeded (``residual + group +
+        1``); a ZipCache main region is treated as growing (its re-compression depends on the scores)."""
         p = self.precision
-        if p.keeps_evicted:
-            return 0
         if not self.every and p.name == "kivi" and p.residual:
             return int(p.residual + p.group + 1)
         return None
