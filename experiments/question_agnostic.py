@@ -22,6 +22,14 @@ How the question is fed (``protocol`` in each record):
   cache and the sequence is compressed again to the budget of everything seen (the question's window votes
   re-rank the kept tokens), the Decoder's own path.
 
+* ``stream``, ``stream-sized`` and ``stream-pool`` (every config ``extend`` runs): as ``extend``, but the
+  context and then the question stream in ``--chunk`` tokens at a time (``extend(chunk=)``), compressed
+  after each chunk, into a cache of the model's context (``stream``), of ``max_tokens`` = the budget plus one
+  chunk plus the answer per layer (``stream-sized``: a layer-budget policy's or ``duo``'s largest layers
+  capped at it, and the question makes room for itself, ``cache.make_room``), or of a page pool that holds
+  as much over all layers (``stream-pool``: ``kvmodels.chunked_num_pages``, each layer's own cap left at
+  the model's context). The last two bound the memory alike; they differ in how a layer may use it.
+
 One JSON line per (config, budget, protocol), appended to ``--out``; a rerun skips the lines already there.
 ``--report`` prints the table (answers out of N per config and budget) and runs nothing.
 
@@ -34,11 +42,13 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+PROTOCOLS = ("feed", "extend", "stream", "stream-sized", "stream-pool")
 # The eviction every scored config uses: SnapKV per head (the head-budget policies need per-head scores).
 SNAPKV = "snapkv(window=16, chunk=5)"
 # config name -> policy text ({snapkv} filled in); "profile" and "duo" get this model's measured weights.
@@ -151,6 +161,24 @@ def answer_extend(model: Any, policy: Any, context: list[int], rest: list[int], 
     return dec.generate(new, final=True).tokens[0]
 
 
+def answer_stream(model: Any, policy: Any, context: list[int], rest: list[int], new: int,
+                  probe_prefix: Sequence[int] = (), *, chunk: int, bound: str | None) -> list[int]:
+    """Protocols ``stream`` (``bound=None``), ``stream-sized`` (``"layer"``), ``stream-pool`` (``"pool"``):
+    ``extend([context], chunk=)``, ``extend([rest], chunk=)``, ``generate(new)``."""
+    from kvmodels.decoder import Decoder, chunked_num_pages
+
+    tokens, kw = len(context) + len(rest), {}
+    if bound == "layer":  # each layer's slots: the budget + one chunk + the answer
+        budget = int(policy.budget_tokens(torch.tensor([tokens]))[0])
+        kw["max_tokens"] = (min(tokens, budget + chunk) if policy.eviction.prefill_compress else tokens) + new
+    elif bound == "pool":
+        kw["num_pages"] = chunked_num_pages(model, policy, tokens, chunk, new)
+    dec = Decoder(model, policy, probe_prefix=probe_prefix, **kw)
+    dec.extend([context], chunk=chunk, max_new_tokens=new)
+    dec.extend([rest], chunk=chunk, max_new_tokens=new)
+    return dec.generate(new, final=True).tokens[0]
+
+
 def after_context(model: Any, policy: Any, context: list[int], probe_prefix: Sequence[int] = ()) -> Any:
     """The cache report after the context's compression (``head_tokens`` for per-head policies, bytes)."""
     from kvmodels.decoder import Decoder
@@ -196,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.2,0.5")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated names of {list(CONFIGS)}, or all")
-    p.add_argument("--protocols", default="feed,extend", help="feed and/or extend (extend: every config but "
-                   "adakv's)")
+    p.add_argument("--protocols", default="feed,extend", help="feed, extend, stream, stream-sized, "
+                   "stream-pool (all but feed: every config but adakv's)")
+    p.add_argument("--chunk", type=int, default=128, help="the stream protocols' chunk")
     p.add_argument("--new", type=int, default=10, help="tokens generated after the question")
     p.add_argument("--fraction", type=float, default=0.25, help="duo's share of retrieval heads")
     p.add_argument("--threads", type=int, default=0)
@@ -233,20 +262,25 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}  # key -> (name, budget, protocol, policy) still to run
     for (name, budget), policy in policies.items():
         for protocol in protocols:
-            if protocol not in ("feed", "extend"):
-                raise SystemExit(f"--protocols: unknown protocol {protocol!r}; choose feed or extend")
-            if protocol == "extend" and policy.heads_refuse_extension:
+            if protocol not in PROTOCOLS:
+                raise SystemExit(f"--protocols: unknown protocol {protocol!r}; choose from {PROTOCOLS}")
+            if protocol != "feed" and policy.heads_refuse_extension:
                 continue  # adakv: its split reads the prompt's scores (the cache refuses to extend it)
+            streams = f"|chunk={args.chunk}" if protocol.startswith("stream") else ""
             key = (f"{args.task}-qa|{runner.model_name}|ctx={args.context}|n={args.n}|seed={args.seed}|"
-                   f"{name}|{budget:g}|{protocol}|new={args.new}")
+                   f"{name}|{budget:g}|{protocol}|new={args.new}{streams}")
             if key not in done:
                 runs[key] = (name, budget, protocol, policy)
-    if runs:  # every context prefilled once, replayed for every config
-        runner.replay.record([c for c, _ in pieces])
+    if runs:  # every context (and its first chunk) prefilled once, replayed for every config
+        firsts = [c[:args.chunk] for c, _ in pieces] if any(p.startswith("stream") for p in protocols) else []
+        runner.replay.record([c for c, _ in pieces] + firsts)
         print(f"{len(pieces)} contexts prefilled ({time.perf_counter() - t0:.0f} s)", flush=True)
     replayed = runner.replay  # each context's prefill replayed; the question and decode steps run the model
     for key, (name, budget, protocol, policy) in runs.items():  # in --configs order, a record each
-        answer = answer_feed if protocol == "feed" else answer_extend
+        answer = {"feed": answer_feed, "extend": answer_extend,
+                  "stream": partial(answer_stream, chunk=args.chunk, bound=None),
+                  "stream-sized": partial(answer_stream, chunk=args.chunk, bound="layer"),
+                  "stream-pool": partial(answer_stream, chunk=args.chunk, bound="pool")}[protocol]
         t = time.perf_counter()
         prefix = repeat_prefix(tok) if name in REPEAT_CONFIGS else []
         outputs = [tok.decode(answer(replayed, policy, c, r, args.new, prefix)) for c, r in pieces]
@@ -255,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"key": key, "task": args.task, "setting": "question asked after compression",
                   "config": name, "protocol": protocol, "policy": policy.label, "budget": budget,
                   "evict_every": policy.evict_every,
+                  **({"chunk": args.chunk} if protocol.startswith("stream") else {}),
                   "context": args.context, "n": args.n, "seed": args.seed, "new_tokens": args.new,
                   "context_tokens": [len(c) for c, _ in pieces],
                   "question_tokens": [len(r) for _, r in pieces], "correct": sum(right),

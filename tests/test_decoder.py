@@ -15,14 +15,14 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from devices import DEVICE
 from kvkernels._modes import update_scores_ref
 from kvkernels._noise import gumbel_noise_hash
 from kvkernels.extend_attention import extend_attention, scored_rows
-from kvmodels.decoder import Decoder
+from kvmodels.decoder import Decoder, chunked_num_pages
 from kvmodels.generate import generate
 from kvmodels.llama import Llama
 from kvpolicies import compose
@@ -373,6 +373,107 @@ def test_retrieval_heads_stream_into_a_cache_for_the_mean_budget():
     with pytest.raises(ValueError, match=r"^max_new_tokens=3: .*extend\(\.\.\., max_new_tokens=\)\)$"):
         dec.generate(3)
 
+
+def test_chunked_num_pages_is_every_layers_budget_plus_a_chunk_plus_the_generation():
+    Lc = DEEP.n_cache_layers
+    assert chunked_num_pages(DEEP, compose("h2o", budget=0.25), 400, 32, 8, page_size=4) == Lc * (35 + 1)
+    assert chunked_num_pages(DEEP, compose("pyramid+snapkv", budget=50), 400, 30, 0, page_size=16,
+                             batch=3) == 3 * Lc * (5 + 1)
+    h2o = compose("h2o", budget=0.5)
+    assert chunked_num_pages(DEEP, h2o, 40, 32, 8, page_size=1) == Lc * 49  # never more than every token
+    assert chunked_num_pages(DEEP, compose("full"), 400, 32, 8, page_size=8) == Lc * 52  # every token
+    for args, name in (((0, 32, 8), "tokens"), ((400, 0, 8), "chunk"), ((400, 32, -1), "max_new_tokens")):
+        with pytest.raises(ValueError, match=f"^{name}="):
+            chunked_num_pages(DEEP, h2o, *args)
+
+
+DEEP_DUO = ("duo", {"weights": ((0.9, 0.1),) * DEEP.n_cache_layers, "fraction": 0.5})
+PROFILE = ("profile", {"weights": (2.0, 0.3, 0.2, 1.5)})
+
+
+@given(length=st.integers(30, 80), chunk=st.sampled_from([4, 8, 13]), budget=st.sampled_from([8, 12, 0.25]),
+       spec=st.sampled_from([("pyramid+h2o",), ("squeeze+snapkv(window=4)",), (PROFILE, "tova"), ("h2o",),
+                             ("snapkv(window=4)", "duo")]),
+       n_new=st.integers(1, 6), questions=st.lists(st.integers(1, 16), max_size=2),
+       page_size=st.sampled_from([1, 4, 16]))
+@example(length=30, chunk=4, budget=8, spec=("pyramid+h2o",), n_new=1, questions=[], page_size=16)  # rounding
+def test_a_pool_of_chunked_num_pages_changes_nothing(length, chunk, budget, spec, n_new, questions,
+                                                    page_size):
+    """A page pool of ``chunked_num_pages`` (the mean budget + one chunk + the generation per layer, a page of
+    rounding each) takes a streamed prompt and its follow-ups with every layer's (head's) budget as planned
+    in a pool of the model's context: the layers share the pool, so a layer-budget policy's or duo's large
+    layers take the pages the small ones leave. Same tokens, same kept tokens; it never runs out."""
+    parts = [p if p != "duo" else DEEP_DUO for p in spec]
+    policy = compose(*parts, budget=budget)
+    prompt = [(7 * i + 3) % V for i in range(length)]
+    final = length + sum(questions) + len(questions) * n_new
+    assume(final + n_new <= DEEP.max_seq_len)
+    chunk = max(chunk, 4)  # snapkv's window
+    pages = chunked_num_pages(DEEP, policy, final, max([chunk, *questions]), n_new, page_size=page_size)
+    bounded, free = (Decoder(DEEP, policy, num_pages=n, page_size=page_size) for n in (pages, None))
+    for dec in (bounded, free):
+        dec.extend([prompt], chunk=chunk, max_new_tokens=n_new)
+    for k, q in enumerate([None, *questions]):
+        if q is not None:
+            for dec in (bounded, free):
+                dec.extend([[(5 * i + k) % V for i in range(q)]], max_new_tokens=n_new)
+        got, want = (dec.generate(n_new).tokens[0] for dec in (bounded, free))
+        assert got == want
+        assert torch.equal(bounded.cache.plan.rows.budgets, free.cache.plan.rows.budgets)
+        assert bounded.cache.report().tokens_per_layer == free.cache.report().tokens_per_layer
+    assert bounded.cache.num_pages < free.cache.num_pages or final <= 2 * chunk
+
+
+@pytest.mark.parametrize("spec", ["h2o+zipcache(group=8, every=4)", "tova+zipcache(group=8)"])
+def test_zipcache_under_eviction_generates_in_a_cache_of_its_prompt(spec):
+    """ZipCache's main region under a policy that evicts while decoding is re-compressed whenever it holds
+    more than its layer's budget, so it never passes budget + 1 slots: a generation longer than the cache's
+    room is not refused (it was, counted as growing by every step: "would cache 19 more tokens")."""
+    dec = Decoder(MODEL, compose(spec, budget=0.4), max_tokens=20, page_size=1)
+    dec.extend([[(3 * i + 1) % V for i in range(20)]])
+    held: list[int] = []  # what the fullest layer holds as each token is read
+    for turn, n in ((None, 5), ([(5 * i) % V for i in range(6)], 20)):
+        if turn:
+            dec.extend([turn])
+        res = dec.generate(n, stream=lambda b, t: held.append(dec.cache.slots_held(0)))
+        assert len(res.tokens[0]) == n
+        assert max(held) <= int(dec.cache.plan.rows.budgets.max()) + 1 <= dec.cache.slots_per_layer
+        held.clear()
+
+
+@given(length=st.integers(30, 80), chunk=st.sampled_from([4, 8, 13]), budget=st.sampled_from([8, 12, 0.25]),
+       spec=st.sampled_from([("pyramid+h2o",), ("squeeze+snapkv(window=4)",), ("pyramid+streaming",),
+                             ("squeeze+tova",), ("h2o",), ("snapkv(window=4)", DEEP_DUO), ("h2o", DEEP_DUO)]),
+       n_new=st.integers(1, 6), questions=st.lists(st.integers(1, 16), min_size=1, max_size=3),
+       page_size=st.sampled_from([1, 4]))
+def test_follow_ups_fit_a_cache_sized_for_the_mean_budget(length, chunk, budget, spec, n_new, questions,
+                                                          page_size):
+    """Follow-up turns on a context streamed into a cache of the mean budget + one chunk (or + the longest
+    turn, + the generation): the layers (heads) a layer-budget policy or duo gave the most fill their slots,
+    so each follow-up's extension first compresses the sequence with room reserved for it
+    (``cache.make_room``; it was refused at the first follow-up: "would hold 115 + 11 tokens in a layer").
+    Each turn completes and no layer outgrows the cache; the budget is planned whole."""
+    policy = compose(*spec, budget=budget)
+    prompt = [(7 * i + 3) % V for i in range(length)]
+    final = length + sum(questions) + len(questions) * n_new
+    assume(final + n_new <= DEEP.max_seq_len)
+    mean = int(policy.budget_tokens(torch.tensor([final]))[0])  # the budget grows with the conversation
+    max_tokens = mean + max(chunk, n_new, *questions) + n_new
+    dec = Decoder(DEEP, policy, max_tokens=max_tokens, page_size=page_size)
+    dec.extend([prompt], chunk=chunk, max_new_tokens=n_new)
+    assert len(dec.generate(n_new).tokens[0]) == n_new
+    slots, Lc = dec.cache.slots_per_layer, DEEP.n_cache_layers
+    for k, q in enumerate(questions):
+        dec.extend([[(5 * i + k) % V for i in range(q)]], max_new_tokens=n_new)
+        assert dec.cache.slots_held(0) <= slots
+        seen = dec.lengths[0]  # what the turn's budget is a fraction of
+        res = dec.generate(n_new)
+        assert len(res.tokens[0]) == n_new
+        assert dec.cache.slots_held(0) <= slots
+    budgets = dec.cache.plan.rows.budgets[:, dec.cache.rows.rows(0)]  # [Lc, rows of the sequence]
+    total = int(policy.budget_tokens(torch.tensor([seen]))[0]) * Lc * budgets.shape[1]
+    assert int(budgets.sum()) == total  # the cap moved budget between layers (heads), dropped none
+    assert int(budgets.max()) <= slots
 
 # ----------------------------------------------------------------------------------------------------- (d)
 def naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, *, scale, slopes, mode, window, decay,

@@ -17,6 +17,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import test_cli
 from kvmodels.cli import PLAIN_TURNS, CliError, chat_turns
@@ -74,6 +75,20 @@ def prefills(monkeypatch):
 
     monkeypatch.setattr(Llama, "prefill", counted)
     return calls
+
+
+@pytest.fixture
+def decoders(monkeypatch):
+    """Every ``Decoder`` the CLI builds, in order."""
+    made: list[Decoder] = []
+
+    class Recording(Decoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("kvmodels.decoder.Decoder", Recording)
+    return made
 
 
 def ask(capsys, ckpt, context_file, questions, *extra):
@@ -371,29 +386,62 @@ def test_chunk_prefills_a_prompt_a_chunk_at_a_time(capsys, sharp_ckpt, prefills)
     assert peak_mib(err, "KV cache:") < peak_mib(whole_err, "KV cache:")
 
 
-def test_chunk_sizes_the_cache_for_the_budget_plus_a_chunk(capsys, sharp_ckpt, monkeypatch):
-    """``kvgen --chunk N``: the cache (its page pool) is sized for each layer's budget plus one chunk plus the
-    generation, not for the model's context (what it was), and a layer-budget policy's larger layers are
-    capped to fit it, the total budget kept."""
-    made = []
-
-    class Recording(Decoder):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr("kvmodels.decoder.Decoder", Recording)
+def test_chunk_sizes_the_pool_for_the_budget_plus_a_chunk(capsys, sharp_ckpt, decoders):
+    """``kvgen --chunk N``: the page pool holds every layer's budget plus one chunk plus the generation (and a
+    page of rounding per layer), not the model's context (what it was); the layers share it, so a
+    layer-budget policy keeps its shape (pyramid's budgets, whole)."""
     n, budget, chunk = 4, 6, 5
     args = ["--policy", "pyramid+h2o", "--budget", str(budget), "--max-new-tokens", str(n),
-            "--chunk", str(chunk)]
+            "--chunk", str(chunk), "--page-size", "4"]
     rc, out, err = run_cli(capsys, "--model", str(sharp_ckpt), "--no-chat", *args, CONTEXT)
     assert rc == 0, err
-    dec = made[-1]
-    assert dec.max_tokens == budget + chunk + n < dec.model.max_seq_len
-    assert dec.cache.num_pages == dec.model.n_cache_layers * -(-dec.max_tokens // dec.page_size)
+    dec = decoders[-1]
+    Lc = dec.model.n_cache_layers
+    assert dec.cache.num_pages == Lc * (-(-(budget + chunk + n) // 4) + 1) == Lc * 5
+    assert dec.cache.num_pages < Lc * dec.model.max_seq_len // 4
     line = next(x for x in err.splitlines() if x.startswith("layer budgets (sequence 0):"))
     budgets = [int(x) for x in line.split(":")[1].split()]
-    assert sum(budgets) == budget * dec.model.n_cache_layers and len(set(budgets)) > 1  # pyramid's, whole
+    assert sum(budgets) == budget * Lc and len(set(budgets)) > 1  # pyramid's, whole
+    assert budgets == compose("pyramid+h2o", budget=budget).plan(
+        torch.tensor([len(ids(CONTEXT))]), Lc, max_new_tokens=n).layers.budgets[:, 0].tolist()  # uncapped
+
+
+def test_chunk_sizes_the_pool_of_questions(capsys, sharp_ckpt, context_file, prefills, decoders,
+                                           monkeypatch):
+    """``kvgen --context FILE --chunk N``: the page pool holds the budget the conversation reaches after its
+    last question plus one chunk plus an answer on every layer (it held the model's context); the answers
+    equal an unbounded Decoder's fed the same turns (the pool changes no plan). Questions from stdin have
+    unknown lengths: the budget of the model's whole context, and a long question streams in a chunk at a
+    time."""
+    n, budget, chunk, spec = 4, 0.5, 5, "pyramid+snapkv(window=2)"
+    rc, out, err = ask(capsys, sharp_ckpt, context_file, QUESTIONS, "--policy", spec, "--budget", str(budget),
+                       "--max-new-tokens", str(n), "--chunk", str(chunk), "--page-size", "1")
+    assert rc == 0, err
+    lm = load_checkpoint(str(sharp_ckpt))
+    Lc, limit = lm.model.n_cache_layers, lm.model.max_seq_len
+    want_dec = Decoder(lm.model, compose(spec, budget=budget), page_size=1)
+    want_dec.extend([ids(CONTEXT)], chunk=chunk, max_new_tokens=n)
+    want, asked = [], []
+    for k, q in enumerate(QUESTIONS):
+        toks = lm.tokenizer.encode("\n\n" + q + "\n", add_special_tokens=False)
+        asked.append(len(toks))
+        if k == len(QUESTIONS) - 1:  # the conversation before its last answer (the previous one's last token)
+            last = want_dec.lengths[0] + 1 + len(toks)
+        want_dec.extend([toks], chunk=chunk, max_new_tokens=n)
+        want.append(lm.tokenizer.decode(want_dec.generate(n).tokens[0], skip_special_tokens=True))
+    assert answers(out, QUESTIONS) == want
+    counted = len(ids(CONTEXT)) + sum(asked) + (len(QUESTIONS) - 1) * n
+    assert counted == last  # what the CLI sizes for: answers of n tokens (no eos), no end-of-turn fed
+    assert decoders[-1].cache.num_pages == Lc * (-(-counted // 2) + chunk + n + 1) < Lc * limit
+
+    long = " ".join(["the cache is small"] * 3)  # longer than a chunk
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{long}\n"))
+    rc, out, err = ask(capsys, sharp_ckpt, context_file, ["-"], "--policy", "h2o", "--budget", "0.5",
+                       "--max-new-tokens", str(n), "--chunk", str(chunk), "--page-size", "1")
+    assert rc == 0, err
+    assert decoders[-1].cache.num_pages == Lc * (-(-(limit - n) // 2) + chunk + n + 1) < Lc * limit
+    asked = len(lm.tokenizer.encode("\n\n" + long + "\n", add_special_tokens=False))
+    assert asked == 12 and [size for size, _ in prefills[-3:]] == [5, 5, 2]  # a chunk at a time
 
 
 def test_chunk_streams_the_context_of_questions(capsys, sharp_ckpt, context_file, prefills):

@@ -29,9 +29,18 @@ def test_full_cache_answers_as_one_shot_greedy():
     assert qa.answer_extend(MODEL, policy, CONTEXT, REST, 4) == want
 
 
+def test_streamed_protocols_answer_as_one_shot_greedy_under_the_full_cache():
+    """``stream`` / ``stream-sized`` / ``stream-pool``: the context and the question fed 8 tokens at a time;
+    the full cache keeps every token, in a cache of the model's context or of exactly the tokens."""
+    want = generate(MODEL, [CONTEXT + REST], 4).tokens[0]
+    policy = compose("full", evict_every=qa.EVICT_EVERY)
+    for bound in (None, "layer", "pool"):
+        assert qa.answer_stream(MODEL, policy, CONTEXT, REST, 4, chunk=8, bound=bound) == want
+
+
 def test_replayed_contexts_change_nothing():
     replay = PrefillReplay(MODEL)
-    replay.record([CONTEXT])
+    replay.record([CONTEXT, CONTEXT[:8]])  # and the first chunk of the stream protocols
     model = replay  # the context replayed, the rest (the question, kvzip's reconstruction) the model's
     for text in ("snapkv(window=4)", "streaming", "kvzip"):
         policy = compose(text, budget=0.5, evict_every=qa.EVICT_EVERY)
@@ -39,6 +48,9 @@ def test_replayed_contexts_change_nothing():
                 == qa.answer_feed(MODEL, policy, CONTEXT, REST, 3))
         assert (qa.answer_extend(model, policy, CONTEXT, REST, 3)
                 == qa.answer_extend(MODEL, policy, CONTEXT, REST, 3))
+        for bound in ("layer", "pool"):
+            assert (qa.answer_stream(model, policy, CONTEXT, REST, 3, chunk=8, bound=bound)
+                    == qa.answer_stream(MODEL, policy, CONTEXT, REST, 3, chunk=8, bound=bound))
 
 
 def test_head_budget_configs_run_through_the_feed_protocol():

@@ -7,10 +7,11 @@
     >>> ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
     >>> result = generate(loaded.model, [ids], 32, compose("squeeze", "keyformer", budget=0.2))
 
-``Decoder`` continues a batch after a generation (follow-up questions) and prefills long prompts in chunks.
+``Decoder`` continues a batch after a generation (follow-up questions) and prefills long prompts in chunks
+(``chunked_num_pages`` sizes its page pool for that).
 """
 
-from kvmodels.decoder import Decoder
+from kvmodels.decoder import Decoder, chunked_num_pages
 from kvmodels.generate import CacheLayout, CausalLM, GenerationResult, generate
 from kvmodels.llama import LLAMA_CONFIGS, Llama, LlamaConfig
 from kvmodels.loading import CheckpointError, from_transformers, load_checkpoint, read_gguf
@@ -18,5 +19,5 @@ from kvmodels.loading import CheckpointError, from_transformers, load_checkpoint
 __all__ = [
     "LLAMA_CONFIGS", "CacheLayout", "CausalLM", "CheckpointError", "Decoder", "GenerationResult", "Llama",
     "LlamaConfig",
-    "from_transformers", "generate", "load_checkpoint", "read_gguf",
+    "chunked_num_pages", "from_transformers", "generate", "load_checkpoint", "read_gguf",
 ]

@@ -76,9 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=None, metavar="N",
                    help="prefill the prompt (or --context) N tokens at a time, compressing after each chunk, "
                         "so a layer holds at most its budget plus N tokens while a long document streams in "
-                        "(the summary's peak says what it held; with a prompt, the cache is allocated for "
-                        "that plus the new tokens, not the model's context); a window-vote policy's window "
-                        "must fit in a chunk (default: the whole prompt at once)")
+                        "(the summary's peak says what it held); the page pool is allocated for that plus "
+                        "the new tokens on every layer, not the model's context (with --context: for the "
+                        "budget the conversation reaches, or with --question - the model's context; each "
+                        "question is fed N tokens at a time too); a window-vote policy's window must fit in "
+                        "a chunk (default: the whole prompt at once)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples from softmax(logits / T)")
     p.add_argument("--seed", type=int, default=0,
@@ -351,10 +353,12 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, eos_ids=s.eos, compile=compile_step, stream=stream,
                           on_prefill=progress, page_size=args.page_size)
     else:  # chunked prefill: the Decoder compresses after each chunk
-        from kvmodels.decoder import Decoder
+        from kvmodels.decoder import Decoder, chunked_num_pages
 
+        pages = chunked_num_pages(s.loaded.model, policy, max(map(len, ids)), args.chunk, args.max_new_tokens,
+                                  page_size=args.page_size, batch=len(ids))
         dec = Decoder(s.loaded.model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step,
-                      max_tokens=_chunked_slots(policy, ids, args.chunk, args.max_new_tokens))
+                      num_pages=pages)
         _extend(dec, ids, args, on_prefill=progress)
         result = dec.generate(args.max_new_tokens, temperature=args.temperature, eos_ids=s.eos, stream=stream,
                               final=True)
@@ -488,21 +492,6 @@ def _check_continuable(model: Any, policy: Any) -> None:
                        "question in the prompt")
 
 
-def _chunked_slots(policy: Any, ids: list[list[int]], chunk: int, max_new_tokens: int) -> int:
-    """The slots per layer (the cache's ``max_tokens``, which sizes its page pool) a chunked run needs: each
-    layer holds at most its budget plus one chunk while the prompt streams in, then its budget plus the
-    generation (a layer-budget policy's larger layers are capped to fit, ``ComposedPolicy.plan``'s room);
-    never more than the longest prompt plus the generation. Without it the pool was sized for the model's
-    whole context, whatever the chunk."""
-    import torch
-
-    whole = max(len(p) for p in ids) + max_new_tokens
-    if not policy.eviction.prefill_compress:  # every prompt token stays
-        return whole
-    budget = int(policy.budget_tokens(torch.tensor([len(p) for p in ids])).max())
-    return min(whole, budget + chunk + max_new_tokens)
-
-
 def _extend(dec: Any, ids: list[list[int]], args: argparse.Namespace, **kw: Any) -> None:
     """``dec.extend(ids)`` with ``--chunk``; the Decoder's refusals as one line naming the argument."""
     try:
@@ -543,7 +532,7 @@ def run_questions(args: argparse.Namespace) -> int:
     extended into the compressed cache (:class:`kvmodels.decoder.Decoder`) and answered."""
     import torch
 
-    from kvmodels.decoder import Decoder
+    from kvmodels.decoder import Decoder, chunked_num_pages
     from kvpolicies.eviction.kvzip import REPEAT
 
     _check_numbers(args)
@@ -566,8 +555,18 @@ def run_questions(args: argparse.Namespace) -> int:
     # kvzip's reconstruction pass: KVzip's instruction closes the context's turn, the copy is the answer's.
     probe = REPEAT + turns.first[1]
     probe_prefix = tok.encode(probe, add_special_tokens=False) if policy.eviction.probe else []
+    pages = None  # without --chunk: every layer at the model's context
+    if args.chunk is not None:  # a pool for the conversation's last budget + one chunk + an answer per layer
+        # the questions' lengths as templated without the previous answer's end-of-turn (at most that), each
+        # earlier answer at most n_new (its last token is fed with the next question); from stdin they are
+        # unknown: the conversation may reach the model's context
+        asked = [len(tok.encode(turns.question(k, q), add_special_tokens=False)) for k, q in enumerate(given)]
+        longest = (limit - n_new if "-" in given else
+                   len(ctx_ids) + sum(asked) + (len(given) - 1) * n_new)
+        pages = chunked_num_pages(model, policy, min(longest, limit - n_new), args.chunk, n_new,
+                                  page_size=args.page_size)
     dec = Decoder(model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step,
-                  probe_prefix=probe_prefix)
+                  probe_prefix=probe_prefix, num_pages=pages)
 
     def synced() -> float:
         if s.device.type == "cuda":
@@ -599,11 +598,13 @@ def run_questions(args: argparse.Namespace) -> int:
             print(f"[{k + 1}] {question}", flush=True)
         try:
             t_q = synced()
-            dec.extend([ids], max_new_tokens=n_new)
+            dec.extend([ids], max_new_tokens=n_new, chunk=args.chunk)  # a long question streams in too
             q_s = synced() - t_q  # this question's own prefill, timed here (the context's was above)
             result = dec.generate(n_new, temperature=args.temperature, eos_ids=s.eos, stream=_TextStream(tok))
         except NotImplementedError as e:  # a refusal _check_continuable does not know of
             raise CliError(f"--policy/--model: {e}") from None
+        except ValueError as e:  # a turn the cache has no room for (its message names what to change)
+            raise CliError(f"--question number {k + 1}: {e}") from None
         print("\n", flush=True)
         # the first generate's prefill also counts the context's extend; it is reported above
         q_tokens = result.prefill_tokens - (len(ctx_ids) if k == 0 else 0)

@@ -92,9 +92,11 @@ class Decoder:
     max_tokens : int, optional
         The most tokens one cache layer may hold for one sequence at once (the page tables' width); default
         the model's context. With a compressing policy and ``chunk``, the budget plus one chunk (plus the
-        tokens generated before the next eviction) is enough, however long the context.
+        tokens generated before the next eviction) is enough, however long the context, but it caps a
+        layer-budget policy's large layers at that: bound ``num_pages`` instead.
     page_size, num_pages :
-        Pool geometry (``num_pages=None``: enough for every sequence of the batch at ``max_tokens``).
+        Pool geometry (``num_pages=None``: enough for every sequence of the batch at ``max_tokens``;
+        :func:`chunked_num_pages`: every layer's budget plus one chunk, shared by the layers).
     seed : int
         Seeds sampling and the cache's policy noise (Keyformer).
     compile : bool
@@ -281,7 +283,8 @@ class Decoder:
             compresses = policy.eviction.prefill_compress
             # without compression every token stays; with it, each chunk lands on a compressed layer
             step = len(toks) if chunk is None or not compresses else min(chunk, len(toks))
-            if held + step > capacity:
+            # a follow-up to layers that fill the cache: the extension compresses them first (make_room)
+            if held + step > capacity and (first_call or not self.cache.can_make_room(b, step)):
                 arg = "chunk" if chunk is not None else f"tokens[{b}]"
                 fix = ("prefill in smaller chunks (chunk=) or raise max_tokens" if compresses else
                        f"raise max_tokens (policy {policy.name!r} compresses no prompt, so chunks would not "
@@ -435,20 +438,21 @@ class Decoder:
             self.lengths[b] += 1
         self._positions = self._positions + 1
 
-    def _growth(self, steps: int) -> int:
+    def _growth(self, b: int, steps: int) -> int:
         """The most tokens a layer may take beyond what it holds now, in a generation that caches ``steps``:
         all of them under a policy that evicts nothing while decoding; the first ``evict_every`` under one
         that does (its eviction then holds each layer at a budget the plan leaves room beside,
         ``plan_room``); all of them again in two formats whose main region that eviction leaves whole and
-        which may outgrow the slots per layer (KIVI's residual until it ages, ZipCache's waiting tokens; MiKV
-        demotes what eviction drops). Found by tests/test_policy_fuzz.py: a step past max_tokens failed
-        mid-generation after a follow-up, which two formats append whole."""
+        which may outgrow the slots per layer (``SideRegion.main_peak``: KIVI's residual until it ages; not
+        ZipCache's, re-compressed to its budget; MiKV demotes what eviction drops). Found by
+        tests/test_policy_fuzz.py: a step past max_tokens failed mid-generation after a follow-up, which two
+        formats append whole."""
         policy, side = self.policy, self.cache.side
         if not policy.eviction.decode_evict:
             return steps
         if side is None or policy.precision.keeps_evicted:  # eviction holds every layer at its budget
             return min(steps, policy.evict_every)
-        peak = side.main_peak()
+        peak = side.main_peak(self.cache, b)
         return steps if peak is None or peak > self.cache.slots_per_layer else 0
 
     def _replan_makes_room(self, b: int, steps: int) -> bool:
@@ -458,11 +462,7 @@ class Decoder:
         compresses; not per-head budgets, which are split once per turn) and its mean budget per layer
         leaves that room, so nothing below the budget is dropped. (Told the generation's length,
         ``extend(max_new_tokens=)`` plans that room with the prompt: per-head budgets too.)"""
-        cache = self.cache
-        if (not self.policy.eviction.prefill_compress or cache.side is not None or cache.layout.pairs
-                or self.policy.heads.per_head):
-            return False
-        return int(cache.budget_tokens[cache.rows.rows(b)[0]]) + steps <= cache.slots_per_layer
+        return not self.policy.heads.per_head and self.cache.can_make_room(b, steps)
 
     # ------------------------------------------------------------------ generate
     def generate(self, max_new_tokens: int, *, temperature: float = 0.0,
@@ -517,7 +517,7 @@ class Decoder:
                                  f"{context + max_new_tokens} exceed the model's context of "
                                  f"{model.max_seq_len}; lower max_new_tokens or start a new Decoder")
             steps = (self.pending[b] is not None) + max_new_tokens - 1  # tokens the model will cache
-            grow = self._growth(steps)
+            grow = self._growth(b, steps)
             if grow > cache.decode_room(b) and not self._replan_makes_room(b, steps):
                 what = (f"would cache {steps} more tokens" if grow == steps else
                         f"would hold {grow} more tokens before its first decode-time eviction (evict_every="
@@ -608,6 +608,35 @@ class Decoder:
         return GenerationResult(tokens=out, finished_on_eos=on_eos, prefill_tokens=prefill_tokens,
                                 prefill_s=prefill_s, decode_tokens=decode_tokens, decode_s=decode_s,
                                 report=report, extra={"first_step_s": first_step_s})
+
+
+def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_tokens: int, *,
+                      page_size: int = 16, batch: int = 1) -> int:
+    """The page pool (``Decoder(num_pages=)``) for ``batch`` sequences of at most ``tokens`` tokens (a prompt,
+    or a conversation before its last answer: a fractional budget grows with the length) streamed ``chunk``
+    at a time, then ``max_new_tokens`` generated: every layer's budget plus one chunk plus the generation,
+    and one page per layer (per KV head's row) for the last page's rounding; every token under a policy that
+    compresses no prompt.
+
+    The pool is shared by the layers, so a layer-budget policy (``pyramid``, ``squeeze``, ``profile``) or
+    ``duo`` keeps its shape, its large layers (heads) taking the pages the small ones leave: the layers'
+    budgets add up to the mean's (the plan conserves the total), and each holds at most its budget plus a
+    chunk (or a follow-up, or the generation) at a time. Leave ``max_tokens`` (each layer's own cap) at the
+    model's context; a cache of ``max_tokens`` = the mean budget + one chunk holds as much but caps the large
+    layers at it (measured on SmolLM2 passkey: docs/results.md, 2026-12-07).
+
+        >>> pages = chunked_num_pages(model, policy, len(ids), 512, 64)
+        >>> dec = Decoder(model, policy, num_pages=pages)
+        >>> dec.extend([ids], chunk=512, max_new_tokens=64)
+    """
+    for name, value in (("tokens", tokens), ("chunk", chunk), ("page_size", page_size), ("batch", batch),
+                        ("max_new_tokens", max_new_tokens)):
+        _positive(name, value, zero=name == "max_new_tokens")
+    per_layer = tokens + max_new_tokens
+    if policy.eviction.prefill_compress:
+        budget = int(policy.budget_tokens(torch.tensor([tokens]))[0])
+        per_layer = min(per_layer, budget + chunk + max_new_tokens)
+    return batch * int(model.n_cache_layers) * (-(-per_layer // page_size) + 1)
 
 
 def _two_formats(policy: Any) -> bool:

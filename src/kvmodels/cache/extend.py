@@ -89,6 +89,34 @@ class ExtendSteps(CacheState):
         """The most slots one layer may hold for one sequence (``max_tokens`` rounded up to whole pages)."""
         return self.max_pages * self.page_size // self.layout.max_width
 
+    def can_make_room(self, b: int, n: int) -> bool:
+        """Whether :meth:`make_room` gives every layer of sequence ``b`` room for ``n`` more tokens: the
+        policy compresses prompts, in one format (two formats evict nothing after the split), with no merged
+        layers, and ``b``'s mean budget per layer plus ``n`` fits the slots per layer (so the re-plan's cap
+        moves budget between layers, or heads, and drops none of it)."""
+        if not self.eviction.prefill_compress or self.side is not None or self.layout.pairs:
+            return False
+        slots = self.slots_per_layer
+        return n < slots and int(self.budget_tokens[self.rows.rows(b)[0]]) + n <= slots
+
+    def make_room(self, b: int, n: int) -> None:
+        """Compress sequence ``b`` so that each of its layers (each KV head's row) takes ``n`` more tokens:
+        its plan is made again with ``n`` slots reserved (``ComposedPolicy.plan``'s ``room``: the larger
+        layers' or heads' budgets capped, the excess handed to the others) and every layer over its budget
+        compressed now. :meth:`begin_extend` calls it when a layer lacks the room (:meth:`can_make_room`): a
+        layer-budget policy's or ``duo``'s largest layers fill a cache sized for the mean budget, and a
+        follow-up turn, whose length the previous plan did not know, would not fit them (found 2026-12-07,
+        streaming a context and its questions into a cache of the mean budget + one chunk: refused at a
+        question). The tokens it evicts are ranked by the scores so far, before the new tokens vote."""
+        if self._state != "decode":
+            raise RuntimeError(f"make_room called in state {self._state!r}; call it between decode steps")
+        check_sequence(b, self.n_sequences)
+        rows = self.rows.rows(b)
+        for row in rows:
+            self.reserve[row] = check_reserve(n, self)
+        self.rows.replanned(b)  # per-head rows: split again, under the cap
+        self._replan(rows)
+
     def begin_extend(self, b: int, n: int, *, budget_len: int | None = None,
                      max_new_tokens: int | None = None, probe: bool | ProbeSpan = False,
                      reserve: int = 0) -> None:
@@ -157,6 +185,9 @@ class ExtendSteps(CacheState):
             return
         S, capacity = self.page_size, self.max_pages * self.page_size
         lens = self.host.lens[:, rows]  # [Lc, rows of b]
+        if (lens + n > capacity).any() and self.can_make_room(b, n):
+            self.make_room(b, n)
+            lens = self.host.lens[:, rows]
         if (lens + n > capacity).any():
             l = int(np.argmax((lens + n > capacity).any(axis=1)))
             lens = lens.max(axis=1)

@@ -228,15 +228,19 @@ class SideRegion:
         have = self.lens[:len(total), b]
         return int((ceil_div(have + moved, self.page_size) - ceil_div(have, self.page_size)).sum())
 
-    def main_peak(self) -> int | None:
+    def main_peak(self, cache, b: int) -> int | None:
         """Under a policy that evicts while decoding and a precision that does not keep what it evicts (MiKV,
-        ``keeps_evicted``, demotes it, so its main region is held at the budget), the most tokens a row's main
-        region can hold after a decode step's append however long it decodes, or ``None`` where it grows
-        with every token: KIVI's residual ages once ``residual + group`` are exceeded (``residual + group +
-        1``); a ZipCache main region is treated as growing (its re-compression depends on the scores)."""
+        ``keeps_evicted``, demotes it, so its main region is held at the budget), the most tokens a layer of
+        sequence ``b``'s main region can hold after a decode step's append however long it decodes, or
+        ``None`` where it grows with every token: KIVI's residual ages once ``residual + group`` are exceeded
+        (``residual + group + 1``); ZipCache's re-compresses whenever it holds more than its layer's budget
+        (:meth:`recompress`; an extension's :meth:`migrate` too), so it holds at most that budget before a
+        step (the plan's largest layer budget + 1)."""
         p = self.precision
         if not self.every and p.name == "kivi" and p.residual:
             return int(p.residual + p.group + 1)
+        if self.every and self.capped and cache.plan is not None:
+            return int(cache.plan.rows.budgets[:, cache.rows.rows(b)].max()) + 1
         return None
 
     def migrate(self, cache) -> None:
