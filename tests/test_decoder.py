@@ -408,7 +408,6 @@ def test_a_pool_of_chunked_num_pages_changes_nothing(length, chunk, budget, spec
     prompt = [(7 * i + 3) % V for i in range(length)]
     final = length + sum(questions) + len(questions) * n_new
     assume(final + n_new <= DEEP.max_seq_len)
-    chunk = max(chunk, 4)  # snapkv's window
     pages = chunked_num_pages(DEEP, policy, final, max([chunk, *questions]), n_new, page_size=page_size)
     bounded, free = (Decoder(DEEP, policy, num_pages=n, page_size=page_size) for n in (pages, None))
     for dec in (bounded, free):
@@ -474,6 +473,7 @@ def test_follow_ups_fit_a_cache_sized_for_the_mean_budget(length, chunk, budget,
     total = int(policy.budget_tokens(torch.tensor([seen]))[0]) * Lc * budgets.shape[1]
     assert int(budgets.sum()) == total  # the cap moved budget between layers (heads), dropped none
     assert int(budgets.max()) <= slots
+
 
 # ----------------------------------------------------------------------------------------------------- (d)
 def naive_extension(q, k, v, positions, kept_k, kept_v, kept_pos, *, scale, slopes, mode, window, decay,
