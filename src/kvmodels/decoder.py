@@ -629,6 +629,8 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
         >>> dec = Decoder(model, policy, num_pages=pages)
         >>> dec.extend([ids], chunk=512, max_new_tokens=64)
     """
+    from kvmodels.cache.pool import ceil_div  # the cache pulls in the kernels; import when used
+
     for name, value in (("tokens", tokens), ("chunk", chunk), ("page_size", page_size), ("batch", batch),
                         ("max_new_tokens", max_new_tokens)):
         _positive(name, value, zero=name == "max_new_tokens")
@@ -636,7 +638,7 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
     if policy.eviction.prefill_compress:
         budget = int(policy.budget_tokens(torch.tensor([tokens]))[0])
         per_layer = min(per_layer, budget + chunk + max_new_tokens)
-    return batch * int(model.n_cache_layers) * (-(-per_layer // page_size) + 1)
+    return batch * int(model.n_cache_layers) * (ceil_div(per_layer, page_size) + 1)
 
 
 def _two_formats(policy: Any) -> bool:

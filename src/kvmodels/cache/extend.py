@@ -111,9 +111,10 @@ class ExtendSteps(CacheState):
         if self._state != "decode":
             raise RuntimeError(f"make_room called in state {self._state!r}; call it between decode steps")
         check_sequence(b, self.n_sequences)
+        check_reserve(n, self)
         rows = self.rows.rows(b)
         for row in rows:
-            self.reserve[row] = check_reserve(n, self)
+            self.reserve[row] = n
         self.rows.replanned(b)  # per-head rows: split again, under the cap
         self._replan(rows)
 
