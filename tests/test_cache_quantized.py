@@ -493,6 +493,139 @@ def test_a_tiered_cache_continues_over_both_regions(case, n_new, h2o):
     check_two_regions(cache)
 
 
+@st.composite
+def prefill_chunk_cases(draw):
+    eviction = draw(st.sampled_from(["snapkv(window=2)", "h2o(recent=1)", "streaming(sinks=1)",
+                                     "snapkv(window=2, per_head=False)"]))
+    precision = draw(st.sampled_from(["kivi(bits={b}, group={g}, residual={r})", "mikv(low={b}, group={g})"]))
+    spec = precision.format(b=draw(st.sampled_from([2, 4, 8])), g=draw(st.sampled_from([2, 4, 8])),
+                            r=draw(st.sampled_from([1, 2, 5])))
+    lens = draw(st.lists(st.sampled_from([1, 2, 3, 5, 9]), min_size=1, max_size=3))
+    n_kv, gqa = draw(st.sampled_from([(1, 1), (2, 2), (1, 3)]))
+    chunks = draw(st.lists(st.sampled_from([1, 2, 4, 7]), min_size=1, max_size=3))
+    return (eviction, spec, draw(st.sampled_from([1, 4])), lens, n_kv, gqa, chunks,
+            draw(st.sampled_from([0.3, 0.5, 1.0])), draw(st.integers(0, 99)))
+
+
+@given(case=prefill_chunk_cases())
+@example(case=("snapkv(window=2)", "kivi(bits=4, group=2, residual=2)", 1, [9, 5], 2, 2, [7, 4], 0.3, 3))
+@example(case=("h2o(recent=1)", "mikv(low=4, group=2)", 4, [5, 3], 1, 3, [4, 7], 0.5, 1))
+@example(case=("snapkv(window=2)", "mikv(low=2, group=2)", 1, [5], 1, 1, [2], 0.3, 0))  # regions interleave
+def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
+    """The rest of a prompt prefilled in chunks into a two-format cache (``begin_extend(chunked=True)``,
+    what ``Decoder.extend(chunk=)`` does): each chunk attends to both regions' tokens as stored (dense
+    reference), its rows give every held token and itself the score the policy's ``extension_scores`` gives
+    them in position order (window votes replace, accumulated attention adds), and afterwards the sequence
+    holds its budget as decoding holds it: KIVI's residual aged (the newest ``residual`` to ``residual +
+    group`` unquantized), then the quantized tokens over the budget evicted lowest-ranked first (the plan's
+    sinks and recent window kept; the residual whole), MiKV's tokens over the budget moved to its low bits
+    by the same ranking, nothing lost; every row the round trip of its original through its region's format,
+    every page owned once. A budget that holds everything evicts nothing."""
+    eviction, spec, page_size, lens, n_kv, gqa, chunks, budget, seed = case
+    g = torch.Generator().manual_seed(seed + 7)
+    total = [L + sum(chunks) for L in lens]
+    run = FakeRun(2, n_kv, gqa, 8, lens, 0, seed=seed)
+    policy = compose(eviction, spec, budget=budget)
+    ev, p = policy.eviction, policy.precision
+    cache = run.cache(policy, page_size=page_size, max_new=sum(chunks) + 1)
+    cache.start(lens, 1, budget_lens=total)
+    for b in range(len(lens)):
+        for l in range(2):
+            q, k, v = run.prompt[l][b]
+            cache.prefill_layer(l, b, q, k, v, run.positions(b), scale=run.scale)
+    cache.finish_prefill()
+    main_fmt = cache.storage.fmt if cache.storage.quantized else None
+    side_fmt = cache.side.storage.fmt
+
+    def stored(x, fmt):
+        return x if fmt is None else round_trip(x, fmt)
+
+    b = len(lens) - 1
+    start = lens[b]
+    for n in chunks:
+        before = [held_with_scores(cache, l, b) for l in range(2)]
+        new = [tuple(torch.randn(n, h, 8, generator=g).to(DEVICE) for h in (n_kv * gqa, n_kv, n_kv))
+               for _ in range(2)]
+        positions = torch.arange(start, start + n, dtype=torch.int32, device=DEVICE)
+        cache.begin_extend(b, n, budget_len=total[b], chunked=True)
+        want_scores = []
+        for l, (q, k, v) in enumerate(new):
+            out = cache.extend_attend(l, b, q, k, v, positions, scale=run.scale)
+            held = [sorted(before[l][h]) for h in range(n_kv)]  # each head's, in position order
+            ks = torch.stack([torch.stack([before[l][h][x][0] for x in held[h]]) for h in range(n_kv)], 1)
+            vs = torch.stack([torch.stack([before[l][h][x][1] for x in held[h]]) for h in range(n_kv)], 1)
+            for h in range(n_kv):
+                for i in range(n):
+                    keys = torch.cat([ks[:, h], k[:i + 1, h]])[:, None]
+                    values = torch.cat([vs[:, h], v[:i + 1, h]])[:, None]
+                    want = dense_attention(q[i, h * gqa:(h + 1) * gqa], keys, values, run.scale)
+                    torch.testing.assert_close(out[i, h * gqa:(h + 1) * gqa], want.to(out.dtype), rtol=1e-4,
+                                               atol=1e-4)
+            old = torch.tensor([[before[l][h][x][3] for x in held[h]] for h in range(n_kv)], device=DEVICE)
+            kept_pos = torch.tensor(held, dtype=torch.int32, device=DEVICE).t()  # [m, Hkv]
+            _, scores = ev.extension_scores(q, k, v, positions, ks, vs, kept_pos, old, scale=run.scale,
+                                            seed=cache.prefill_seed(l, b))
+            if scores is None:  # a rule without scores (streaming): the held keep theirs, the new ones 0
+                scores = torch.cat([old, torch.zeros(n_kv, n, device=DEVICE)], dim=1)
+            # per head: position -> its score, and the layer's shared ranking where the heads share one
+            rank = ev.eviction_scores(scores, head_dim=0) if ev.heads_share_selection else scores
+            want_scores.append([{x: float(rank[h, i]) for i, x in enumerate(held[h] + positions.tolist())}
+                                for h in range(n_kv)])
+            got = held_with_scores(cache, l, b)  # appended, not yet aged or evicted
+            for h in range(n_kv):
+                for i, x in enumerate(held[h] + positions.tolist()):
+                    assert math.isclose(got[h][x][3], float(scores[h, i]), rel_tol=1e-4,
+                                        abs_tol=1e-5), (l, h, x)
+        cache.end_extend(b)
+        for l, (_, k, v) in enumerate(new):
+            budgets, n_sink, n_recent = (int(x[l, b]) for x in cache.plan.rows)
+            after = held_with_scores(cache, l, b)
+            for h in range(n_kv):
+                was = {**{x: r for x, (*_, r, _) in before[l][h].items()}, **dict.fromkeys(positions.tolist(),
+                                                                                            "main")}
+                now = {x: r for x, (*_, r, _) in after[h].items()}
+                main = sorted(x for x, r in now.items() if r == "main")
+                if p.name == "kivi":  # the residual: the newest held, aged a group or more at a time
+                    assert main == sorted(was)[-len(main):] and len(main) <= p.residual + p.group
+                    # aged tokens are the side format's round trip of their stored rows
+                    side_before = [x for x in was if was[x] == "side" or x not in main]
+                    if len(was) <= budgets:
+                        assert set(now) == set(was), "nothing over the budget: nothing evicted"
+                    else:
+                        assert len(now) == max(budgets, len(main)), (l, h, len(now), budgets)
+                        gone = set(side_before) - set(now)
+                        kept = sorted(x for x in side_before if x in now)
+                        sink = min(n_sink, len(kept))
+                        forced = set(kept[:sink])
+                        recent = max(0, min(n_recent - len(main), len(kept) - sink))
+                        forced |= set(kept[len(kept) - recent:]) if recent else set()
+                        free = [x for x in kept if x not in forced]
+                        if gone and free:
+                            s = want_scores[l][h]
+                            lost = [s[x] for x in gone]
+                            held_r = [s[x] for x in kept if x not in forced]
+                            assert max(lost) <= min(held_r) + 1e-6, (l, h, sorted(gone), kept)
+                else:  # MiKV: nothing leaves; the main region held at the budget
+                    assert set(now) == set(was)
+                    assert len(main) == min(budgets, sum(r == "main" for r in was.values()))
+                # every row as stored: new ones through their region's format, aged ones re-encoded
+                for x, (k1, v1, region, _) in after[h].items():
+                    if x in before[l][h]:
+                        k0, v0, r0 = before[l][h][x][:3]
+                    else:
+                        i = x - start
+                        k0, v0, r0 = (stored(k[i:i + 1, h], main_fmt)[0], stored(v[i:i + 1, h], main_fmt)[0],
+                                      "main")
+                    if region != r0:
+                        assert (r0, region) == ("main", "side"), (l, h, x)
+                        k0, v0 = (round_trip(y[None], side_fmt)[0] for y in (k0, v0))
+                    assert torch.equal(k1, k0) and torch.equal(v1, v0), (l, h, x, r0, region)
+        check_two_regions(cache)
+        start += n
+    cache.restart_decode(1)  # and the sequence decodes over both regions
+    check_two_regions(cache)
+
+
 @pytest.mark.parametrize("family,precision,row_bytes", [
     ("llama", "kivi(bits=8, group=2, residual=0)", 18),  # head dim 6: 6 code bytes + 3 fp16 scales and zeros
     ("llama", "kivi(bits=8, group=2, residual=0, channel_scale=True)", 18),
@@ -535,8 +668,9 @@ def test_a_session_continues_over_two_formats(precision):
     follow-up re-selects the unquantized cache's tokens while the two-format cache keeps all it holds, so
     the follow-up's attention is checked against the dense reference by the cache test above): the same
     prompt logits (and, for KIVI, first generation), every token held before the follow-up held after it
-    plus the follow-up's, and a generation after it. A chunked prefill, which could not keep the budget, is
-    refused by name before anything runs."""
+    plus the follow-up's, and a generation after it. A chunked prefill holds the budget (MiKV: its high
+    bits) after every chunk, and generates; ZipCache, which ranks by attention a chunk does not accumulate,
+    refuses it by name before anything runs."""
     from kvmodels.decoder import Decoder
     from test_model_policy_matrix import PROMPTS, tiny_model
 
@@ -560,9 +694,15 @@ def test_a_session_continues_over_two_formats(precision):
     assert (cache.host.lens[:, :2] + cache.side.lens[:, :2] == held).all()  # nothing evicted
     assert cache.side.lens[:, :2].all()  # both formats in use
     assert len(dec.generate(2).tokens) == 2
-    with pytest.raises(NotImplementedError, match="two formats.*chunk="):
-        Decoder(model, compose("snapkv(window=2)", precision, budget=0.5), max_tokens=48).extend(
-            [list(range(1, 13))], chunk=4)
+    chunked = Decoder(model, compose("snapkv(window=2)", precision, budget=0.5), max_tokens=48)
+    if precision.startswith("zipcache"):
+        with pytest.raises(NotImplementedError, match="zipcache.*chunked prefill; prefill the prompt whole"):
+            chunked.extend([list(range(1, 13))], chunk=4)
+        return
+    chunked.extend([list(range(1, 13))], chunk=4)
+    main, side = chunked.cache.host.lens[:, 0], chunked.cache.side.lens[:, 0]
+    assert ((main + side == 6) if precision.startswith("kivi") else (main == 6) & (side == 6)).all()
+    assert len(chunked.generate(2).tokens[0]) == 2
 
 
 def test_h2o_over_zipcache_holds_its_budget_while_generating():

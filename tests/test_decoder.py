@@ -385,6 +385,44 @@ def test_chunked_num_pages_is_every_layers_budget_plus_a_chunk_plus_the_generati
     for args, name in (((0, 32, 8), "tokens"), ((400, 0, 8), "chunk"), ((400, 32, -1), "max_new_tokens")):
         with pytest.raises(ValueError, match=f"^{name}="):
             chunked_num_pages(DEEP, h2o, *args)
+    with pytest.raises(ValueError, match="^follow_ups="):
+        chunked_num_pages(DEEP, h2o, 400, 32, 8, follow_ups=-1)
+    # follow-ups: compressed with the context in one format
+    assert chunked_num_pages(DEEP, h2o, 300, 32, 8, page_size=1, follow_ups=100) == Lc * (200 + 32 + 8 + 1)
+    with pytest.raises(ValueError, match="region='side': policy 'h2o' stores tokens in one format"):
+        chunked_num_pages(DEEP, h2o, 400, 32, 8, region="side")
+    with pytest.raises(ValueError, match="region='both' must be 'main', 'side' or None"):
+        chunked_num_pages(DEEP, h2o, 400, 32, 8, region="both")
+    # two formats, each pool its own: KIVI's unquantized residual + a group + a chunk, its quantized budget
+    # + a chunk + the generation + the follow-ups (kept whole); MiKV's low bits every token
+    kivi = compose("h2o", "kivi(bits=4, group=4, residual=16)", budget=0.5)
+    sizes = [chunked_num_pages(DEEP, kivi, 300, 32, 8, page_size=1, follow_ups=10, region=r)
+             for r in ("main", "side", None)]
+    assert sizes == [Lc * (16 + 4 + 32 + 1), Lc * (150 + 10 + 32 + 8 + 1), Lc * (150 + 10 + 32 + 8 + 1)]
+    mikv = compose("h2o", "mikv(low=4, group=4)", budget=0.5)
+    assert [chunked_num_pages(DEEP, mikv, 300, 32, 8, page_size=1, region=r) for r in ("main", "side")] == [
+        Lc * (150 + 32 + 8 + 1), Lc * (300 + 8 + 1)]
+    with pytest.raises(ValueError, match="side_pages=4: policy 'h2o' stores tokens in one format"):
+        Decoder(DEEP, h2o, side_pages=4)
+    with pytest.raises(ValueError, match="side_pages=0 must be an int >= 1"):
+        Decoder(DEEP, kivi, side_pages=0)
+
+
+def converse_alike(bounded: Decoder, free: Decoder, prompt: list[int], chunk: int, questions: list[int],
+                   n_new: int) -> None:
+    """Stream ``prompt`` into both Decoders ``chunk`` at a time, then ask each question (of that many
+    tokens) after the previous answer: after every answer, the same tokens, plans and tokens held per
+    layer."""
+    for dec in (bounded, free):
+        dec.extend([prompt], chunk=chunk, max_new_tokens=n_new)
+    for k, q in enumerate([None, *questions]):
+        if q is not None:
+            for dec in (bounded, free):
+                dec.extend([[(5 * i + k) % V for i in range(q)]], max_new_tokens=n_new)
+        got, want = (dec.generate(n_new).tokens[0] for dec in (bounded, free))
+        assert got == want
+        assert torch.equal(bounded.cache.plan.rows.budgets, free.cache.plan.rows.budgets)
+        assert bounded.cache.report().tokens_per_layer == free.cache.report().tokens_per_layer
 
 
 DEEP_DUO = ("duo", {"weights": ((0.9, 0.1),) * DEEP.n_cache_layers, "fraction": 0.5})
@@ -410,17 +448,92 @@ def test_a_pool_of_chunked_num_pages_changes_nothing(length, chunk, budget, spec
     assume(final + n_new <= DEEP.max_seq_len)
     pages = chunked_num_pages(DEEP, policy, final, max([chunk, *questions]), n_new, page_size=page_size)
     bounded, free = (Decoder(DEEP, policy, num_pages=n, page_size=page_size) for n in (pages, None))
-    for dec in (bounded, free):
-        dec.extend([prompt], chunk=chunk, max_new_tokens=n_new)
-    for k, q in enumerate([None, *questions]):
-        if q is not None:
-            for dec in (bounded, free):
-                dec.extend([[(5 * i + k) % V for i in range(q)]], max_new_tokens=n_new)
-        got, want = (dec.generate(n_new).tokens[0] for dec in (bounded, free))
-        assert got == want
-        assert torch.equal(bounded.cache.plan.rows.budgets, free.cache.plan.rows.budgets)
-        assert bounded.cache.report().tokens_per_layer == free.cache.report().tokens_per_layer
+    converse_alike(bounded, free, prompt, chunk, questions, n_new)
     assert bounded.cache.num_pages < free.cache.num_pages or final <= 2 * chunk
+
+
+@given(length=st.integers(30, 80), chunk=st.sampled_from([4, 8, 13]), budget=st.sampled_from([8, 12, 0.25]),
+       spec=st.sampled_from([("snapkv(window=4)", "kivi(bits=4, group=4, residual=6)"),
+                             ("h2o", "kivi(bits=4, group=4, residual=4)"),
+                             ("kivi(bits=4, group=4, residual=8)",),
+                             ("snapkv(window=4)", "mikv(low=4, group=4)"), ("h2o", "mikv(low=4, group=4)"),
+                             ("pyramid+tova", "kivi(bits=2, group=4, residual=4)")]),
+       n_new=st.integers(1, 6), questions=st.lists(st.integers(1, 16), max_size=2),
+       page_size=st.sampled_from([1, 4, 16]))
+@example(length=80, chunk=4, budget=0.25, spec=("kivi(bits=4, group=4, residual=8)",), n_new=6,
+         questions=[16], page_size=1)  # no eviction: 4 bits take every token
+def test_two_formats_stream_into_pools_of_chunked_num_pages(length, chunk, budget, spec, n_new, questions,
+                                                            page_size):
+    """A prompt streamed into two formats (KIVI's residual, MiKV) in chunks, then follow-ups: each of the two
+    pools sized by ``chunked_num_pages(region=)`` (``follow_ups``: the questions and earlier answers, which
+    two formats keep whole) takes it with what an unbounded pair of pools holds, the same tokens; KIVI's
+    unquantized pool holds its residual, a group and a chunk (fewer pages than the budget's, however long
+    the prompt). Pools smaller than the regions' needs fail up front or with "cache out of pages", never
+    silently."""
+    policy = compose(*spec, budget=budget)
+    prompt = [(7 * i + 3) % V for i in range(length)]
+    final = length + sum(questions) + len(questions) * n_new
+    assume(final + n_new <= DEEP.max_seq_len)
+    step = max([chunk, *questions])  # the most tokens one extension appends
+    sizes = {region: chunked_num_pages(DEEP, policy, length, step, n_new, page_size=page_size, region=region,
+                                       follow_ups=final - length) for region in ("main", "side")}
+    assert chunked_num_pages(DEEP, policy, length, step, n_new, page_size=page_size,
+                             follow_ups=final - length) == max(sizes.values())
+    bounded = Decoder(DEEP, policy, num_pages=sizes["main"], side_pages=sizes["side"], page_size=page_size)
+    free = Decoder(DEEP, policy, page_size=page_size)
+    converse_alike(bounded, free, prompt, chunk, questions, n_new)
+    p = policy.precision
+    if p.name == "kivi":
+        assert (bounded.cache.host.lens[:, 0] <= p.residual + p.group).all()
+        main = min(final + n_new, p.residual + p.group + step)
+        assert sizes["main"] == DEEP.n_cache_layers * (-(-main // page_size) + 1)
+
+
+@given(spec=st.sampled_from(["full", "snapkv(window=4)", "streaming", "h2o", "pyramid+h2o", "tova",
+                             "adakv+snapkv", "h2o+minicache"]),
+       budget=st.sampled_from([6, 0.5]), evict_every=st.sampled_from([1, 3]),
+       lens=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_new=st.integers(2, 20),
+       spare=st.integers(0, 12), page_size=st.sampled_from([1, 4]))
+@example(spec="snapkv(window=4)", budget=6, evict_every=1, lens=[12, 12], n_new=10, spare=0, page_size=4)
+def test_a_generation_the_pool_cannot_hold_is_refused_before_its_first_step(spec, budget, evict_every, lens,
+                                                                             n_new, spare, page_size):
+    """``Decoder.generate`` counts, before its first step, the pages its steps may open at worst
+    (``cache.decode_pages``) against the pool's free pages: a pool too small for the generation is refused
+    then, naming ``max_new_tokens`` and ``num_pages``, with no token emitted (it failed mid-generation at the
+    step that found no page, "cache out of pages"). Whatever the check lets through runs to the end; a policy
+    that evicts nothing while decoding fails without the check exactly when the check refuses."""
+    policy = compose(spec, budget=budget, evict_every=evict_every)
+    prompts = [[(3 * i + b) % V for i in range(L)] for b, L in enumerate(lens)]
+    probe = Decoder(MODEL, policy, page_size=page_size)
+    probe.extend(prompts, max_new_tokens=n_new)
+    probe.start_decode(n_new)
+    held = int(probe.cache.num_pages - probe.cache.pool.free)
+    unit = probe.cache.rows.per_sequence  # per-head rows (adakv): the cache counts one head's pages
+    pages = -(-max(held + spare, int(probe.cache.host.peak_pages)) // unit) * unit  # the prefill fits too
+    free = pages - held
+    need = probe.cache.decode_pages(n_new - 1)
+    assert need is not None and need >= 0
+    outcomes = {}
+    for checked in (True, False):
+        dec = Decoder(MODEL, policy, page_size=page_size, num_pages=pages // unit)
+        dec.extend(prompts, max_new_tokens=n_new)
+        if not checked:
+            dec._check_pool = lambda n: None
+        emitted: list[int] = []
+        try:
+            res = dec.generate(n_new, stream=lambda b, t, out=emitted: out.append(t))
+            assert [len(t) for t in res.tokens] == [n_new] * len(lens)
+            outcomes[checked] = "ran"
+        except ValueError as e:
+            assert checked and "max_new_tokens=" in str(e) and f"num_pages={pages}" in str(e), e
+            assert not emitted, "refused before any token"
+            outcomes[checked] = "refused"
+        except RuntimeError as e:
+            assert not checked and "cache out of pages" in str(e), e
+            outcomes[checked] = "out of pages"
+    assert outcomes[True] == ("refused" if need > free else "ran")
+    if not policy.eviction.decode_evict:  # the count is exact there
+        assert outcomes[False] == ("out of pages" if need > free else "ran")
 
 
 @pytest.mark.parametrize("spec", ["h2o+zipcache(group=8, every=4)", "tova+zipcache(group=8)"])

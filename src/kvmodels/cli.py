@@ -238,6 +238,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise CliError(f"--chunk {args.chunk} must be >= 1 (tokens prefilled at a time)")
 
 
+def _pools(policy) -> tuple[str, ...]:
+    """The page pools ``policy`` stores tokens in (``chunked_num_pages``' regions): two formats, two pools."""
+    from kvmodels.cache.storage import stored_formats
+
+    return ("main", "side") if len(stored_formats(policy.precision)) > 1 else ("main",)
+
+
 def _compose(args: argparse.Namespace) -> Any:
     from kvpolicies import compose
 
@@ -355,10 +362,11 @@ def run(args: argparse.Namespace) -> int:
     else:  # chunked prefill: the Decoder compresses after each chunk
         from kvmodels.decoder import Decoder, chunked_num_pages
 
-        pages = chunked_num_pages(s.loaded.model, policy, max(map(len, ids)), args.chunk, args.max_new_tokens,
-                                  page_size=args.page_size, batch=len(ids))
+        sizes = {region: chunked_num_pages(s.loaded.model, policy, max(map(len, ids)), args.chunk,
+                                           args.max_new_tokens, page_size=args.page_size, batch=len(ids),
+                                           region=region) for region in _pools(policy)}
         dec = Decoder(s.loaded.model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step,
-                      num_pages=pages)
+                      num_pages=sizes["main"], side_pages=sizes.get("side"))
         _extend(dec, ids, args, on_prefill=progress)
         result = dec.generate(args.max_new_tokens, temperature=args.temperature, eos_ids=s.eos, stream=stream,
                               final=True)
@@ -555,7 +563,7 @@ def run_questions(args: argparse.Namespace) -> int:
     # kvzip's reconstruction pass: KVzip's instruction closes the context's turn, the copy is the answer's.
     probe = REPEAT + turns.first[1]
     probe_prefix = tok.encode(probe, add_special_tokens=False) if policy.eviction.probe else []
-    pages = None  # without --chunk: every layer at the model's context
+    sizes: dict[str, int | None] = {"main": None}  # without --chunk: every layer at the model's context
     if args.chunk is not None:  # a pool for the conversation's last budget + one chunk + an answer per layer
         # the questions' lengths as templated without the previous answer's end-of-turn (at most that), each
         # earlier answer at most n_new (its last token is fed with the next question); from stdin they are
@@ -563,10 +571,12 @@ def run_questions(args: argparse.Namespace) -> int:
         asked = [len(tok.encode(turns.question(k, q), add_special_tokens=False)) for k, q in enumerate(given)]
         longest = (limit - n_new if "-" in given else
                    len(ctx_ids) + sum(asked) + (len(given) - 1) * n_new)
-        pages = chunked_num_pages(model, policy, min(longest, limit - n_new), args.chunk, n_new,
-                                  page_size=args.page_size)
+        sizes = {region: chunked_num_pages(model, policy, len(ctx_ids), args.chunk, n_new,
+                                           page_size=args.page_size, region=region,
+                                           follow_ups=max(0, min(longest, limit - n_new) - len(ctx_ids)))
+                 for region in _pools(policy)}
     dec = Decoder(model, policy, page_size=args.page_size, seed=args.seed, compile=compile_step,
-                  probe_prefix=probe_prefix, num_pages=pages)
+                  probe_prefix=probe_prefix, num_pages=sizes["main"], side_pages=sizes.get("side"))
 
     def synced() -> float:
         if s.device.type == "cuda":

@@ -97,6 +97,10 @@ class Decoder:
     page_size, num_pages :
         Pool geometry (``num_pages=None``: enough for every sequence of the batch at ``max_tokens``;
         :func:`chunked_num_pages`: every layer's budget plus one chunk, shared by the layers).
+    side_pages : int, optional
+        With a precision that stores two formats (KIVI's residual, ZipCache, MiKV), the pages of the
+        second format's pool (``None``: ``num_pages``); ``chunked_num_pages(..., region="side")`` sizes it
+        and ``region="main"`` the unquantized pool.
     seed : int
         Seeds sampling and the cache's policy noise (Keyformer).
     compile : bool
@@ -126,7 +130,8 @@ class Decoder:
 
     def __init__(self, model: CausalLM, policy: Any = None, *, max_tokens: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, seed: int = 0,
-                 compile: bool = False, probe_prefix: Sequence[int] = ()) -> None:
+                 compile: bool = False, probe_prefix: Sequence[int] = (),
+                 side_pages: int | None = None) -> None:
         from kvpolicies import ComposedPolicy, compose
 
         if policy is None:
@@ -145,6 +150,11 @@ class Decoder:
         row_storage(policy, layout.head_dim, self.dtype, alibi=layout.alibi)
         self.max_tokens = model.max_seq_len if max_tokens is None else _positive("max_tokens", max_tokens)
         self.page_size, self.num_pages, self.seed, self.compile = page_size, num_pages, seed, compile
+        if side_pages is not None and not _two_formats(policy):
+            raise ValueError(f"side_pages={side_pages!r}: policy {policy.name!r} stores tokens in one format "
+                             "(one pool); pass side_pages only with a precision that stores two (kivi's "
+                             "residual, zipcache, mikv)")
+        self.side_pages = None if side_pages is None else _positive("side_pages", side_pages)
         self.cache: Any = None
         self.lengths: list[int] = []
         self.pending: list[int | None] = []
@@ -257,11 +267,11 @@ class Decoder:
                                       "chunk=); duo's per-head budgets can")
         if first_call and policy.eviction.probe:
             self._check_probe(new)
-        if first_call and continues and _two_formats(policy):
-            raise NotImplementedError(f"policy {policy.name!r} stores tokens in two formats, split once "
-                                      "after the whole prompt's compression, so a chunked prefill could not "
-                                      "keep the budget between chunks; prefill the prompt whole (no chunk=), "
-                                      "or use kivi(residual=0) or native precision")
+        if first_call and continues and _two_formats(policy) and getattr(policy.precision, "every", False):
+            raise NotImplementedError(f"policy {policy.name!r}: precision {policy.precision.name!r} "
+                                      "re-compresses by the attention its tokens accumulate while decoding, "
+                                      "which a prefill chunk does not give them, so it cannot take a chunked "
+                                      "prefill; prefill the prompt whole (no chunk=), or use kivi or mikv")
         window = policy.eviction.prefill_window(1 << 30) if policy.eviction.prefill_mode else 0
         if chunk is not None and window > 1 and chunk < window:
             name = policy.eviction.name
@@ -347,7 +357,8 @@ class Decoder:
             n_layers=layout.n_layers, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
             n_q_heads=layout.n_q_heads, max_batch=batch, max_tokens=self.max_tokens,
             page_size=self.page_size, num_pages=self.num_pages, dtype=self.dtype, device=self.device,
-            policy=self.policy, seed=self.seed, windows=layout.windows or None, alibi=layout.alibi)
+            policy=self.policy, seed=self.seed, windows=layout.windows or None, alibi=layout.alibi,
+            side_pages=self.side_pages)
         self.lengths, self.pending = [0] * batch, [None] * batch
         self.closed, self._logits = [False] * batch, [None] * batch
 
@@ -379,16 +390,20 @@ class Decoder:
         for b, toks in enumerate(prompts):
             if len(toks) > len(first[b]):
                 self._extend_sequence(b, toks[len(first[b]):], chunk, max_new_tokens, on_prefill,
-                                      budget_len=len(toks))
+                                      budget_len=len(toks), chunked=True)
 
     def _extend_sequence(self, b: int, toks: list[int], chunk: int | None, max_new_tokens: int,
-                         on_prefill: Callable[[int, int, int], None] | None, *, budget_len: int) -> None:
-        """Sequence ``b`` takes ``toks`` through the cache's extension path, ``chunk`` at a time."""
+                         on_prefill: Callable[[int, int, int], None] | None, *, budget_len: int,
+                         chunked: bool = False) -> None:
+        """Sequence ``b`` takes ``toks`` through the cache's extension path, ``chunk`` at a time (``chunked``:
+        the rest of a prompt, which a two-format cache holds to its budget as a one-format one does, not a
+        follow-up, which it keeps whole)."""
         cache, step = self.cache, chunk or len(toks)
         for i in range(0, len(toks), step):
             piece = toks[i:i + step]
             cache.begin_extend(b, len(piece), budget_len=budget_len, max_new_tokens=max_new_tokens,
-                               reserve=len(toks[i + step:i + 2 * step]))  # room for the next chunk
+                               reserve=len(toks[i + step:i + 2 * step]),  # room for the next chunk
+                               chunked=chunked)
             model = cast(_Extendable, self.model)  # checked: model.can_extend
             logits = model.prefill(torch.tensor(piece, dtype=torch.int64, device=self.device), cache, b,
                                    start=self.lengths[b], last_only=True,
@@ -454,6 +469,19 @@ class Decoder:
             return min(steps, policy.evict_every)
         peak = side.main_peak(self.cache, b)
         return steps if peak is None or peak > self.cache.slots_per_layer else 0
+
+    def _check_pool(self, max_new_tokens: int) -> None:
+        """Refuse, before the first decode step, a generation whose steps may open more pages than the pool
+        has free (``cache.decode_pages``: the worst case, every sequence running to ``max_new_tokens``),
+        where it would fail at the step that finds none (a pool sized by ``num_pages`` for fewer or shorter
+        turns than the conversation has: found 2026-12-07)."""
+        cache = self.cache
+        need = cache.decode_pages(max_new_tokens - 1)  # the last token is sampled, not cached
+        if need is not None and need > cache.pool.free:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: the batch's decode steps may need {need} "
+                             f"more pages, and {cache.pool.free} of the pool's num_pages={cache.num_pages} "
+                             "are free; lower max_new_tokens, close finished sequences, or build the Decoder "
+                             "with more num_pages (kvmodels.chunked_num_pages sizes it for a conversation)")
 
     def _replan_makes_room(self, b: int, steps: int) -> bool:
         """Whether the plan this generation makes (``cache.restart_decode``: each layer capped at the slots
@@ -557,6 +585,7 @@ class Decoder:
         with torch.no_grad():
             t0 = time.perf_counter()
             self.start_decode(max_new_tokens)
+            self._check_pool(max_new_tokens)
             first = []  # one draw per sequence, in order (a closed row gets a placeholder and no draw)
             for b in range(B):
                 logits = self._logits[b]
@@ -611,12 +640,24 @@ class Decoder:
 
 
 def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_tokens: int, *,
-                      page_size: int = 16, batch: int = 1) -> int:
+                      page_size: int = 16, batch: int = 1, follow_ups: int = 0,
+                      region: str | None = None) -> int:
     """The page pool (``Decoder(num_pages=)``) for ``batch`` sequences of at most ``tokens`` tokens (a prompt,
     or a conversation before its last answer: a fractional budget grows with the length) streamed ``chunk``
     at a time, then ``max_new_tokens`` generated: every layer's budget plus one chunk plus the generation,
     and one page per layer (per KV head's row) for the last page's rounding; every token under a policy that
     compresses no prompt.
+
+    ``follow_ups``: the tokens later turns add before the last answer (their questions and the earlier
+    answers; ``kvgen --context``), after a context of ``tokens``: compressed with it in one format (the
+    budget of every token), kept whole (as generated tokens) in two.
+
+    With a precision that stores two formats (``kvmodels.cache.tiers``), ``region`` sizes one of its two
+    pools: ``"main"`` (``Decoder(num_pages=)``) the higher format's, ``"side"`` (``Decoder(side_pages=)``)
+    the lower one's; ``None`` (the default) enough for either, for a ``num_pages`` both pools take. KIVI's
+    unquantized pool holds its residual, a group and one chunk (the rest is quantized as it ages), its
+    quantized pool the budget plus a chunk and the generation; MiKV keeps every token at its low bits, so its
+    side pool takes them all; ZipCache, which takes no chunks, holds the whole prompt in both.
 
     The pool is shared by the layers, so a layer-budget policy (``pyramid``, ``squeeze``, ``profile``) or
     ``duo`` keeps its shape, its large layers (heads) taking the pages the small ones leave: the layers'
@@ -632,11 +673,27 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
     from kvmodels.cache.pool import ceil_div  # the cache pulls in the kernels; import when used
 
     for name, value in (("tokens", tokens), ("chunk", chunk), ("page_size", page_size), ("batch", batch),
-                        ("max_new_tokens", max_new_tokens)):
-        _positive(name, value, zero=name == "max_new_tokens")
-    per_layer = tokens + max_new_tokens
-    if policy.eviction.prefill_compress:
-        budget = int(policy.budget_tokens(torch.tensor([tokens]))[0])
+                        ("max_new_tokens", max_new_tokens), ("follow_ups", follow_ups)):
+        _positive(name, value, zero=name in ("max_new_tokens", "follow_ups"))
+    two = _two_formats(policy)
+    if region not in (None, "main", "side"):
+        raise ValueError(f"region={region!r} must be 'main', 'side' or None (enough for either)")
+    if region == "side" and not two:
+        raise ValueError(f"region='side': policy {policy.name!r} stores tokens in one format (one pool); "
+                         "use region=None or 'main'")
+    if two and region is None:
+        return max(chunked_num_pages(model, policy, tokens, chunk, max_new_tokens, page_size=page_size,
+                                     batch=batch, follow_ups=follow_ups, region=r) for r in ("main", "side"))
+    per_layer = tokens + follow_ups + max_new_tokens
+    p = policy.precision
+    if two and p.name == "kivi" and region == "main":  # the residual, a group, and a chunk before it ages
+        per_layer = min(per_layer, p.residual + p.group + chunk)
+    elif (policy.eviction.prefill_compress and not (two and getattr(p, "every", False))  # ZipCache: no chunks
+          and not (region == "side" and p.keeps_evicted)):  # MiKV: every token at its low bits
+        if two:  # follow-ups join whole, as generated tokens do
+            budget = int(policy.budget_tokens(torch.tensor([tokens]))[0]) + follow_ups
+        else:
+            budget = int(policy.budget_tokens(torch.tensor([tokens + follow_ups]))[0])
         per_layer = min(per_layer, budget + chunk + max_new_tokens)
     return batch * int(model.n_cache_layers) * (ceil_div(per_layer, page_size) + 1)
 

@@ -42,6 +42,7 @@ class Extension:
     done: np.ndarray  # [Lc] bool, the layers extended so far
     probe: ProbeSpan | None = None  # a reconstruction pass: scores kept tokens, stores nothing (begin_extend)
     reserve: int = 0  # slots each layer keeps free after the extension's compression (the next chunk)
+    chunked: bool = False  # a chunk of a prompt: a two-format cache evicts to the budget after it too
 
 
 class ExtendSteps(CacheState):
@@ -84,6 +85,27 @@ class ExtendSteps(CacheState):
                 for l, w in enumerate(self.layout.width) if w]
         return min(room)
 
+    def decode_pages(self, steps: int) -> int | None:
+        """The most pages the batch's active rows may open over the next ``steps`` decode steps, at worst
+        (host arithmetic, no sync): every row appends each step (a merged region two slots) and keeps its
+        pages, save what the plan's decode-time eviction holds it to (at most ``max(held, budget)`` plus the
+        slots of ``evict_every`` steps) and what a model's sliding window holds (its last ``W - 1`` and one
+        more). ``None`` for two formats (KIVI's residual ages into a second pool), which are not counted.
+        ``Decoder.generate`` compares it with the pool's free pages before its first step."""
+        if self.side is not None or self.plan is None:
+            return None
+        n, S = self.batch_size, self.page_size
+        held = self.host.lens[:, :n].astype(np.int64)
+        width = self._width[:, None] * self.host.active[:n]  # [Lc, n] slots a step appends
+        peak = held + width * steps
+        if self.plan.schedule.decode_evict:
+            budgets = self.plan.rows.budgets.numpy()[:, :n].astype(np.int64)
+            every = min(steps, self.plan.schedule.evict_every)
+            peak = np.minimum(peak, np.maximum(held, budgets) + width * every)
+        for l in self.sliding:  # compacted back to the window after every step
+            peak[l] = np.minimum(peak[l], np.maximum(held[l], self.windows[l] - 1) + width[l])
+        return int((ceil_div(peak, S) - ceil_div(held, S)).sum())
+
     @property
     def slots_per_layer(self) -> int:
         """The most slots one layer may hold for one sequence (``max_tokens`` rounded up to whole pages)."""
@@ -120,7 +142,7 @@ class ExtendSteps(CacheState):
 
     def begin_extend(self, b: int, n: int, *, budget_len: int | None = None,
                      max_new_tokens: int | None = None, probe: bool | ProbeSpan = False,
-                     reserve: int = 0) -> None:
+                     reserve: int = 0, chunked: bool = False) -> None:
         """Let sequence ``b`` (between decode steps, or paused) take ``n`` more tokens.
 
         The model then runs the ``n`` tokens through every cache layer at their true positions (the
@@ -152,6 +174,15 @@ class ExtendSteps(CacheState):
             chunk of a chunked prefill; 0, the default, after the last): the plan caps its layer budgets at
             the slots per layer less this and hands the excess to its other layers (``start``'s
             ``reserve``). It holds for ``b``'s later plans until the next extension sets it.
+        chunked:
+            These tokens are a chunk of a prompt being prefilled (``Decoder.extend(..., chunk=)``), not a
+            follow-up turn. It changes a two-format cache only (``kvmodels.cache.tiers``): the chunk's
+            rows score both regions' tokens as a one-format cache's would (an evicting policy's window
+            votes or accumulated attention), and :meth:`end_extend` then holds the sequence to its budget
+            as decoding does (KIVI's residual ages and the oldest region gives up its lowest-ranked tokens,
+            ``SideRegion.evict``; MiKV moves what the policy evicts to its low bits), where a follow-up
+            is kept whole. ZipCache refuses it (its re-compression ranks by attention a chunk does not
+            accumulate).
         """
         if self._state != "decode":
             raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
@@ -170,6 +201,12 @@ class ExtendSteps(CacheState):
         check_reserve(reserve, self)
         if span is not None:
             self._check_probe()
+        if not isinstance(chunked, bool):
+            raise TypeError(f"chunked must be True or False, got {chunked!r}")
+        if chunked and self.side is not None and self.side.every:
+            raise NotImplementedError(f"begin_extend(chunked=True): precision {self.policy.precision.name!r} "
+                                      "re-compresses by the attention its tokens accumulate while decoding, "
+                                      "which a prefill chunk does not give them; prefill the prompt whole")
         seen = int(self.host.seen[rows[0]]) + (0 if span is not None else n)
         budget_len = seen if budget_len is None else int(budget_len)
         if budget_len < seen:
@@ -181,7 +218,7 @@ class ExtendSteps(CacheState):
             self.max_new_tokens = max_new_tokens
         if span is not None:  # stores nothing: no slots or pages to check
             self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), probe=span,
-                                        reserve=reserve)
+                                        reserve=reserve, chunked=chunked)
             self._state = "extend"
             return
         S, capacity = self.page_size, self.max_pages * self.page_size
@@ -204,7 +241,8 @@ class ExtendSteps(CacheState):
             if aged > self.side.pool.free:
                 what = f"the {self.side.side_bits}-bit tokens aging out of the residual"
                 raise self.side.pool.out_of_pages(aged, f"extension of sequence {b} by {n} tokens ({what})")
-        self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), reserve=reserve)
+        self._extension = Extension(b, n, budget_len, np.zeros(self.n_layers, dtype=bool), reserve=reserve,
+                                    chunked=chunked)
         self._state = "extend"
 
     def _check_probe(self) -> None:
@@ -297,31 +335,41 @@ class ExtendSteps(CacheState):
             x = pool[page, offset]
             return x.gather(0, order.view(m, H, *[1] * (x.dim() - 2)).expand_as(x))
 
-        # Two formats: the side region's tokens are attended too. A prompt-only policy scores nothing (it
-        # evicted at the split, never again); one that evicts while decoding (with KIVI's residual) goes on
-        # scoring both regions' tokens, as its decode steps do.
-        ev = self.eviction
-        span = None if self._extension is None else self._extension.probe
-        scoring = self.side is None or ev.decode_evict
+        # Two formats: the side region's tokens are attended too. A prompt-only policy scores nothing after
+        # the split (a follow-up is kept whole) but a prefill chunk's tokens, which it evicts after; one that
+        # evicts while decoding goes on scoring both regions' tokens, as its decode steps do.
+        ev, ext = self.eviction, self._extension
+        span = None if ext is None else ext.probe
+        scoring = self.side is None or ev.decode_evict or (ext is not None and ext.chunked)
         kept_k = self.storage.decode(by_position(self.k_pages))
         kept_v = self.storage.decode(by_position(self.v_pages))
         kept_pos = by_position(self.slot_pos)
         old = kept_score.gather(0, order).t()  # [Hkv, m] position order
         if self.key_scale is not None:  # channel-separable keys: the pool holds k / c
             kept_k = kept_k * self.key_scale[l, b].to(kept_k.dtype)
-        ms = 0
-        if self.side is not None:  # the side region's tokens too (older than the main region's for KIVI)
+        ms, both = 0, None
+        if self.side is not None:  # the side region's tokens too, both regions' in position order per head
             side_k, side_v, side_pos = self.side.held(
                 l, b, None if self.key_scale is None else self.key_scale[l, b])
-            kept_k, kept_v = torch.cat([side_k, kept_k]), torch.cat([side_v, kept_v])
-            kept_pos = torch.cat([side_pos, kept_pos])
             side_page, side_off = self.side.slots(l, b)
             ms = side_k.shape[0]
+            kept_pos = torch.cat([side_pos, kept_pos])
+            both = torch.sort(kept_pos.long(), dim=0, stable=True).indices  # [ms + m, Hkv]
+
+            def in_order(x: torch.Tensor) -> torch.Tensor:
+                return x.gather(0, both.view(*both.shape, *[1] * (x.dim() - 2)).expand_as(x))
+
+            kept_k, kept_v = in_order(torch.cat([side_k, kept_k])), in_order(torch.cat([side_v, kept_v]))
+            kept_pos = in_order(kept_pos)
             old = torch.cat([self.side.pool.slot_score[side_page, side_off].t(), old], dim=1)  # [Hkv, ms + m]
+            old = old.gather(1, both.t())
         out, scores = ev.extension_scores(
             q, k, v, positions, kept_k, kept_v, kept_pos, old, scale=scale, seed=self.prefill_seed(l, b),
             alibi_slopes=alibi_slopes, probe=None if span is None else (span.start, span.stop),
             scoring=scoring, sliding_window=self.window(l))
+        if scores is not None and both is not None:  # back to the side's slot order, then the main's
+            held = torch.empty_like(scores[:, :ms + m]).scatter_(1, both.t(), scores[:, :ms + m])
+            scores = torch.cat([held, scores[:, ms + m:]], dim=1)
         if span is not None:  # a reconstruction pass: its rows' mass replaces the scores; nothing stored
             assert scores is not None and ms == 0  # _check_probe: one format, a scoring policy
             self.slot_score[page, offset] = torch.empty_like(kept_score).scatter_(0, order, scores.t())
@@ -359,8 +407,10 @@ class ExtendSteps(CacheState):
         """Finish sequence ``b``'s extension: re-plan the batch (``b``'s budget from ``budget_len``, its
         layer budgets capped at its context plus the planning horizon) and compress every layer over budget
         (the policy's ``prefill_compress``), returning pages; with two formats, compress nothing and let
-        KIVI's residual age instead. The sequence decodes at the next step. After a probe
-        (``begin_extend(..., probe=True)``) the sequence has seen no more tokens, and its layers are
+        KIVI's residual age instead (a prefill chunk, ``begin_extend(chunked=True)``, then evicts the
+        lowest-ranked quantized tokens over the budget, or MiKV demotes, as a decode step would). The
+        sequence decodes at the next step. After a probe (``begin_extend(..., probe=True)``) the sequence
+        has seen no more tokens, and its layers are
         compressed to their budgets by the probe's scores now, whatever the policy's ``prefill_compress``."""
         ext = self._extension
         if self._state != "extend" or ext is None or b != ext.b:
@@ -392,6 +442,8 @@ class ExtendSteps(CacheState):
             self._compress_rows(rows, *(x.numpy()[:, rows] for x in self.plan.rows))
         if self.side is not None:  # KIVI: the extension's tokens older than the residual are quantized now
             self.side.migrate(self)
+            if ext.chunked and (self.eviction.prefill_compress or self.eviction.decode_evict):
+                self.side.evict(self, rows)  # a prefill chunk: held to the budget, as decoding holds it
 
     def restart_decode(self, max_new_tokens: int) -> None:
         """Start the next generation of the batch: ``max_new_tokens`` decode steps from step 0 (Keyformer's

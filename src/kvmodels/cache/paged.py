@@ -60,6 +60,11 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         ``S``, slots per page.
     num_pages:
         Pages in the pool; ``None`` gives enough for ``max_batch`` uncompressed sequences of ``max_tokens``.
+    side_pages:
+        Pages in the second format's pool, with a precision that stores two (``kvmodels.cache.tiers``: KIVI's
+        residual, ZipCache, MiKV; refused otherwise); ``None``: ``num_pages``. Its pages are as small as
+        its format, so sizing the two pools apart (``kvmodels.chunked_num_pages(region=)``) keeps the
+        unquantized pool to what it holds (KIVI: the residual and a chunk).
     dtype, device:
         Of the K/V pages.
     policy:
@@ -118,7 +123,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
-                 seed: int = 0, rows: str = "sequences", windows=None, alibi: bool = False):
+                 seed: int = 0, rows: str = "sequences", windows=None, alibi: bool = False,
+                 side_pages: int | None = None):
         from kvpolicies import ComposedPolicy, compose
         from kvpolicies.plan import check_windows, sliding_layers
 
@@ -143,6 +149,13 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         # How a pool row holds a token: the cache's dtype, or a packed quantized row (the precision role).
         self.storage, side = row_storage(policy, head_dim, dtype, device, alibi=alibi)
+        if side_pages is not None and side is None:
+            raise ValueError(f"side_pages={side_pages!r}: policy {policy.name!r} stores tokens in one format "
+                             "(one pool); pass side_pages only with a precision that stores two (kivi's "
+                             "residual, zipcache, mikv)")
+        if side_pages is not None and (isinstance(side_pages, bool) or not isinstance(side_pages, int)
+                                       or side_pages < 1):
+            raise ValueError(f"side_pages must be a positive int or None, got {side_pages!r}")
         if side is not None and rows != "sequences":
             raise ValueError(f"policy {policy.name!r}: precision {policy.precision.name!r} keeps tokens in "
                              "two formats, which the paged cache holds for one row per sequence only; drop "
@@ -214,7 +227,8 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         # Tokens in a second format (kvmodels.cache.tiers): a pool of their own, as many (smaller) pages.
         self.side: SideRegion | None = None
         if side is not None:
-            self.side = SideRegion(side, num_pages, n_layers, max_batch, M, n_kv_heads, page_size, dev,
+            self.side = SideRegion(side, num_pages if side_pages is None else side_pages, n_layers, max_batch,
+                                   M, n_kv_heads, page_size, dev,
                                    self.layout, policy.precision, self.storage.bits,
                                    capped=self.eviction.decode_evict)
 
@@ -470,7 +484,7 @@ class HeadPagedKVCache(PagedKVCache):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_q_heads: int, max_batch: int,
                  max_tokens: int, page_size: int = 16, num_pages: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", policy=None,
-                 seed: int = 0, windows=None, alibi: bool = False):
+                 seed: int = 0, windows=None, alibi: bool = False, side_pages: int | None = None):
         super().__init__(n_layers, n_kv_heads, head_dim, n_q_heads, max_batch, max_tokens,
                          page_size=page_size, num_pages=num_pages, dtype=dtype, device=device, policy=policy,
-                         seed=seed, rows="heads", windows=windows, alibi=alibi)
+                         seed=seed, rows="heads", windows=windows, alibi=alibi, side_pages=side_pages)

@@ -14,8 +14,9 @@ side region a group at a time and ZipCache re-compresses the tokens decoded sinc
 (:meth:`SideRegion.migrate`). A continuation (``begin_extend``: a follow-up turn) evicts nothing: it attends
 to both regions and appends its tokens to the main region whole, as decode steps do, and KIVI's residual
 ages (ZipCache re-compresses) after it; decode-time eviction with KIVI's residual or ZipCache evicts
-side-region tokens only, and with MiKV moves the evicted tokens here instead (below). A chunked prefill,
-which must evict between chunks to keep the budget, is refused by ``kvmodels.decoder.Decoder``.
+side-region tokens only, and with MiKV moves the evicted tokens here instead (below). A chunked prefill's
+later chunks (``begin_extend(chunked=True)``) are scored by the policy over both regions and, after KIVI's
+residual ages, held to the budget by the same eviction (MiKV: demotion); ZipCache refuses them.
 
 The split (and KIVI's aging) compacts by a membership flag written into each region's slot scores, then
 writes the kept tokens' eviction scores back (a compaction keeps the flagged slots in order), and tokens
@@ -39,6 +40,13 @@ def _selected(scores: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
     """``[n, Hkv]``: each KV head's ``scores [Hkv, L]`` where ``flags [Hkv, L]`` (the same count per head),
     in their order."""
     return scores[flags].view(scores.shape[0], -1).t()
+
+
+def _of_rows(rows: list[int] | None, n: int) -> np.ndarray:
+    """``[n]`` bool: the pool rows in ``rows`` (every one of the ``n`` when None)."""
+    mask = np.zeros(n, dtype=bool)
+    mask[slice(None) if rows is None else rows] = True
+    return mask
 
 
 class SideRegion:
@@ -308,7 +316,7 @@ class SideRegion:
             if moves:
                 self._move_down(cache, l, moves, "re-compressing")
 
-    def evict(self, cache) -> None:
+    def evict(self, cache, rows: list[int] | None = None) -> None:
         """Decode-time eviction of a two-format cache (KIVI's residual or ZipCache with an eviction policy
         that evicts while decoding): each row whose two regions together hold more than its budget (the
         plan's) gives up this region's lowest-ranked tokens in place (``topk_evict``, which ranks a row in
@@ -317,19 +325,21 @@ class SideRegion:
         hold, at most, as this region's newest); the main region stays whole (KIVI's newest ``residual`` to
         ``residual + group`` tokens, ZipCache's high bits, which :meth:`recompress` holds to their share of
         the budget). Eager, host-driven (no sync). A precision policy that keeps what is evicted (MiKV)
-        demotes instead (:meth:`demote`)."""
+        demotes instead (:meth:`demote`). ``rows``: those rows only (a prefill chunk's sequence); all when
+        None."""
         if self.precision.keeps_evicted:
-            self.demote(cache)
+            self.demote(cache, rows)
             return
         n = cache.batch_size
         budgets, n_sink, n_recent = (x.numpy()[:, :n] for x in cache.plan.rows)  # [Lc, n]
         main, side = cache.host.lens[:, :n], self.lens[:, :n]
         waiting = main - self.settled[:, :n]  # the main region's newest tokens (KIVI: all of them)
         room = np.clip(budgets - main, 0, None)  # what this region may keep
-        seqs = [int(b) for b in np.flatnonzero((side > room).any(axis=0))]
+        mine = _of_rows(rows, n)
+        seqs = [int(b) for b in np.flatnonzero(((side > room) & mine).any(axis=0))]
         if not seqs:
             return
-        for l, b in zip(*np.nonzero((room == 0) & (side > 0)), strict=True):  # the main region fills it
+        for l, b in zip(*np.nonzero((room == 0) & (side > 0) & mine), strict=True):  # the main one fills it
             self.pool.release(self.page_table[l, b], self.lens[l, b])
             self.seq_lens[l, b] = 0
             self.lens[l, b] = 0
@@ -343,16 +353,16 @@ class SideRegion:
         self.compactor.compact(self.lens, list(range(cache.n_layers)), seqs, np.maximum(keep, 1), sink,
                                recent, in_place=True)
 
-    def demote(self, cache) -> None:
+    def demote(self, cache, rows: list[int] | None = None) -> None:
         """MiKV while decoding (``compose("h2o", "mikv")``): each row whose main region holds more than its
         budget (the plan's) moves the tokens the eviction policy would evict there -- each KV head's
         lowest-ranked, the plan's sinks and recent window excepted, ties to the older -- into this region at
         its lower precision, with their positions and scores (decode steps go on ranking them); nothing
-        leaves the cache. Eager, host-driven lengths."""
+        leaves the cache. Eager, host-driven lengths. ``rows``: those rows only; all when None."""
         n = cache.batch_size
         budgets, n_sink, n_recent = (x.numpy()[:, :n] for x in cache.plan.rows)  # [Lc, n]
         main = cache.host.lens[:, :n]
-        over = np.argwhere(main > budgets)
+        over = np.argwhere((main > budgets) & _of_rows(rows, n))
         ev = cache.eviction
         for l in sorted({int(x) for x in over[:, 0]}):
             moves = []
