@@ -404,6 +404,13 @@ def test_chunked_num_pages_is_every_layers_budget_plus_a_chunk_plus_the_generati
         Lc * (150 + 32 + 8 + 1), Lc * (300 + 8 + 1)]
     with pytest.raises(ValueError, match="side_pages=4: policy 'h2o' stores tokens in one format"):
         Decoder(DEEP, h2o, side_pages=4)
+    prompt = [(7 * i + 3) % V for i in range(40)]  # generate() hands side_pages to the 4-bit pool
+    with pytest.raises(RuntimeError, match="cache out of pages: .*4-bit"):
+        generate(DEEP, [prompt], 4, kivi, chunk=8, page_size=4, side_pages=2)
+    res = generate(DEEP, [prompt], 4, kivi, chunk=8, page_size=4,
+                   side_pages=chunked_num_pages(DEEP, kivi, 40, 8, 4, page_size=4, region="side"),
+                   num_pages=chunked_num_pages(DEEP, kivi, 40, 8, 4, page_size=4, region="main"))
+    assert len(res.tokens[0]) == 4
     with pytest.raises(ValueError, match="side_pages=0 must be an int >= 1"):
         Decoder(DEEP, kivi, side_pages=0)
 

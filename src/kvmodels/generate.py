@@ -192,6 +192,7 @@ def generate(
     page_size: int = 16,
     num_pages: int | None = None,
     chunk: int | None = None,
+    side_pages: int | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens for each prompt, sharing one paged, compressed cache.
 
@@ -219,8 +220,10 @@ def generate(
         ``stream(b, token_id)`` for every new token as soon as it is known.
     on_prefill : callable, optional
         ``on_prefill(b, layers_done, n_layers)`` after each prefilled layer of sequence ``b``.
-    page_size, num_pages :
-        Cache pool geometry (``num_pages=None``: enough for every sequence at full length).
+    page_size, num_pages, side_pages :
+        Cache pool geometry (``num_pages=None``: enough for every sequence at full length; ``side_pages``:
+        the second format's pool with a precision that stores two, ``Decoder(side_pages=)``;
+        ``kvmodels.chunked_num_pages`` sizes both for a chunked prefill).
     chunk : int, optional
         Prefill each prompt ``chunk`` tokens at a time, compressing after each chunk, so a layer holds at
         most its budget plus one chunk while prefilling (``Decoder.extend(chunk=)``; Llama, GPT-J, MPT).
@@ -234,7 +237,8 @@ def generate(
 
     _check_prompts(prompts, max_new_tokens, model)
     decoder = Decoder(model, policy, max_tokens=max(len(p) for p in prompts) + max_new_tokens,
-                      page_size=page_size, num_pages=num_pages, seed=seed, compile=compile)
+                      page_size=page_size, num_pages=num_pages, seed=seed, compile=compile,
+                      side_pages=side_pages)
     decoder.extend(prompts, chunk=chunk, max_new_tokens=max_new_tokens, on_prefill=on_prefill)
     return decoder.generate(max_new_tokens, temperature=temperature, eos_ids=eos_ids, stream=stream,
                             final=True)
