@@ -506,9 +506,10 @@ def test_a_generation_the_pool_cannot_hold_is_refused_before_its_first_step(spec
                                                                              n_new, spare, page_size):
     """``Decoder.generate`` counts, before its first step, the pages its steps may open at worst
     (``cache.decode_pages``) against the pool's free pages: a pool too small for the generation is refused
-    then, naming ``max_new_tokens`` and ``num_pages``, with no token emitted (it failed mid-generation at the
-    step that found no page, "cache out of pages"). Whatever the check lets through runs to the end; a policy
-    that evicts nothing while decoding fails without the check exactly when the check refuses."""
+    then with the pool's error ("cache out of pages", naming ``max_new_tokens`` and ``num_pages``), no token
+    emitted (it failed mid-generation, at the step that found no page). Whatever the check lets through runs
+    to the end; a policy that evicts nothing while decoding fails without the check exactly when the check
+    refuses."""
     policy = compose(spec, budget=budget, evict_every=evict_every)
     prompts = [[(3 * i + b) % V for i in range(L)] for b, L in enumerate(lens)]
     probe = Decoder(MODEL, policy, page_size=page_size)
@@ -531,13 +532,12 @@ def test_a_generation_the_pool_cannot_hold_is_refused_before_its_first_step(spec
             res = dec.generate(n_new, stream=lambda b, t, out=emitted: out.append(t))
             assert [len(t) for t in res.tokens] == [n_new] * len(lens)
             outcomes[checked] = "ran"
-        except ValueError as e:
-            assert checked and "max_new_tokens=" in str(e) and f"num_pages={pages}" in str(e), e
-            assert not emitted, "refused before any token"
-            outcomes[checked] = "refused"
         except RuntimeError as e:
-            assert not checked and "cache out of pages" in str(e), e
-            outcomes[checked] = "out of pages"
+            assert "cache out of pages" in str(e), e
+            if checked:
+                assert f"max_new_tokens={n_new}" in str(e) and f"of {pages} are free" in str(e), e
+                assert "raise num_pages" in str(e) and not emitted, "refused before any token"
+            outcomes[checked] = "refused" if checked else "out of pages"
     assert outcomes[True] == ("refused" if need > free else "ran")
     if not policy.eviction.decode_evict:  # the count is exact there
         assert outcomes[False] == ("out of pages" if need > free else "ran")

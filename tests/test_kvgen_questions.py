@@ -473,6 +473,37 @@ def test_chunk_sizes_the_pool_of_questions(capsys, sharp_ckpt, context_file, pre
     assert asked == 12 and [size for size, _ in prefills[-3:]] == [5, 5, 2]  # a chunk at a time
 
 
+def test_chunk_sizes_the_two_pools_of_questions_over_two_formats(capsys, sharp_ckpt, context_file, decoders):
+    """``kvgen --context FILE --chunk N`` with KIVI's residual: the context streams into both formats, the
+    questions and answers join whole (two formats keep follow-ups), and each pool is sized for that
+    (``chunked_num_pages(region=, follow_ups=)``: the 4-bit pool the context's budget plus every later turn,
+    the unquantized one its residual, a group and a chunk); the answers equal an unbounded Decoder's."""
+    n, budget, chunk, spec = 3, 6, 5, "snapkv(window=2)+kivi(bits=4, group=4, residual=3)"
+    rc, out, err = ask(capsys, sharp_ckpt, context_file, QUESTIONS, "--policy", spec, "--budget", str(budget),
+                       "--max-new-tokens", str(n), "--chunk", str(chunk), "--page-size", "1")
+    assert rc == 0, err
+    lm = load_checkpoint(str(sharp_ckpt))
+    policy = compose(spec, budget=budget)
+    want_dec = Decoder(lm.model, policy, page_size=1)
+    want_dec.extend([ids(CONTEXT)], chunk=chunk, max_new_tokens=n)
+    want, asked = [], []
+    for q in QUESTIONS:
+        toks = lm.tokenizer.encode("\n\n" + q + "\n", add_special_tokens=False)
+        asked.append(len(toks))
+        want_dec.extend([toks], chunk=chunk, max_new_tokens=n)
+        want.append(lm.tokenizer.decode(want_dec.generate(n).tokens[0], skip_special_tokens=True))
+    assert answers(out, QUESTIONS) == want
+    cache, Lc = want_dec.cache, lm.model.n_cache_layers
+    follow_ups = sum(asked) + (len(QUESTIONS) - 1) * n
+    main = min(len(ids(CONTEXT)) + follow_ups + n, 3 + 4 + chunk)
+    side = min(len(ids(CONTEXT)) + follow_ups + n, budget + follow_ups + chunk + n)
+    got = decoders[-1].cache
+    assert (got.num_pages, got.side.pool.num_pages) == (Lc * (main + 1), Lc * (side + 1))
+    assert main < side < lm.model.max_seq_len
+    held = cache.host.lens[:, 0] + cache.side.lens[:, 0]  # what the unbounded run holds fits them
+    assert (held <= side).all() and (cache.host.lens[:, 0] <= main).all()
+
+
 def test_chunk_streams_the_context_of_questions(capsys, sharp_ckpt, context_file, prefills):
     """``kvgen --context FILE --chunk N``: the context is prefilled a chunk at a time, once; the answers equal
     a Decoder's fed the context in the same chunks, then each question."""

@@ -477,11 +477,9 @@ class Decoder:
         turns than the conversation has: found 2026-12-07)."""
         cache = self.cache
         need = cache.decode_pages(max_new_tokens - 1)  # the last token is sampled, not cached
-        if need is not None and need > cache.pool.free:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: the batch's decode steps may need {need} "
-                             f"more pages, and {cache.pool.free} of the pool's num_pages={cache.num_pages} "
-                             "are free; lower max_new_tokens, close finished sequences, or build the Decoder "
-                             "with more num_pages (kvmodels.chunked_num_pages sizes it for a conversation)")
+        if need is not None and need > cache.pool.free:  # the pool's own error, raised before any step
+            what = f"a generation of max_new_tokens={max_new_tokens} (at worst, counted before step 0)"
+            raise cache.pool.out_of_pages(need, what)
 
     def _replan_makes_room(self, b: int, steps: int) -> bool:
         """Whether the plan this generation makes (``cache.restart_decode``: each layer capped at the slots
