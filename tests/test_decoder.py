@@ -411,7 +411,7 @@ def test_chunked_num_pages_is_every_layers_budget_plus_a_chunk_plus_the_generati
                    side_pages=chunked_num_pages(DEEP, kivi, 40, 8, 4, page_size=4, region="side"),
                    num_pages=chunked_num_pages(DEEP, kivi, 40, 8, 4, page_size=4, region="main"))
     assert len(res.tokens[0]) == 4
-    with pytest.raises(ValueError, match="side_pages=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="side_pages must be a positive int or None, got 0"):
         Decoder(DEEP, kivi, side_pages=0)
 
 

@@ -145,16 +145,12 @@ class Decoder:
         # What the cache would refuse, refused now: weights measured on another model, rows it cannot store.
         layout = model.cache_layout()
         policy.check_model(layout.n_layers, layout.n_kv_heads)
-        from kvmodels.cache.storage import row_storage
+        from kvmodels.cache.storage import check_side_pages, row_storage
 
-        row_storage(policy, layout.head_dim, self.dtype, alibi=layout.alibi)
+        _, side = row_storage(policy, layout.head_dim, self.dtype, alibi=layout.alibi)
+        self.side_pages = check_side_pages(side_pages, policy, side)
         self.max_tokens = model.max_seq_len if max_tokens is None else _positive("max_tokens", max_tokens)
         self.page_size, self.num_pages, self.seed, self.compile = page_size, num_pages, seed, compile
-        if side_pages is not None and not _two_formats(policy):
-            raise ValueError(f"side_pages={side_pages!r}: policy {policy.name!r} stores tokens in one format "
-                             "(one pool); pass side_pages only with a precision that stores two (kivi's "
-                             "residual, zipcache, mikv)")
-        self.side_pages = None if side_pages is None else _positive("side_pages", side_pages)
         self.cache: Any = None
         self.lengths: list[int] = []
         self.pending: list[int | None] = []

@@ -410,8 +410,8 @@ class ExtendSteps(CacheState):
         KIVI's residual age instead (a prefill chunk, ``begin_extend(chunked=True)``, then evicts the
         lowest-ranked quantized tokens over the budget, or MiKV demotes, as a decode step would). The
         sequence decodes at the next step. After a probe (``begin_extend(..., probe=True)``) the sequence
-        has seen no more tokens, and its layers are
-        compressed to their budgets by the probe's scores now, whatever the policy's ``prefill_compress``."""
+        has seen no more tokens, and its layers are compressed to their budgets by the probe's scores now,
+        whatever the policy's ``prefill_compress``."""
         ext = self._extension
         if self._state != "extend" or ext is None or b != ext.b:
             raise RuntimeError(f"end_extend({b!r}) must follow begin_extend({b!r}) and extend_attend on "

@@ -39,7 +39,7 @@ from .mirror import HostMirror
 from .pool import PagePool, ceil_div
 from .prefill import PrefillSteps
 from .rows import ROW_LAYOUTS, check_layer, check_reserve, check_sequence
-from .storage import row_storage
+from .storage import check_side_pages, row_storage
 from .tiers import SideRegion
 
 
@@ -149,13 +149,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         # How a pool row holds a token: the cache's dtype, or a packed quantized row (the precision role).
         self.storage, side = row_storage(policy, head_dim, dtype, device, alibi=alibi)
-        if side_pages is not None and side is None:
-            raise ValueError(f"side_pages={side_pages!r}: policy {policy.name!r} stores tokens in one format "
-                             "(one pool); pass side_pages only with a precision that stores two (kivi's "
-                             "residual, zipcache, mikv)")
-        if side_pages is not None and (isinstance(side_pages, bool) or not isinstance(side_pages, int)
-                                       or side_pages < 1):
-            raise ValueError(f"side_pages must be a positive int or None, got {side_pages!r}")
+        side_pages = check_side_pages(side_pages, policy, side)
         if side is not None and rows != "sequences":
             raise ValueError(f"policy {policy.name!r}: precision {policy.precision.name!r} keeps tokens in "
                              "two formats, which the paged cache holds for one row per sequence only; drop "

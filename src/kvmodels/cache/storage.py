@@ -115,6 +115,20 @@ def stored_formats(precision) -> list[int]:
     return sorted(precision.formats())
 
 
+def check_side_pages(side_pages: object, policy, side: PackedRows | None) -> int | None:
+    """``side_pages`` (the second format's pool, ``PagedKVCache(side_pages=)``) checked against ``policy``'s
+    storages (``side``: :func:`row_storage`'s second): a positive int with two formats, or None."""
+    if side_pages is None:
+        return None
+    if side is None:
+        raise ValueError(f"side_pages={side_pages!r}: policy {policy.name!r} stores tokens in one format "
+                         "(one pool); pass side_pages only with a precision that stores two (kivi's "
+                         "residual, zipcache, mikv)")
+    if isinstance(side_pages, bool) or not isinstance(side_pages, int) or side_pages < 1:
+        raise ValueError(f"side_pages must be a positive int or None, got {side_pages!r}")
+    return side_pages
+
+
 def row_storage(policy, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                 alibi: bool = False) -> tuple[NativeRows, PackedRows | None]:
     """The row storages ``policy``'s precision role asks for: the main region's, and the side region's
