@@ -404,6 +404,14 @@ def test_chunked_num_pages_is_every_layers_budget_plus_a_chunk_plus_the_generati
         Lc * (150 + 32 + 8 + 1), Lc * (300 + 8 + 1)]
     with pytest.raises(ValueError, match="side_pages=4: policy 'h2o' stores tokens in one format"):
         Decoder(DEEP, h2o, side_pages=4)
+    # KIVI's residual holds residual + group whole whatever the budget: a cap below that plus a chunk is
+    # refused before the prompt (it failed at a later chunk: "past the ... slots per layer")
+    small = compose("snapkv(window=4)", "kivi(bits=4, group=4, residual=16)", budget=4)
+    with pytest.raises(ValueError, match=r"chunk=8: each layer holds its budget \(20 tokens\) plus one"):
+        Decoder(DEEP, small, max_tokens=24).extend([[1] * 60], chunk=8)
+    dec = Decoder(DEEP, small, max_tokens=28)
+    dec.extend([[1] * 60], chunk=8)  # residual + group + a chunk fits
+    assert (dec.cache.host.lens[:, 0] <= 20).all()
     prompt = [(7 * i + 3) % V for i in range(40)]  # generate() hands side_pages to the 4-bit pool
     with pytest.raises(RuntimeError, match="cache out of pages: .*4-bit"):
         generate(DEEP, [prompt], 4, kivi, chunk=8, page_size=4, side_pages=2)

@@ -299,7 +299,9 @@ class Decoder:
                                  f"than max_tokens={self.max_tokens} allows; {fix}")
             if chunk is not None and compresses and len(toks) > chunk:
                 budget = int(policy.budget_tokens(torch.tensor([before + len(toks)]))[0])
-                # A layer holds its budget plus one chunk, and never more than the tokens it has seen.
+                # A layer holds its budget plus one chunk (KIVI's residual: at least the residual and a
+                # group), and never more than the tokens it has seen.
+                budget = max(budget, _residual_hold(policy))
                 if min(budget + chunk, before + len(toks)) > capacity:
                     raise ValueError(f"chunk={chunk}: each layer holds its budget ({budget} tokens) plus one "
                                      f"chunk, more than max_tokens={self.max_tokens}; lower chunk or raise "
@@ -680,8 +682,8 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
                                      batch=batch, follow_ups=follow_ups, region=r) for r in ("main", "side"))
     per_layer = tokens + follow_ups + max_new_tokens
     p = policy.precision
-    if two and p.name == "kivi" and region == "main":  # the residual, a group, and a chunk before it ages
-        per_layer = min(per_layer, p.residual + p.group + chunk)
+    if _residual_hold(policy) and region == "main":  # the residual, a group, and a chunk before it ages
+        per_layer = min(per_layer, _residual_hold(policy) + chunk)
     elif (policy.eviction.prefill_compress and not (two and getattr(p, "every", False))  # ZipCache: no chunks
           and not (region == "side" and p.keeps_evicted)):  # MiKV: every token at its low bits
         if two:  # follow-ups join whole, as generated tokens do
@@ -690,6 +692,15 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
             budget = int(policy.budget_tokens(torch.tensor([tokens + follow_ups]))[0])
         per_layer = min(per_layer, budget + chunk + max_new_tokens)
     return batch * int(model.n_cache_layers) * (ceil_div(per_layer, page_size) + 1)
+
+
+def _residual_hold(policy: Any) -> int:
+    """The tokens KIVI's unquantized residual may hold whole in a layer between agings (``residual +
+    group``: two formats, ``kvmodels.cache.tiers``), whatever the budget; 0 for every other precision."""
+    p = getattr(policy, "precision", None)
+    if p is None or p.name != "kivi" or not _two_formats(policy):
+        return 0
+    return int(p.residual + p.group)
 
 
 def _two_formats(policy: Any) -> bool:
