@@ -240,9 +240,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _pools(policy) -> tuple[str, ...]:
     """The page pools ``policy`` stores tokens in (``chunked_num_pages``' regions): two formats, two pools."""
-    from kvmodels.cache.storage import stored_formats
+    from kvmodels.decoder import stores_two_formats
 
-    return ("main", "side") if len(stored_formats(policy.precision)) > 1 else ("main",)
+    return ("main", "side") if stores_two_formats(policy) else ("main",)
 
 
 def _compose(args: argparse.Namespace) -> Any:

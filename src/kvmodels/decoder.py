@@ -263,7 +263,8 @@ class Decoder:
                                       "chunk=); duo's per-head budgets can")
         if first_call and policy.eviction.probe:
             self._check_probe(new)
-        if first_call and continues and _two_formats(policy) and getattr(policy.precision, "every", False):
+        recompresses = stores_two_formats(policy) and getattr(policy.precision, "every", False)  # ZipCache
+        if first_call and continues and recompresses:
             raise NotImplementedError(f"policy {policy.name!r}: precision {policy.precision.name!r} "
                                       "re-compresses by the attention its tokens accumulate while decoding, "
                                       "which a prefill chunk does not give them, so it cannot take a chunked "
@@ -321,7 +322,7 @@ class Decoder:
             raise NotImplementedError(f"{what}: an extension of each sequence), which merge policy "
                                       f"{self.policy.merge.name!r} cannot take (a merged region takes no "
                                       "tokens after the prompt); use a policy without merging")
-        if _two_formats(self.policy):
+        if stores_two_formats(self.policy):
             raise NotImplementedError(f"{what}), and precision {self.policy.precision.name!r} stores tokens "
                                       "in two formats, split once after the prompt's compression, which "
                                       "this pass would redo; use native precision or kivi(residual=0)")
@@ -671,7 +672,7 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
     for name, value in (("tokens", tokens), ("chunk", chunk), ("page_size", page_size), ("batch", batch),
                         ("max_new_tokens", max_new_tokens), ("follow_ups", follow_ups)):
         _positive(name, value, zero=name in ("max_new_tokens", "follow_ups"))
-    two = _two_formats(policy)
+    two = stores_two_formats(policy)
     if region not in (None, "main", "side"):
         raise ValueError(f"region={region!r} must be 'main', 'side' or None (enough for either)")
     if region == "side" and not two:
@@ -682,8 +683,9 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
                                      batch=batch, follow_ups=follow_ups, region=r) for r in ("main", "side"))
     per_layer = tokens + follow_ups + max_new_tokens
     p = policy.precision
-    if _residual_hold(policy) and region == "main":  # the residual, a group, and a chunk before it ages
-        per_layer = min(per_layer, _residual_hold(policy) + chunk)
+    residual = _residual_hold(policy)
+    if residual and region == "main":  # the residual, a group, and a chunk before it ages
+        per_layer = min(per_layer, residual + chunk)
     elif (policy.eviction.prefill_compress and not (two and getattr(p, "every", False))  # ZipCache: no chunks
           and not (region == "side" and p.keeps_evicted)):  # MiKV: every token at its low bits
         if two:  # follow-ups join whole, as generated tokens do
@@ -698,12 +700,12 @@ def _residual_hold(policy: Any) -> int:
     """The tokens KIVI's unquantized residual may hold whole in a layer between agings (``residual +
     group``: two formats, ``kvmodels.cache.tiers``), whatever the budget; 0 for every other precision."""
     p = getattr(policy, "precision", None)
-    if p is None or p.name != "kivi" or not _two_formats(policy):
+    if p is None or p.name != "kivi" or not stores_two_formats(policy):
         return 0
     return int(p.residual + p.group)
 
 
-def _two_formats(policy: Any) -> bool:
+def stores_two_formats(policy: Any) -> bool:
     """Whether ``policy``'s precision stores tokens in two formats (``kvmodels.cache.tiers``)."""
     if getattr(policy, "precision", None) is None:
         return False

@@ -8,7 +8,7 @@ import torch
 
 from kvkernels.merge import merge_restore
 
-from .pool import ceil_div
+from .pool import ceil_div, per_head_gather
 from .report import CacheReport
 from .rows import check_sequence
 from .state import CacheState
@@ -62,8 +62,7 @@ class InspectSteps(CacheState):
             out["visible"] = (rows(self.slot_mask) & self.layout.mask_bit(l)) != 0
             return out
         order = torch.sort(out["pos"].long(), dim=0, stable=True).indices  # [n, Hkv]
-        return {name: x.gather(0, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x))
-                for name, x in out.items()}
+        return {name: per_head_gather(x, order) for name, x in out.items()}
 
     def report(self) -> CacheReport:
         """Bytes and tokens held now, the peak since ``start`` and the uncompressed equivalent (per sequence:

@@ -15,7 +15,7 @@ import torch
 
 from kvkernels import check_shape, check_tensor
 
-from .pool import ceil_div
+from .pool import ceil_div, per_head_gather
 from .rows import INT_DTYPES, check_reserve, check_sequence
 from .state import CacheState
 
@@ -332,8 +332,7 @@ class ExtendSteps(CacheState):
         order = torch.sort(self.slot_pos[page, offset].long(), dim=0, stable=True).indices  # [m, Hkv]
 
         def by_position(pool: torch.Tensor) -> torch.Tensor:  # [m, Hkv, ...] in position order per head
-            x = pool[page, offset]
-            return x.gather(0, order.view(m, H, *[1] * (x.dim() - 2)).expand_as(x))
+            return per_head_gather(pool[page, offset], order)
 
         # Two formats: the side region's tokens are attended too. A prompt-only policy scores nothing after
         # the split (a follow-up is kept whole) but a prefill chunk's tokens, which it evicts after; one that
@@ -355,12 +354,9 @@ class ExtendSteps(CacheState):
             ms = side_k.shape[0]
             kept_pos = torch.cat([side_pos, kept_pos])
             both = torch.sort(kept_pos.long(), dim=0, stable=True).indices  # [ms + m, Hkv]
-
-            def in_order(x: torch.Tensor) -> torch.Tensor:
-                return x.gather(0, both.view(*both.shape, *[1] * (x.dim() - 2)).expand_as(x))
-
-            kept_k, kept_v = in_order(torch.cat([side_k, kept_k])), in_order(torch.cat([side_v, kept_v]))
-            kept_pos = in_order(kept_pos)
+            kept_k = per_head_gather(torch.cat([side_k, kept_k]), both)
+            kept_v = per_head_gather(torch.cat([side_v, kept_v]), both)
+            kept_pos = per_head_gather(kept_pos, both)
             old = torch.cat([self.side.pool.slot_score[side_page, side_off].t(), old], dim=1)  # [Hkv, ms + m]
             old = old.gather(1, both.t())
         out, scores = ev.extension_scores(

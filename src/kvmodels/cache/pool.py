@@ -20,6 +20,12 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+def per_head_gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [n, Hkv, ...]`` with each KV head's rows taken in the order ``index [n, Hkv]`` gives it (e.g. a
+    row's slots sorted by position, per head)."""
+    return x.gather(0, index.view(*index.shape, *[1] * (x.dim() - 2)).expand_as(x))
+
+
 class PagePool:
     """Pages of ``page_size`` slots for ``n_kv_heads`` heads of ``head_dim`` (``[P + 1, S, Hkv, ...]``, the
     last page the trash page) and the free stack.
