@@ -495,9 +495,13 @@ def test_a_tiered_cache_continues_over_both_regions(case, n_new, h2o):
 
 @st.composite
 def prefill_chunk_cases(draw):
-    eviction = draw(st.sampled_from(["snapkv(window=2)", "h2o(recent=1)", "streaming(sinks=1)",
-                                     "snapkv(window=2, per_head=False)"]))
-    precision = draw(st.sampled_from(["kivi(bits={b}, group={g}, residual={r})", "mikv(low={b}, group={g})"]))
+    precision = draw(st.sampled_from(["kivi(bits={b}, group={g}, residual={r})", "mikv(low={b}, group={g})",
+                                      "zipcache(high=16, low={b}, group={g}, every={r})",
+                                      "zipcache(high=8, low=2, group={g}, salient=0.5, every={r})"]))
+    evictions = ["snapkv(window=2)", "h2o(recent=1)", "snapkv(window=2, per_head=False)"]
+    # ZipCache ranks by the policy's scores (streaming has none); TOVA's last query votes alone
+    evictions += ["tova"] if precision.startswith("zipcache") else ["streaming(sinks=1)"]
+    eviction = draw(st.sampled_from(evictions))
     spec = precision.format(b=draw(st.sampled_from([2, 4, 8])), g=draw(st.sampled_from([2, 4, 8])),
                             r=draw(st.sampled_from([1, 2, 5])))
     lens = draw(st.lists(st.sampled_from([1, 2, 3, 5, 9]), min_size=1, max_size=3))
@@ -511,6 +515,10 @@ def prefill_chunk_cases(draw):
 @example(case=("snapkv(window=2)", "kivi(bits=4, group=2, residual=2)", 1, [9, 5], 2, 2, [7, 4], 0.3, 3))
 @example(case=("h2o(recent=1)", "mikv(low=4, group=2)", 4, [5, 3], 1, 3, [4, 7], 0.5, 1))
 @example(case=("snapkv(window=2)", "mikv(low=2, group=2)", 1, [5], 1, 1, [2], 0.3, 0))  # regions interleave
+@example(case=("snapkv(window=2)", "zipcache(high=16, low=4, group=2, every=5)", 4, [9, 5], 2, 2, [7, 4], 0.5,
+               2))  # ZipCache: window votes, over two voters
+@example(case=("h2o(recent=1)", "zipcache(high=8, low=2, group=2, salient=0.5, every=1)", 1, [9], 1, 3,
+               [4, 7], 0.3, 5))  # ZipCache: accumulated attention, over every query that saw a token
 def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
     """The rest of a prompt prefilled in chunks into a two-format cache (``begin_extend(chunked=True)``,
     what ``Decoder.extend(chunk=)`` does): each chunk attends to both regions' tokens as stored (dense
@@ -519,8 +527,10 @@ def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
     holds its budget as decoding holds it: KIVI's residual aged (the newest ``residual`` to ``residual +
     group`` unquantized), then the quantized tokens over the budget evicted lowest-ranked first (the plan's
     sinks and recent window kept; the residual whole), MiKV's high-precision tokens over the budget moved
-    to its low bits, nothing lost; every row the round trip of its original through its region's format,
-    every page owned once. A budget that holds everything evicts nothing."""
+    to its low bits, nothing lost; ZipCache's high bits chosen again among the main region's tokens (each
+    KV head's salient share of the budget, by the chunk's score over the queries behind it: every query at
+    or after the token, or the window's), then evicted as KIVI's; every row the round trip of its original
+    through its region's format, every page owned once. A budget that holds everything evicts nothing."""
     eviction, spec, page_size, lens, n_kv, gqa, chunks, budget, seed = case
     g = torch.Generator().manual_seed(seed + 7)
     total = [L + sum(chunks) for L in lens]
@@ -548,7 +558,7 @@ def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
                for _ in range(2)]
         positions = torch.arange(start, start + n, dtype=torch.int32, device=DEVICE)
         cache.begin_extend(b, n, budget_len=total[b], chunked=True)
-        want_scores = []
+        want_scores, raw_scores = [], []
         for l, (q, k, v) in enumerate(new):
             out = cache.extend_attend(l, b, q, k, v, positions, scale=run.scale)
             held = [sorted(before[l][h]) for h in range(n_kv)]  # each head's, in position order
@@ -571,6 +581,8 @@ def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
             rank = ev.eviction_scores(scores, head_dim=0) if ev.heads_share_selection else scores
             want_scores.append([{x: float(rank[h, i]) for i, x in enumerate(held[h] + positions.tolist())}
                                 for h in range(n_kv)])
+            raw_scores.append([{x: float(scores[h, i]) for i, x in enumerate(held[h] + positions.tolist())}
+                               for h in range(n_kv)])
             got = held_with_scores(cache, l, b)  # appended, not yet aged or evicted
             for h in range(n_kv):
                 for i, x in enumerate(held[h] + positions.tolist()):
@@ -585,8 +597,18 @@ def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
                                                                                             "main")}
                 now = {x: r for x, (*_, r, _) in after[h].items()}
                 main = sorted(x for x, r in now.items() if r == "main")
-                if p.name == "kivi":  # the residual: the newest held, aged a group or more at a time
-                    assert main == sorted(was)[-len(main):] and len(main) <= p.residual + p.group
+                if p.name == "zipcache":  # the high bits: the salient share of the budget, chosen again
+                    window = ev.prefill_window(n) if ev.prefill_mode else 0
+                    was_main = sorted(x for x in was if was[x] == "main")
+                    saliency = {}  # the chunk's score over the queries behind it, as the cache computes it
+                    for x in was_main:
+                        voters = max(start + n - x, 1) if not window else min(max(start + n - x, 1), window)
+                        saliency[x] = float(torch.tensor(raw_scores[l][h][x]) / torch.tensor(float(voters)))
+                    n_high = min(len(was_main), p.high_share(budgets))
+                    assert main == sorted(sorted(was_main, key=lambda x: (-saliency[x], x))[:n_high]), (l, h)
+                if p.name in ("kivi", "zipcache"):  # KIVI: the residual (the newest), aged a group or more
+                    if p.name == "kivi":
+                        assert main == sorted(was)[-len(main):] and len(main) <= p.residual + p.group
                     side_before = [x for x in was if was[x] == "side" or x not in main]  # + the aged ones
                     if len(was) <= budgets:
                         assert set(now) == set(was), "nothing over the budget: nothing evicted"
@@ -596,7 +618,8 @@ def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
                         kept = sorted(x for x in side_before if x in now)
                         sink = min(n_sink, len(kept))
                         forced = set(kept[:sink])
-                        recent = max(0, min(n_recent - len(main), len(kept) - sink))
+                        waiting = len(main) if p.name == "kivi" else 0  # ZipCache's high bits are settled
+                        recent = max(0, min(n_recent - waiting, len(kept) - sink))
                         forced |= set(kept[len(kept) - recent:]) if recent else set()
                         free = [x for x in kept if x not in forced]
                         if gone and free:  # the lowest-ranked went (by the chunk's scores)
@@ -666,8 +689,7 @@ def test_a_session_continues_over_two_formats(precision):
     the follow-up's attention is checked against the dense reference by the cache test above): the same
     prompt logits (and, for KIVI, first generation), every token held before the follow-up held after it
     plus the follow-up's, and a generation after it. A chunked prefill holds the budget (MiKV: its high
-    bits) after every chunk, and generates; ZipCache, which ranks by attention a chunk does not accumulate,
-    refuses it by name before anything runs."""
+    bits; ZipCache: its high bits the salient share of it) after every chunk, and generates."""
     from kvmodels.decoder import Decoder
     from test_model_policy_matrix import PROMPTS, tiny_model
 
@@ -692,13 +714,12 @@ def test_a_session_continues_over_two_formats(precision):
     assert cache.side.lens[:, :2].all()  # both formats in use
     assert len(dec.generate(2).tokens) == 2
     chunked = Decoder(model, compose("snapkv(window=2)", precision, budget=0.5), max_tokens=48)
-    if precision.startswith("zipcache"):
-        with pytest.raises(NotImplementedError, match="zipcache.*chunked prefill; prefill the prompt whole"):
-            chunked.extend([list(range(1, 13))], chunk=4)
-        return
     chunked.extend([list(range(1, 13))], chunk=4)
     main, side = chunked.cache.host.lens[:, 0], chunked.cache.side.lens[:, 0]
-    assert ((main + side == 6) if precision.startswith("kivi") else (main == 6) & (side == 6)).all()
+    if precision.startswith("mikv"):  # every token kept, the budget's at the high bits
+        assert ((main == 6) & (side == 6)).all()
+    else:  # the budget of 6 over both formats; ZipCache's high bits its salient share (ceil(0.4 * 6))
+        assert (main + side == 6).all() and (precision.startswith("kivi") or (main == 3).all())
     assert len(chunked.generate(2).tokens[0]) == 2
 
 

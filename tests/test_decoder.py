@@ -472,19 +472,24 @@ def test_a_pool_of_chunked_num_pages_changes_nothing(length, chunk, budget, spec
                              ("h2o", "kivi(bits=4, group=4, residual=4)"),
                              ("kivi(bits=4, group=4, residual=8)",),
                              ("snapkv(window=4)", "mikv(low=4, group=4)"), ("h2o", "mikv(low=4, group=4)"),
-                             ("pyramid+tova", "kivi(bits=2, group=4, residual=4)")]),
+                             ("pyramid+tova", "kivi(bits=2, group=4, residual=4)"),
+                             ("snapkv(window=4)", "zipcache(high=8, low=4, group=4, every=5)"),
+                             ("h2o", "zipcache(high=16, low=2, group=4, salient=0.3, every=3)")]),
        n_new=st.integers(1, 6), questions=st.lists(st.integers(1, 16), max_size=2),
        page_size=st.sampled_from([1, 4, 16]))
 @example(length=80, chunk=4, budget=0.25, spec=("kivi(bits=4, group=4, residual=8)",), n_new=6,
          questions=[16], page_size=1)  # no eviction: 4 bits take every token
+@example(length=80, chunk=13, budget=0.25,
+         spec=("snapkv(window=4)", "zipcache(high=8, low=4, group=4, every=5)"), n_new=6, questions=[9],
+         page_size=1)  # ZipCache: the high bits' share of the budget
 def test_two_formats_stream_into_pools_of_chunked_num_pages(length, chunk, budget, spec, n_new, questions,
                                                             page_size):
-    """A prompt streamed into two formats (KIVI's residual, MiKV) in chunks, then follow-ups: each of the two
-    pools sized by ``chunked_num_pages(region=)`` (``follow_ups``: the questions and earlier answers, which
-    two formats keep whole) takes it with what an unbounded pair of pools holds, the same tokens; KIVI's
-    unquantized pool holds its residual, a group and a chunk (fewer pages than the budget's, however long
-    the prompt). Pools smaller than the regions' needs fail up front or with "cache out of pages", never
-    silently."""
+    """A prompt streamed into two formats (KIVI's residual, MiKV, ZipCache) in chunks, then follow-ups: each
+    of the two pools sized by ``chunked_num_pages(region=)`` (``follow_ups``: the questions and earlier
+    answers, which two formats keep whole) takes it with what an unbounded pair of pools holds, the same
+    tokens; KIVI's unquantized pool holds its residual, a group and a chunk (fewer pages than the budget's,
+    however long the prompt), ZipCache's high bits their salient share of the budget, a chunk and the rest.
+    Pools smaller than the regions' needs fail up front or with "cache out of pages", never silently."""
     policy = compose(*spec, budget=budget)
     prompt = [(7 * i + 3) % V for i in range(length)]
     final = length + sum(questions) + len(questions) * n_new
@@ -502,6 +507,10 @@ def test_two_formats_stream_into_pools_of_chunked_num_pages(length, chunk, budge
         assert (bounded.cache.host.lens[:, 0] <= p.residual + p.group).all()
         main = min(final + n_new, p.residual + p.group + step)
         assert sizes["main"] == DEEP.n_cache_layers * (-(-main // page_size) + 1)
+    if p.name == "zipcache":  # the high bits: their share of the budget, a chunk, the follow-ups, the answer
+        main = min(final + n_new, p.high_share(int(policy.budget_tokens(torch.tensor([length]))[0]))
+                   + final - length + step + n_new)
+        assert sizes["main"] == DEEP.n_cache_layers * (-(-main // page_size) + 1) <= sizes["side"]
 
 
 @given(spec=st.sampled_from(["full", "snapkv(window=4)", "streaming", "h2o", "pyramid+h2o", "tova",

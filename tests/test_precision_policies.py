@@ -105,6 +105,9 @@ def test_assign_equals_the_loop(policy, H, L, seed, ties, window):
     got = policy.assign(kept, scores, voters=voters)
     assert got.dtype == torch.int64 and got.shape == (H, L)
     assert torch.equal(got, assign_loop(policy, kept, scores, window))
+    assert set(got[got > 0].tolist()) <= set(policy.formats())  # each width a cache stores
+    if isinstance(policy, ZipCache):  # its high bits: the salient share, what a cache's re-selection keeps
+        assert (got == policy.high).sum(-1).tolist() == [policy.high_share(int(n)) for n in kept.sum(-1)]
     if not isinstance(policy, MiKV):
         assert bool((got[~kept] == 0).all())  # only MiKV keeps what eviction drops
 
@@ -211,6 +214,11 @@ def test_kivi_ages_its_residual_a_group_or_more_at_a_time():
     assert [int(k.aging(n)) for n in range(30)] == want
     assert k.aging(np.arange(30)).tolist() == want
     assert k.aging(torch.arange(30)).tolist() == want
+    # what a cache sizes its unquantized pool by; the other precisions age nothing
+    assert k.held_unquantized() == 12 and Kivi(residual=0).held_unquantized() == 0
+    for p in (Kivi(residual=0), MiKV(), ZipCache(), Native()):
+        assert p.held_unquantized() == 0 and p.aging(np.arange(30)).tolist() == [0] * 30
+    assert [p.reselects for p in (k, MiKV(), ZipCache(), Native())] == [False, False, True, False]
 
 
 @given(total=st.integers(1, 12), keep=st.integers(0, 12), sink=st.integers(0, 4), recent=st.integers(0, 4),

@@ -263,12 +263,6 @@ class Decoder:
                                       "chunk=); duo's per-head budgets can")
         if first_call and policy.eviction.probe:
             self._check_probe(new)
-        recompresses = stores_two_formats(policy) and getattr(policy.precision, "every", False)  # ZipCache
-        if first_call and continues and recompresses:
-            raise NotImplementedError(f"policy {policy.name!r}: precision {policy.precision.name!r} "
-                                      "re-compresses by the attention its tokens accumulate while decoding, "
-                                      "which a prefill chunk does not give them, so it cannot take a chunked "
-                                      "prefill; prefill the prompt whole (no chunk=), or use kivi or mikv")
         window = policy.eviction.prefill_window(1 << 30) if policy.eviction.prefill_mode else 0
         if chunk is not None and window > 1 and chunk < window:
             name = policy.eviction.name
@@ -654,7 +648,8 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
     the lower one's; ``None`` (the default) enough for either, for a ``num_pages`` both pools take. KIVI's
     unquantized pool holds its residual, a group and one chunk (the rest is quantized as it ages), its
     quantized pool the budget plus a chunk and the generation; MiKV keeps every token at its low bits, so its
-    side pool takes them all; ZipCache, which takes no chunks, holds the whole prompt in both.
+    side pool takes them all; ZipCache's high bits hold their share of the budget (``salient``) plus a chunk
+    and the generation, its low bits the budget plus a chunk and the generation.
 
     The pool is shared by the layers, so a layer-budget policy (``pyramid``, ``squeeze``, ``profile``) or
     ``duo`` keeps its shape, its large layers (heads) taking the pages the small ones leave: the layers'
@@ -686,10 +681,12 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
     residual = _residual_hold(policy)
     if residual and region == "main":  # the residual, a group, and a chunk before it ages
         per_layer = min(per_layer, residual + chunk)
-    elif (policy.eviction.prefill_compress and not (two and getattr(p, "every", False))  # ZipCache: no chunks
-          and not (region == "side" and p.keeps_evicted)):  # MiKV: every token at its low bits
+    elif policy.eviction.prefill_compress and not (region == "side" and p.keeps_evicted):  # MiKV: all
         if two:  # follow-ups join whole, as generated tokens do
-            budget = int(policy.budget_tokens(torch.tensor([tokens]))[0]) + follow_ups
+            budget = int(policy.budget_tokens(torch.tensor([tokens]))[0])
+            if region == "main" and p.reselects:  # ZipCache's high bits: their share of the budget
+                budget = p.high_share(budget)
+            budget += follow_ups
         else:
             budget = int(policy.budget_tokens(torch.tensor([tokens + follow_ups]))[0])
         per_layer = min(per_layer, budget + chunk + max_new_tokens)
@@ -697,12 +694,12 @@ def chunked_num_pages(model: Any, policy: Any, tokens: int, chunk: int, max_new_
 
 
 def _residual_hold(policy: Any) -> int:
-    """The tokens KIVI's unquantized residual may hold whole in a layer between agings (``residual +
-    group``: two formats, ``kvmodels.cache.tiers``), whatever the budget; 0 for every other precision."""
+    """The tokens a precision's unquantized residual may hold whole in a layer between agings (KIVI's
+    ``residual + group``: two formats, ``kvmodels.cache.tiers``), whatever the budget; 0 for the others."""
     p = getattr(policy, "precision", None)
-    if p is None or p.name != "kivi" or not stores_two_formats(policy):
+    if p is None or not stores_two_formats(policy):
         return 0
-    return int(p.residual + p.group)
+    return int(p.held_unquantized())
 
 
 def stores_two_formats(policy: Any) -> bool:

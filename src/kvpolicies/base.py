@@ -560,6 +560,21 @@ class PrecisionPolicy(Policy):
     needs_scores: ClassVar[bool] = False  # assign ranks by the eviction policy's prompt scores
     #: What an eviction policy evicts while decoding is kept at the lower format instead of dropped (MiKV).
     keeps_evicted: ClassVar[bool] = False
+    #: The higher format holds the most salient tokens, chosen again as tokens arrive (ZipCache, its
+    #: ``saliency`` and ``salient`` share): after each chunk of a prompt, and while decoding every ``every``
+    #: tokens (kvmodels' ``SideRegion.reselect`` / ``recompress``).
+    reselects: ClassVar[bool] = False
+
+    def held_unquantized(self) -> int:
+        """The newest tokens a row may hold in the cache's dtype whatever its budget, waiting to be quantized
+        as they age (:meth:`aging`): KIVI's ``residual + group``; 0 for a precision that ages nothing. Every
+        cache that holds such a residual sizes its unquantized pool and its checks by it."""
+        return 0
+
+    def aging(self, n):
+        """How many of a row's ``n`` newest tokens, waiting in the cache's dtype, are quantized now (an int,
+        or per row of a numpy array / tensor); none unless :meth:`held_unquantized`."""
+        return n * 0
 
     def group_size(self) -> int:
         """Channels per scale / zero point of the quantized rows (0: nothing quantized)."""

@@ -180,9 +180,9 @@ class ExtendSteps(CacheState):
             rows score both regions' tokens as a one-format cache's would (an evicting policy's window
             votes or accumulated attention), and :meth:`end_extend` then holds the sequence to its budget
             as decoding does (KIVI's residual ages and the oldest region gives up its lowest-ranked tokens,
-            ``SideRegion.evict``; MiKV moves what the policy evicts to its low bits), where a follow-up
-            is kept whole. ZipCache refuses it (its re-compression ranks by attention a chunk does not
-            accumulate).
+            ``SideRegion.evict``; MiKV moves what the policy evicts to its low bits; ZipCache first chooses
+            its high bits again among the main region's tokens, ``SideRegion.reselect``), where a follow-up
+            is kept whole.
         """
         if self._state != "decode":
             raise RuntimeError(f"begin_extend called in state {self._state!r}; extend a sequence after "
@@ -203,10 +203,6 @@ class ExtendSteps(CacheState):
             self._check_probe()
         if not isinstance(chunked, bool):
             raise TypeError(f"chunked must be True or False, got {chunked!r}")
-        if chunked and self.side is not None and self.side.every:
-            raise NotImplementedError(f"begin_extend(chunked=True): precision {self.policy.precision.name!r} "
-                                      "re-compresses by the attention its tokens accumulate while decoding, "
-                                      "which a prefill chunk does not give them; prefill the prompt whole")
         seen = int(self.host.seen[rows[0]]) + (0 if span is not None else n)
         budget_len = seen if budget_len is None else int(budget_len)
         if budget_len < seen:
@@ -237,7 +233,7 @@ class ExtendSteps(CacheState):
         if need > self.pool.free:
             raise self.pool.out_of_pages(need, f"extension of sequence {b} by {n} tokens")
         if self.side is not None:  # two formats: KIVI's residual ages into the side region afterwards
-            aged = self.side.pages_to_age(b, lens[:, 0], n)
+            aged = self.side.pages_to_age(b, lens[:, 0], n, chunked)
             if aged > self.side.pool.free:
                 what = f"the {self.side.side_bits}-bit tokens aging out of the residual"
                 raise self.side.pool.out_of_pages(aged, f"extension of sequence {b} by {n} tokens ({what})")
@@ -437,7 +433,11 @@ class ExtendSteps(CacheState):
             assert self.plan is not None  # _replan made it
             self._compress_rows(rows, *(x.numpy()[:, rows] for x in self.plan.rows))
         if self.side is not None:  # KIVI: the extension's tokens older than the residual are quantized now
-            self.side.migrate(self)
+            if ext.chunked and self.side.reselects:  # ZipCache: the chunk split as the prompt was
+                ev = self.eviction
+                self.side.reselect(self, rows, ev.prefill_window(ext.n) if ev.prefill_mode else 0)
+            else:
+                self.side.migrate(self)
             if ext.chunked and (self.eviction.prefill_compress or self.eviction.decode_evict):
                 self.side.evict(self, rows)  # a prefill chunk: held to the budget, as decoding holds it
 

@@ -110,8 +110,6 @@ class PackedRows(NativeRows):
 def stored_formats(precision) -> list[int]:
     """The bit widths a precision policy's tokens are stored at, low to high (``NATIVE_BITS`` = 16: the
     cache's dtype): two for a cache with a second region (``kvmodels.cache.tiers``)."""
-    if precision.name == "kivi" and not precision.residual:
-        return [precision.bits]
     return sorted(precision.formats())
 
 
@@ -169,7 +167,7 @@ def row_storage(policy, head_dim: int, dtype: torch.dtype, device: torch.device 
     main = storage(formats[-1])
     if len(formats) == 1:
         return main, None
-    if ev.decode_evict and getattr(precision, "every", None) == 0:
+    if ev.decode_evict and precision.reselects and precision.every == 0:
         raise ValueError(f"{name} never re-compresses (every=0), so under eviction {ev.name!r}, which evicts "
                          "while decoding from the low bits only, the high bits would outgrow the budget; use "
                          "every >= 1 (ZipCache's is ~100) or a prompt-only policy (snapkv)")

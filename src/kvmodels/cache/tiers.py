@@ -16,7 +16,8 @@ to both regions and appends its tokens to the main region whole, as decode steps
 ages (ZipCache re-compresses) after it; decode-time eviction with KIVI's residual or ZipCache evicts
 side-region tokens only, and with MiKV moves the evicted tokens here instead (below). A chunked prefill's
 later chunks (``begin_extend(chunked=True)``) are scored by the policy over both regions and, after KIVI's
-residual ages, held to the budget by the same eviction (MiKV: demotion); ZipCache refuses them.
+residual ages (ZipCache chooses its high bits again, :meth:`SideRegion.reselect`), held to the budget by the
+same eviction (MiKV: demotion).
 
 The split (and KIVI's aging) compacts by a membership flag written into each region's slot scores, then
 writes the kept tokens' eviction scores back (a compaction keeps the flagged slots in order), and tokens
@@ -63,10 +64,13 @@ class SideRegion:
         self.seq_lens = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=device)
         self.compactor = Compactor(self.pool, self.page_table, self.seq_lens, layout)
         self.lens = np.zeros((n_layers, max_batch), dtype=np.int64)  # host mirror of seq_lens
-        # ZipCache while decoding: the main region's first `settled` slots were placed by a compression; the
-        # tokens after them wait for the next one (recompress). 0 for the other precision policies. `capped`:
-        # the eviction policy evicts while decoding, so both regions share the plan's budget.
-        self.every, self.capped = getattr(precision, "every", 0), capped
+        # ZipCache (`reselects`): the main region's first `settled` slots were placed by a compression; the
+        # tokens after them wait for the next one (recompress; `every` decoded tokens, 0: never). 0 for the
+        # other precision policies. `capped`: the eviction policy evicts while decoding, so both regions
+        # share the plan's budget.
+        self.reselects = precision.reselects
+        self.every = precision.every if self.reselects else 0
+        self.capped = capped
         self.settled = np.zeros((n_layers, max_batch), dtype=np.int64)
         self.peak_pages = 0
 
@@ -138,7 +142,7 @@ class SideRegion:
             for b, (side_scores, main_scores) in zip(rows, kept_scores, strict=True):  # the flags out again
                 self._set_scores(self.pool, self.page_table[l, b], side_scores)
                 self._set_scores(cache.pool, cache.page_table[l, b], main_scores)
-            if self.every:
+            if self.reselects:
                 self.settled[l, rows] = budgets_main
 
     def _voters(self, eviction, L: int) -> torch.Tensor:
@@ -220,16 +224,19 @@ class SideRegion:
         self.seq_lens[l, b] = have + m
         self.lens[l, b] = have + m
 
-    def pages_to_age(self, b: int, main_lens: np.ndarray, n: int) -> int:
+    def pages_to_age(self, b: int, main_lens: np.ndarray, n: int, chunked: bool = False) -> int:
         """Pages this region takes (at most) when row ``b``, whose main region holds ``main_lens``
         (``[Lc]``), takes ``n`` more tokens there and then KIVI's residual ages or ZipCache re-compresses
-        (:meth:`migrate`); 0 for the other precision policies (host arithmetic)."""
+        (:meth:`migrate`; :meth:`reselect` after a prompt's chunk, ``chunked``); 0 for the other precision
+        policies (host arithmetic)."""
         p = self.precision
         total = main_lens.astype(np.int64) + n
-        if self.every:  # at most every token past the settled ones (all of them, under eviction)
+        if self.reselects and (chunked or self.capped):  # at most all of them
+            moved = total
+        elif self.every:  # every token past the settled ones, once `every` wait
             waiting = total - self.settled[:len(total), b]
-            moved = total if self.capped else np.where(waiting >= self.every, waiting, 0)
-        elif p.name == "kivi" and p.residual:
+            moved = np.where(waiting >= self.every, waiting, 0)
+        elif p.held_unquantized():
             moved = p.aging(total)
         else:
             return 0
@@ -245,8 +252,8 @@ class SideRegion:
         (:meth:`recompress`; an extension's :meth:`migrate` too), so it holds at most that budget before a
         step (the plan's largest layer budget + 1)."""
         p = self.precision
-        if not self.every and p.name == "kivi" and p.residual:
-            return int(p.residual + p.group + 1)
+        if p.held_unquantized():
+            return p.held_unquantized() + 1
         if self.every and self.capped and cache.plan is not None:
             return int(cache.plan.rows.budgets[:, cache.rows.rows(b)].max()) + 1
         return None
@@ -258,7 +265,7 @@ class SideRegion:
         p = self.precision
         if self.every:
             self.recompress(cache)
-        elif p.name == "kivi" and p.residual:
+        elif p.held_unquantized():
             self.age(cache)
 
     def age(self, cache) -> None:
@@ -278,7 +285,7 @@ class SideRegion:
             for b in (int(b) for ll, b in excess if ll == l):
                 m = int(aged[l, b])  # the main region's oldest m
                 out = torch.arange(m, device=self.page_table.device)[:, None].expand(m, heads)
-                moves.append((b, out, p.residual))
+                moves.append((b, out, int(lens[l, b]) - m))
             self._move_down(cache, l, moves, "quantizing aged tokens")
 
     def recompress(self, cache) -> None:
@@ -302,19 +309,45 @@ class SideRegion:
                 total, s = int(main[l, b]), int(settled[l, b])
                 n_high = s + int(np.ceil(p.salient * (total - s) - 1e-9))  # 1e-9: 0.4 * 5 must stay 2
                 settled_stay = True  # else the salient share of the budget, chosen among all of them
-                if budgets is not None and n_high > (cap := int(np.ceil(p.salient * budgets[l, b]))):
+                if budgets is not None and n_high > (cap := p.high_share(budgets[l, b])):
                     n_high, settled_stay = cap, False
-                page, off = self._rows(cache.page_table[l, b], total)
-                rank = p.saliency(cache.slot_score[page, off], cache.slot_pos[page, off].long(),
-                                  int(cache.host.seen[b]))  # [total, Hkv]
-                if settled_stay:
-                    rank[:s] = float("inf")
-                order = torch.sort(rank, dim=0, descending=True, stable=True).indices  # ties: earlier first
-                if n_high < total:
-                    moves.append((b, order[n_high:].sort(dim=0).values, n_high))
-                self.settled[l, b] = n_high
+                moves += self._keep_salient(cache, l, b, n_high, s if settled_stay else 0)
             if moves:
                 self._move_down(cache, l, moves, "re-compressing")
+
+    def reselect(self, cache, rows: list[int], window: int) -> None:
+        """ZipCache after a prompt's chunk (``begin_extend(chunked=True)``), as the prompt's split: each KV
+        head of ``rows`` keeps at the high bits the ``salient`` share (rounded up) of its layer's budget (the
+        plan's), chosen among all of the main region's tokens (the chunk's and those a previous chunk kept
+        there) by normalized score -- the chunk's scores over the queries behind them: every query at or
+        after a token, or the last ``window`` where window votes replaced every held token's score (0: no
+        window) -- ties to the earlier; the others move to this region, with their positions and scores.
+        What both regions then hold over the budget, :meth:`evict` takes. Eager, host-driven lengths."""
+        p, budgets = self.precision, cache.plan.rows.budgets.numpy()
+        for l in range(cache.n_layers):
+            moves = []
+            for b in rows:
+                total = int(cache.host.lens[l, b])
+                moves += self._keep_salient(cache, l, b, min(total, p.high_share(budgets[l, b])), 0, window)
+            if moves:
+                self._move_down(cache, l, moves, "re-compressing a chunk")
+
+    def _keep_salient(self, cache, l: int, b: int, n_high: int, stay: int,
+                      window: int = 0) -> list[tuple[int, torch.Tensor, int]]:
+        """Row ``b`` of layer ``l`` keeps ``n_high`` main-region tokens per KV head: its first ``stay``
+        (settled) slots, then the highest normalized scores (``ZipCache.saliency``, ``window``), ties to the
+        earlier; the settled count becomes ``n_high``. Returns the :meth:`_move_down` entry of the others
+        (none when every token stays)."""
+        total = int(cache.host.lens[l, b])
+        self.settled[l, b] = n_high
+        if n_high >= total:
+            return []
+        page, off = self._rows(cache.page_table[l, b], total)
+        rank = self.precision.saliency(cache.slot_score[page, off], cache.slot_pos[page, off].long(),
+                                       int(cache.host.seen[b]), window)  # [total, Hkv]
+        rank[:stay] = float("inf")
+        order = torch.sort(rank, dim=0, descending=True, stable=True).indices  # ties: earlier first
+        return [(b, order[n_high:].sort(dim=0).values, n_high)]
 
     def evict(self, cache, rows: list[int] | None = None) -> None:
         """Decode-time eviction of a two-format cache (KIVI's residual or ZipCache with an eviction policy

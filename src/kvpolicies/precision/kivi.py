@@ -58,6 +58,9 @@ class Kivi(PrecisionPolicy):
         bits = torch.where(from_end <= self.residual, NATIVE_BITS, self.bits)
         return torch.where(kept, bits, 0).to(torch.int64)
 
+    def held_unquantized(self) -> int:
+        return self.residual + self.group if self.residual else 0
+
     def aging(self, n):
         """How many of a row's ``n`` newest tokens, waiting in the cache's dtype, are quantized now (an int,
         or per row of a numpy array / tensor): all but the newest ``residual`` once more than ``residual +
@@ -69,4 +72,4 @@ class Kivi(PrecisionPolicy):
         return self.group
 
     def formats(self) -> tuple[int, ...]:
-        return (self.bits, NATIVE_BITS)
+        return (self.bits, NATIVE_BITS) if self.residual else (self.bits,)

@@ -26,6 +26,7 @@ accumulated attention on the decode steps for this.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ class ZipCache(PrecisionPolicy):
     every: int = 100  # re-compress the tokens decoded since the last compression every `every` (0: never)
 
     needs_scores = True
+    reselects = True
 
     def __post_init__(self) -> None:
         check_bits(self.name, "high", self.high, native=True)
@@ -72,10 +74,19 @@ class ZipCache(PrecisionPolicy):
         return scores.float() / voters.clamp(min=1).to(device=scores.device, dtype=torch.float32)
 
     @staticmethod
-    def saliency(scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
+    def saliency(scores: torch.Tensor, positions: torch.Tensor, seen: int, window: int = 0) -> torch.Tensor:
         """The normalized score: ``scores`` (float) over the number of queries that have seen each token,
-        ``seen - position`` for a sequence of ``seen`` tokens (``positions`` broadcasts with ``scores``)."""
-        return scores.float() / (seen - positions).clamp(min=1).to(torch.float32)
+        ``seen - position`` for a sequence of ``seen`` tokens (``positions`` broadcasts with ``scores``), at
+        most ``window`` when only the last ``window`` queries voted (0: every query did)."""
+        voters = (seen - positions).clamp(min=1)
+        if window:
+            voters = voters.clamp(max=window)
+        return scores.float() / voters.to(torch.float32)
+
+    def high_share(self, budget: int) -> int:
+        """The most tokens a layer (KV head) of ``budget`` kept tokens holds at ``high`` bits: the ``salient``
+        share, rounded up."""
+        return math.ceil(self.salient * int(budget) - 1e-9)  # 1e-9: 0.4 * 5 must stay 2
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None,
                voters: torch.Tensor | None = None) -> torch.Tensor:
