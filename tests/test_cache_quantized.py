@@ -550,6 +550,23 @@ def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
     def stored(x, fmt):
         return x if fmt is None else round_trip(x, fmt)
 
+    def salient_first(held, window, seen):
+        """Positions of ``held`` (position -> (k, v, region, score)), by normalized score (the score over the
+        queries behind it: every query at or after the token, at most ``window``), ties to the earlier."""
+        def saliency(x):
+            voters = max(seen - x, 1) if not window else min(max(seen - x, 1), window)
+            return float(torch.tensor(held[x][3]) / torch.tensor(float(voters)))
+        return sorted(held, key=lambda x: (-saliency(x), x))
+
+    if p.name == "zipcache":  # a first chunk: the high bits up to their share of the whole prompt's budget
+        for i, L in enumerate(lens):
+            share = p.high_share(min(int(policy.budget_tokens(torch.tensor([total[i]]))[0]), total[i]))
+            window = ev.prefill_window(L) if ev.prefill_mode else 0
+            for l in range(2):
+                for h, held in enumerate(held_with_scores(cache, l, i)):
+                    main = sorted(x for x in held if held[x][2] == "main")
+                    assert main == sorted(salient_first(held, window, L)[:min(len(held), share)]), (i, l, h)
+
     b = len(lens) - 1
     start = lens[b]
     for n in chunks:
@@ -599,13 +616,9 @@ def test_a_prefill_chunk_on_two_formats_is_held_to_its_budget(case):
                 main = sorted(x for x, r in now.items() if r == "main")
                 if p.name == "zipcache":  # the high bits: the salient share of the budget, chosen again
                     window = ev.prefill_window(n) if ev.prefill_mode else 0
-                    was_main = sorted(x for x in was if was[x] == "main")
-                    saliency = {}  # the chunk's score over the queries behind it, as the cache computes it
-                    for x in was_main:
-                        voters = max(start + n - x, 1) if not window else min(max(start + n - x, 1), window)
-                        saliency[x] = float(torch.tensor(raw_scores[l][h][x]) / torch.tensor(float(voters)))
-                    n_high = min(len(was_main), p.high_share(budgets))
-                    assert main == sorted(sorted(was_main, key=lambda x: (-saliency[x], x))[:n_high]), (l, h)
+                    was_main = {x: (None, None, "main", raw_scores[l][h][x]) for x in was if was[x] == "main"}
+                    n_high = min(len(was_main), p.high_share(min(budgets, total[b])))
+                    assert main == sorted(salient_first(was_main, window, start + n)[:n_high]), (l, h)
                 if p.name in ("kivi", "zipcache"):  # KIVI: the residual (the newest), aged a group or more
                     if p.name == "kivi":
                         assert main == sorted(was)[-len(main):] and len(main) <= p.residual + p.group

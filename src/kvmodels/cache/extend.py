@@ -417,6 +417,7 @@ class ExtendSteps(CacheState):
             self.host.seen[rows] += ext.n
         for row in rows:
             self.prompt_lens[row] = ext.budget_len
+            self.budget_lens[row] = ext.budget_len
             self.reserve[row] = ext.reserve
         self.budget_tokens[rows] = self.policy.checked_budget_tokens(torch.tensor([ext.budget_len]))[0]
         self.active[rows] = True

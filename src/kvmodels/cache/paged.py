@@ -361,6 +361,7 @@ class PagedKVCache(PrefillSteps, DecodeSteps, ExtendSteps, InspectSteps):
         self.prompt_lens = prompt_lens
         self.max_new_tokens = max_new_tokens
         self.budget_tokens = budget_tokens
+        self.budget_lens = list(budget_lens)  # its own list: the plan raises prompt_lens as sequences grow
         self.reserve = reserve
         self.active[:n] = True
         self.host.active[:n] = True

@@ -99,6 +99,7 @@ class CacheState:
     prompt_lens: list[int]
     sequence_prompt_lens: list[int]
     budget_tokens: torch.Tensor
+    budget_lens: list[int]  # per pool row: the length its budget is a fraction of (start's, end_extend's)
     reserve: list[int]  # per pool row: slots each layer keeps free at its next plan (a chunk's, start)
     max_new_tokens: int
     plan: CompressionPlan | None

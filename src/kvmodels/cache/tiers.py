@@ -113,7 +113,13 @@ class SideRegion:
     def split(self, cache, rows: list[int]) -> None:
         """Give each token of ``rows`` (every layer) the format the precision policy assigns it: the main
         region keeps its ``main_bits`` tokens, this region its ``side_bits`` ones; a token assigned 0 leaves
-        both. Reads the device (prompt time only)."""
+        both. Reads the device (prompt time only).
+
+        A row whose prompt goes on in later chunks (its budget is a share of a longer prompt,
+        ``start(budget_lens=)``) under ZipCache keeps its kept tokens at the high bits up to their share of
+        that budget (:meth:`reselect`'s choice), not their share of the chunk: the high bits' pool is sized
+        for it, and a token sent to the low bits now could not come back when a later chunk votes for it."""
+        streaming = [b for b in rows if self.reselects and cache.budget_lens[b] > cache.host.seen[b]]
         for l in range(cache.n_layers):
             budgets_side, budgets_main, kept_scores = [], [], []
             for b in rows:
@@ -126,7 +132,10 @@ class SideRegion:
                 start = int(pos[0, 0]) if L else 0
                 kept = torch.zeros_like(scores, dtype=torch.bool)  # [Hkv, L]
                 kept.scatter_(1, (kept_pos - start).t(), True)
-                bits = self.precision.assign(kept, scores, voters=self._voters(cache.eviction, L))
+                if b in streaming:  # all kept at the high bits; reselect() below takes their share
+                    bits = torch.where(kept, self.main_bits, 0)
+                else:
+                    bits = self.precision.assign(kept, scores, voters=self._voters(cache.eviction, L))
                 side = bits == self.side_bits
                 main_scores = cache.slot_score[mpage, moff].t()  # [Hkv, m]
                 self.pool.slot_score[page, off] = side.t().float()
@@ -144,6 +153,12 @@ class SideRegion:
                 self._set_scores(cache.pool, cache.page_table[l, b], main_scores)
             if self.reselects:
                 self.settled[l, rows] = budgets_main
+        ev = cache.eviction
+        for n in sorted({int(cache.host.seen[b]) for b in streaming}):  # a batch's first chunks may differ
+            some = [b for b in streaming if int(cache.host.seen[b]) == n]
+            budgets = np.minimum(cache.budget_tokens[some].numpy(), [cache.budget_lens[b] for b in some])
+            self.reselect(cache, some, ev.prefill_window(n) if ev.prefill_mode else 0,
+                          np.broadcast_to(budgets, (cache.n_layers, len(some))))
 
     def _voters(self, eviction, L: int) -> torch.Tensor:
         """``[L]``: how many of the queries behind the eviction policy's prompt scores see each token of an
@@ -315,20 +330,25 @@ class SideRegion:
             if moves:
                 self._move_down(cache, l, moves, "re-compressing")
 
-    def reselect(self, cache, rows: list[int], window: int) -> None:
+    def reselect(self, cache, rows: list[int], window: int, budgets: np.ndarray | None = None) -> None:
         """ZipCache after a prompt's chunk (``begin_extend(chunked=True)``), as the prompt's split: each KV
         head of ``rows`` keeps at the high bits the ``salient`` share (rounded up) of its layer's budget (the
         plan's), chosen among all of the main region's tokens (the chunk's and those a previous chunk kept
         there) by normalized score -- the chunk's scores over the queries behind them: every query at or
         after a token, or the last ``window`` where window votes replaced every held token's score (0: no
         window) -- ties to the earlier; the others move to this region, with their positions and scores.
-        What both regions then hold over the budget, :meth:`evict` takes. Eager, host-driven lengths."""
-        p, budgets = self.precision, cache.plan.rows.budgets.numpy()
+        What both regions then hold over the budget, :meth:`evict` takes. ``budgets``: ``[Lc, len(rows)]``
+        instead of the plan's (:meth:`split`: the sequence's, before the plan knows the whole prompt). Eager,
+        host-driven lengths."""
+        p = self.precision
+        if budgets is None:  # the plan's, never above the prompt it is a share of (an int budget may be)
+            budgets = np.minimum(cache.plan.rows.budgets.numpy()[:, rows],
+                                 [cache.budget_lens[b] for b in rows])
         for l in range(cache.n_layers):
             moves = []
-            for b in rows:
+            for i, b in enumerate(rows):
                 total = int(cache.host.lens[l, b])
-                moves += self._keep_salient(cache, l, b, min(total, p.high_share(budgets[l, b])), 0, window)
+                moves += self._keep_salient(cache, l, b, min(total, p.high_share(budgets[l, i])), 0, window)
             if moves:
                 self._move_down(cache, l, moves, "re-compressing a chunk")
 
