@@ -560,6 +560,62 @@ def test_a_generation_the_pool_cannot_hold_is_refused_before_its_first_step(spec
         assert outcomes[False] == ("out of pages" if need > free else "ran")
 
 
+@given(spec=st.sampled_from(["snapkv(window=4)+kivi(bits=4, group=4, residual=4)",
+                             "h2o+kivi(bits=8, group=4, residual=2)",
+                             "h2o+zipcache(high=8, low=4, group=4, every=3)",
+                             "snapkv(window=4)+zipcache(high=16, low=4, group=4, salient=0.3, every=2)",
+                             "tova+zipcache(high=8, low=2, group=4, every=5)", "h2o+mikv(low=4, group=4)",
+                             "snapkv(window=4)+mikv(low=4, group=4)"]),
+       budget=st.sampled_from([6, 0.5]), evict_every=st.sampled_from([1, 3]),
+       lens=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_new=st.integers(2, 20),
+       spare=st.tuples(st.integers(0, 12), st.integers(0, 12)), page_size=st.sampled_from([1, 4]))
+@example(spec="h2o+kivi(bits=8, group=4, residual=2)", budget=6, evict_every=3, lens=[12, 7], n_new=15,
+         spare=(3, 2), page_size=1)
+def test_a_generation_two_pools_cannot_hold_is_refused_before_its_first_step(spec, budget, evict_every, lens,
+                                                                             n_new, spare, page_size):
+    """Two formats (``kvmodels.cache.tiers``): ``Decoder.generate`` replays its steps on lengths
+    (``SideRegion.decode_pages``: the append, KIVI's aging or ZipCache's re-compression, the eviction or
+    MiKV's demotion every ``evict_every`` steps) and refuses up front when either pool lacks the pages, with
+    that pool's error (naming ``num_pages`` or ``side_pages``), no token emitted. The counts depend on lengths
+    only, so the refusal is exact: without it, a generation fails mid-way exactly when it refuses."""
+    policy = compose(spec, budget=budget, evict_every=evict_every)
+    prompts = [[(3 * i + b) % V for i in range(L)] for b, L in enumerate(lens)]
+    probe = Decoder(MODEL, policy, page_size=page_size)
+    probe.extend(prompts, max_new_tokens=n_new)
+    probe.start_decode(n_new)
+    pools = {}
+    for region, pool, peak, extra in (("main", probe.cache.pool, probe.cache.host.peak_pages, spare[0]),
+                                      ("side", probe.cache.side.pool, probe.cache.side.peak_pages, spare[1])):
+        held = int(pool.num_pages - pool.free)
+        pages = max(held + extra, int(peak))  # the prefill fits too
+        need = probe.cache.decode_pages(n_new - 1, region)
+        assert need is not None and need >= 0
+        pools[region] = (pages, need, pages - held)
+    short = [r for r, (_, need, free) in pools.items() if need > free]
+    outcomes = {}
+    for checked in (True, False):
+        dec = Decoder(MODEL, policy, page_size=page_size, num_pages=pools["main"][0],
+                      side_pages=pools["side"][0])
+        dec.extend(prompts, max_new_tokens=n_new)
+        if not checked:
+            dec._check_pool = lambda n: None
+        emitted: list[int] = []
+        try:
+            res = dec.generate(n_new, stream=lambda b, t, out=emitted: out.append(t))
+            assert [len(t) for t in res.tokens] == [n_new] * len(lens)
+            outcomes[checked] = "ran"
+        except RuntimeError as e:
+            assert "cache out of pages" in str(e), e
+            if checked:
+                name = {"main": "num_pages", "side": "side_pages"}[short[0]]
+                assert f"max_new_tokens={n_new}" in str(e), e
+                assert f"of {pools[short[0]][0]} are free" in str(e), e
+                assert f"raise {name}" in str(e) and not emitted, "refused before any token"
+            outcomes[checked] = "refused" if checked else "out of pages"
+    assert outcomes[True] == ("refused" if short else "ran"), pools
+    assert outcomes[False] == ("out of pages" if short else "ran"), pools
+
+
 @pytest.mark.parametrize("spec", ["h2o+zipcache(group=8, every=4)", "tova+zipcache(group=8)"])
 def test_zipcache_under_eviction_generates_in_a_cache_of_its_prompt(spec):
     """ZipCache's main region under a policy that evicts while decoding is re-compressed whenever it holds

@@ -467,12 +467,17 @@ class Decoder:
         """Refuse, before the first decode step, a generation whose steps may open more pages than the pool
         has free (``cache.decode_pages``: the worst case, every sequence running to ``max_new_tokens``),
         where it would fail at the step that finds none (a pool sized by ``num_pages`` for fewer or shorter
-        turns than the conversation has: found 2026-12-07)."""
-        cache = self.cache
-        need = cache.decode_pages(max_new_tokens - 1)  # the last token is sampled, not cached
-        if need is not None and need > cache.pool.free:  # the pool's own error, raised before any step
-            what = f"a generation of max_new_tokens={max_new_tokens} (at worst, counted before step 0)"
-            raise cache.pool.out_of_pages(need, what)
+        turns than the conversation has: found 2026-12-07). Two formats: each of the two pools (since
+        2026-12-08)."""
+        cache, steps = self.cache, max_new_tokens - 1  # the last token is sampled, not cached
+        what = f"a generation of max_new_tokens={max_new_tokens} (at worst, counted before step 0)"
+        if cache.side is None or cache.sliding or cache.plan is None:  # (two formats beside windows: None)
+            needs = [(cache.pool, cache.decode_pages(steps))]
+        else:  # two formats: both pools from one replay of the steps
+            needs = list(zip((cache.pool, cache.side.pool), cache.side.decode_pages(cache, steps)))
+        for pool, need in needs:
+            if need is not None and need > pool.free:  # the pool's own error, raised before any step
+                raise pool.out_of_pages(need, what)
 
     def _replan_makes_room(self, b: int, steps: int) -> bool:
         """Whether the plan this generation makes (``cache.restart_decode``: each layer capped at the slots

@@ -85,15 +85,20 @@ class ExtendSteps(CacheState):
                 for l, w in enumerate(self.layout.width) if w]
         return min(room)
 
-    def decode_pages(self, steps: int) -> int | None:
+    def decode_pages(self, steps: int, region: str = "main") -> int | None:
         """The most pages the batch's active rows may open over the next ``steps`` decode steps, at worst
         (host arithmetic, no sync): every row appends each step (a merged region two slots) and keeps its
         pages, save what the plan's decode-time eviction holds it to (at most ``max(held, budget)`` plus the
         slots of ``evict_every`` steps) and what a model's sliding window holds (its last ``W - 1`` and one
-        more). ``None`` for two formats (KIVI's residual ages into a second pool), which are not counted.
-        ``Decoder.generate`` compares it with the pool's free pages before its first step."""
-        if self.side is not None or self.plan is None:
+        more). With two formats, each pool's (``region``: ``"main"`` or ``"side"``), replayed step by step
+        on lengths (``SideRegion.decode_pages``); ``None`` for two formats beside a model's sliding windows,
+        not counted. ``Decoder.generate`` compares it with the pool's free pages before its first step."""
+        if self.plan is None:
             return None
+        if self.side is not None:
+            if self.sliding:
+                return None
+            return self.side.decode_pages(self, steps)[region == "side"]
         n, S = self.batch_size, self.page_size
         held = self.host.lens[:, :n].astype(np.int64)
         width = self._width[:, None] * self.host.active[:n]  # [Lc, n] slots a step appends

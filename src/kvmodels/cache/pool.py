@@ -54,8 +54,9 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int, n_kv_heads: int, storage, *, device: torch.device,
-                 merged: bool):
+                 merged: bool, name: str = "num_pages"):
         self.num_pages, self.page_size, self.device = num_pages, page_size, device
+        self.name = name  # the argument that sizes this pool, for its errors
         self.trash_page = num_pages
         P, S, H, W, dev = num_pages + 1, page_size, n_kv_heads, storage.width, device
         self.k_pages = torch.zeros(P, S, H, W, dtype=storage.page_dtype, device=dev)
@@ -136,4 +137,4 @@ class PagePool:
     def out_of_pages(self, need: int, what: str) -> RuntimeError:
         return RuntimeError(
             f"cache out of pages: {what} needs {need} more pages but only {self.free} of {self.num_pages} "
-            f"are free (page_size={self.page_size}); raise num_pages or lower max_batch/budget")
+            f"are free (page_size={self.page_size}); raise {self.name} or lower max_batch/budget")

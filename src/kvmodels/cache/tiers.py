@@ -59,7 +59,8 @@ class SideRegion:
         self.storage, self.precision, self.main_bits = storage, precision, main_bits
         self.side_bits = storage.bits
         self.page_size = page_size
-        self.pool = PagePool(num_pages, page_size, n_kv_heads, storage, device=device, merged=False)
+        self.pool = PagePool(num_pages, page_size, n_kv_heads, storage, device=device, merged=False,
+                             name="side_pages")
         self.page_table = torch.full((n_layers, max_batch, max_pages), -1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n_layers, max_batch, dtype=torch.int32, device=device)
         self.compactor = Compactor(self.pool, self.page_table, self.seq_lens, layout)
@@ -257,6 +258,51 @@ class SideRegion:
             return 0
         have = self.lens[:len(total), b]
         return int((ceil_div(have + moved, self.page_size) - ceil_div(have, self.page_size)).sum())
+
+    def decode_pages(self, cache, steps: int) -> tuple[int, int]:
+        """The most pages the main pool and this one may each open over the next ``steps`` decode steps of
+        the batch's active rows, at worst (every row appends each step): a replay of the steps on lengths
+        alone -- the append; KIVI's aging or ZipCache's re-compression (:meth:`migrate`); with a policy that
+        evicts while decoding, every ``evict_every`` steps, :meth:`evict` or MiKV's :meth:`demote` -- whose
+        counts depend on lengths only (which tokens move, on the scores), each pool's peak taken where it
+        occurs (the main pool's after the append, this one's before the eviction). Host arithmetic, a few
+        numpy operations a step. ``PagedKVCache.decode_pages`` asks it."""
+        n, S, p, plan = cache.batch_size, self.page_size, self.precision, cache.plan
+        main, side = cache.host.lens[:, :n].astype(np.int64), self.lens[:, :n].astype(np.int64)
+        settled = self.settled[:, :n].astype(np.int64)
+        active = cache.host.active[:n].astype(np.int64)
+        budgets = plan.rows.budgets.numpy()[:, :n].astype(np.int64)
+        cap = np.vectorize(p.high_share, otypes=[np.int64])(budgets) if self.reselects else budgets
+
+        def pages(x: np.ndarray) -> int:
+            return int(ceil_div(x, S).sum())
+
+        start_main, start_side = pages(main), pages(side)
+        peak_main, peak_side = start_main, start_side
+        for step in range(steps):
+            main = main + active
+            peak_main = max(peak_main, pages(main))
+            if self.every:  # ZipCache's re-compression (recompress), on counts
+                waiting = main - settled
+                due = waiting >= self.every
+                high = settled + np.ceil(p.salient * waiting - 1e-9).astype(np.int64)
+                if self.capped:
+                    due |= (main > budgets) & (waiting > 0)
+                    high = np.where(high > cap, cap, high)
+                settled = np.where(due, high, settled)
+                moved = np.where(due, np.maximum(main - high, 0), 0)
+            else:  # KIVI's residual ages (none for the others)
+                moved = p.aging(main)
+            main, side = main - moved, side + moved
+            peak_side = max(peak_side, pages(side))
+            if plan.evicts_after(step) and cache.eviction.decode_evict:
+                if p.keeps_evicted:  # demote: the main region over its budget moves down
+                    moved = np.maximum(main - budgets, 0)
+                    main, side = main - moved, side + moved
+                    peak_side = max(peak_side, pages(side))
+                else:  # evict: this region keeps what the budget leaves beside the main one
+                    side = np.minimum(side, np.clip(budgets - main, 0, None))
+        return peak_main - start_main, peak_side - start_side
 
     def main_peak(self, cache, b: int) -> int | None:
         """Under a policy that evicts while decoding and a precision that does not keep what it evicts (MiKV,
