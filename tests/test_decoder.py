@@ -538,26 +538,35 @@ def test_a_generation_the_pool_cannot_hold_is_refused_before_its_first_step(spec
     free = pages - held
     need = probe.cache.decode_pages(n_new - 1)
     assert need is not None and need >= 0
+    outcomes = with_and_without_the_pool_check(policy, prompts, n_new, page_size, num_pages=pages // unit)
+    assert outcomes[True][0] == ("refused" if need > free else "ran")
+    if need > free:
+        err = outcomes[True][1]
+        assert f"max_new_tokens={n_new}" in err and f"of {pages} are free" in err and "raise num_pages" in err
+    if not policy.eviction.decode_evict:  # the count is exact there
+        assert outcomes[False][0] == ("out of pages" if need > free else "ran")
+
+
+def with_and_without_the_pool_check(policy, prompts, n_new, page_size, **pools):
+    """``generate(n_new)`` after ``prompts`` on a Decoder of ``pools`` (``num_pages=``, ``side_pages=``), with
+    its up-front pool check (True) and without it (False): ``("ran", "")`` for a run that emitted every
+    token, else ``("refused" | "out of pages", the error)``; a refusal emits nothing."""
     outcomes = {}
     for checked in (True, False):
-        dec = Decoder(MODEL, policy, page_size=page_size, num_pages=pages // unit)
+        dec = Decoder(MODEL, policy, page_size=page_size, **pools)
         dec.extend(prompts, max_new_tokens=n_new)
         if not checked:
             dec._check_pool = lambda n: None
         emitted: list[int] = []
         try:
             res = dec.generate(n_new, stream=lambda b, t, out=emitted: out.append(t))
-            assert [len(t) for t in res.tokens] == [n_new] * len(lens)
-            outcomes[checked] = "ran"
+            assert [len(t) for t in res.tokens] == [n_new] * len(prompts)
+            outcomes[checked] = ("ran", "")
         except RuntimeError as e:
             assert "cache out of pages" in str(e), e
-            if checked:
-                assert f"max_new_tokens={n_new}" in str(e) and f"of {pages} are free" in str(e), e
-                assert "raise num_pages" in str(e) and not emitted, "refused before any token"
-            outcomes[checked] = "refused" if checked else "out of pages"
-    assert outcomes[True] == ("refused" if need > free else "ran")
-    if not policy.eviction.decode_evict:  # the count is exact there
-        assert outcomes[False] == ("out of pages" if need > free else "ran")
+            assert not (checked and emitted), "refused before any token"
+            outcomes[checked] = ("refused" if checked else "out of pages", str(e))
+    return outcomes
 
 
 @given(spec=st.sampled_from(["snapkv(window=4)+kivi(bits=4, group=4, residual=4)",
@@ -592,28 +601,14 @@ def test_a_generation_two_pools_cannot_hold_is_refused_before_its_first_step(spe
         assert need is not None and need >= 0
         pools[region] = (pages, need, pages - held)
     short = [r for r, (_, need, free) in pools.items() if need > free]
-    outcomes = {}
-    for checked in (True, False):
-        dec = Decoder(MODEL, policy, page_size=page_size, num_pages=pools["main"][0],
-                      side_pages=pools["side"][0])
-        dec.extend(prompts, max_new_tokens=n_new)
-        if not checked:
-            dec._check_pool = lambda n: None
-        emitted: list[int] = []
-        try:
-            res = dec.generate(n_new, stream=lambda b, t, out=emitted: out.append(t))
-            assert [len(t) for t in res.tokens] == [n_new] * len(lens)
-            outcomes[checked] = "ran"
-        except RuntimeError as e:
-            assert "cache out of pages" in str(e), e
-            if checked:
-                name = {"main": "num_pages", "side": "side_pages"}[short[0]]
-                assert f"max_new_tokens={n_new}" in str(e), e
-                assert f"of {pools[short[0]][0]} are free" in str(e), e
-                assert f"raise {name}" in str(e) and not emitted, "refused before any token"
-            outcomes[checked] = "refused" if checked else "out of pages"
-    assert outcomes[True] == ("refused" if short else "ran"), pools
-    assert outcomes[False] == ("out of pages" if short else "ran"), pools
+    outcomes = with_and_without_the_pool_check(policy, prompts, n_new, page_size, num_pages=pools["main"][0],
+                                               side_pages=pools["side"][0])
+    assert outcomes[True][0] == ("refused" if short else "ran"), pools
+    assert outcomes[False][0] == ("out of pages" if short else "ran"), pools
+    if short:  # the first short pool's own error
+        err, name = outcomes[True][1], {"main": "num_pages", "side": "side_pages"}[short[0]]
+        assert f"max_new_tokens={n_new}" in err and f"of {pools[short[0]][0]} are free" in err, err
+        assert f"raise {name}" in err, err
 
 
 @pytest.mark.parametrize("spec", ["h2o+zipcache(group=8, every=4)", "tova+zipcache(group=8)"])
