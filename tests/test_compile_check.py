@@ -27,13 +27,18 @@ pytest.importorskip("triton")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def _run(args: list[str], tmp_path: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+def _env(tmp_path: Path) -> dict[str, str]:
+    """A compiling subprocess's environment: the interpreter off, this tree's sources, its own cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [env.get("PYTHONPATH")])])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default, said explicitly (Triton 3.9 warns)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=tmp_path)
+    return env
+
+
+def _run(args: list[str], tmp_path: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=_env(tmp_path),
+                          timeout=timeout, cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +56,9 @@ def sass(tmp_path_factory):
         for part in (missing[i::jobs] for i in range(jobs)):
             if part:
                 tmp = tmp_path_factory.mktemp("sass")
-                env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-                env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
-                env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-                procs.append(subprocess.Popen([sys.executable, script, *part, "--json"], env=env, cwd=tmp,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                procs.append(subprocess.Popen([sys.executable, script, *part, "--json"], env=_env(tmp),
+                                              cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True))
         done = [(proc, *proc.communicate(timeout=1200)) for proc in procs]
         for proc, out, err in done:
             assert proc.returncode == 0, err[-5000:]
