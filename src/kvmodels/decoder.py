@@ -465,18 +465,13 @@ class Decoder:
 
     def _check_pool(self, max_new_tokens: int) -> None:
         """Refuse, before the first decode step, a generation whose steps may open more pages than the pool
-        has free (``cache.decode_pages``: the worst case, every sequence running to ``max_new_tokens``),
+        has free (``cache.decode_needs``: the worst case, every sequence running to ``max_new_tokens``),
         where it would fail at the step that finds none (a pool sized by ``num_pages`` for fewer or shorter
         turns than the conversation has: found 2026-12-07). Two formats: each of the two pools (since
         2026-12-08)."""
-        cache, steps = self.cache, max_new_tokens - 1  # the last token is sampled, not cached
         what = f"a generation of max_new_tokens={max_new_tokens} (at worst, counted before step 0)"
-        if cache.side is None or cache.sliding or cache.plan is None:  # (two formats beside windows: None)
-            needs = [(cache.pool, cache.decode_pages(steps))]
-        else:  # two formats: both pools from one replay of the steps
-            needs = list(zip((cache.pool, cache.side.pool), cache.side.decode_pages(cache, steps)))
-        for pool, need in needs:
-            if need is not None and need > pool.free:  # the pool's own error, raised before any step
+        for pool, need in self.cache.decode_needs(max_new_tokens - 1):  # the last token is not cached
+            if need > pool.free:  # the pool's own error, raised before any step
                 raise pool.out_of_pages(need, what)
 
     def _replan_makes_room(self, b: int, steps: int) -> bool:
@@ -702,9 +697,7 @@ def _residual_hold(policy: Any) -> int:
     """The tokens a precision's unquantized residual may hold whole in a layer between agings (KIVI's
     ``residual + group``: two formats, ``kvmodels.cache.tiers``), whatever the budget; 0 for the others."""
     p = getattr(policy, "precision", None)
-    if p is None or not stores_two_formats(policy):
-        return 0
-    return int(p.held_unquantized())
+    return 0 if p is None else int(p.held_unquantized())  # (a residual is a second format)
 
 
 def stores_two_formats(policy: Any) -> bool:

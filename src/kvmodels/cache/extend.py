@@ -15,7 +15,7 @@ import torch
 
 from kvkernels import check_shape, check_tensor
 
-from .pool import ceil_div, per_head_gather
+from .pool import PagePool, ceil_div, per_head_gather
 from .rows import INT_DTYPES, check_reserve, check_sequence
 from .state import CacheState
 
@@ -86,19 +86,25 @@ class ExtendSteps(CacheState):
         return min(room)
 
     def decode_pages(self, steps: int, region: str = "main") -> int | None:
-        """The most pages the batch's active rows may open over the next ``steps`` decode steps, at worst
-        (host arithmetic, no sync): every row appends each step (a merged region two slots) and keeps its
-        pages, save what the plan's decode-time eviction holds it to (at most ``max(held, budget)`` plus the
-        slots of ``evict_every`` steps) and what a model's sliding window holds (its last ``W - 1`` and one
-        more). With two formats, each pool's (``region``: ``"main"`` or ``"side"``), replayed step by step
-        on lengths (``SideRegion.decode_pages``); ``None`` for two formats beside a model's sliding windows,
-        not counted. ``Decoder.generate`` compares it with the pool's free pages before its first step."""
-        if self.plan is None:
-            return None
+        """:meth:`decode_needs` of one pool (``region``: ``"main"``, or with two formats ``"side"``); ``None``
+        where it is not counted."""
+        needs = self.decode_needs(steps)
+        i = int(region == "side")
+        return needs[i][1] if i < len(needs) else None
+
+    def decode_needs(self, steps: int) -> list[tuple[PagePool, int]]:
+        """Each pool with the most pages the batch's active rows may open in it over the next ``steps``
+        decode steps, at worst (host arithmetic, no sync): every row appends each step (a merged region two
+        slots) and keeps its pages, save what the plan's decode-time eviction holds it to (at most
+        ``max(held, budget)`` plus the slots of ``evict_every`` steps) and what a model's sliding window holds
+        (its last ``W - 1`` and one more). With two formats, both pools, replayed step by step on lengths
+        (``SideRegion.decode_pages``); none for two formats beside a model's sliding windows, or before a
+        plan (not counted). ``Decoder.generate`` compares each with its pool's free pages before its first
+        step."""
+        if self.plan is None or (self.side is not None and self.sliding):
+            return []
         if self.side is not None:
-            if self.sliding:
-                return None
-            return self.side.decode_pages(self, steps)[region == "side"]
+            return list(zip((self.pool, self.side.pool), self.side.decode_pages(self, steps)))
         n, S = self.batch_size, self.page_size
         held = self.host.lens[:, :n].astype(np.int64)
         width = self._width[:, None] * self.host.active[:n]  # [Lc, n] slots a step appends
@@ -109,7 +115,7 @@ class ExtendSteps(CacheState):
             peak = np.minimum(peak, np.maximum(held, budgets) + width * every)
         for l in self.sliding:  # compacted back to the window after every step
             peak[l] = np.minimum(peak[l], np.maximum(held[l], self.windows[l] - 1) + width[l])
-        return int((ceil_div(peak, S) - ceil_div(held, S)).sum())
+        return [(self.pool, int((ceil_div(peak, S) - ceil_div(held, S)).sum()))]
 
     @property
     def slots_per_layer(self) -> int:

@@ -272,7 +272,7 @@ class SideRegion:
         settled = self.settled[:, :n].astype(np.int64)
         active = cache.host.active[:n].astype(np.int64)
         budgets = plan.rows.budgets.numpy()[:, :n].astype(np.int64)
-        cap = np.vectorize(p.high_share, otypes=[np.int64])(budgets) if self.reselects else budgets
+        cap = p.high_share(budgets) if self.reselects else budgets
 
         def pages(x: np.ndarray) -> int:
             return int(ceil_div(x, S).sum())
@@ -285,7 +285,7 @@ class SideRegion:
             if self.every:  # ZipCache's re-compression (recompress), on counts
                 waiting = main - settled
                 due = waiting >= self.every
-                high = settled + np.ceil(p.salient * waiting - 1e-9).astype(np.int64)
+                high = settled + p.high_share(waiting)
                 if self.capped:
                     due |= (main > budgets) & (waiting > 0)
                     high = np.where(high > cap, cap, high)
@@ -368,7 +368,7 @@ class SideRegion:
             moves = []
             for b in (int(b) for b in np.flatnonzero(due[l])):
                 total, s = int(main[l, b]), int(settled[l, b])
-                n_high = s + int(np.ceil(p.salient * (total - s) - 1e-9))  # 1e-9: 0.4 * 5 must stay 2
+                n_high = s + p.high_share(total - s)
                 settled_stay = True  # else the salient share of the budget, chosen among all of them
                 if budgets is not None and n_high > (cap := p.high_share(budgets[l, b])):
                     n_high, settled_stay = cap, False

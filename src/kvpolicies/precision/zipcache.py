@@ -26,7 +26,6 @@ accumulated attention on the decode steps for this.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -83,10 +82,11 @@ class ZipCache(PrecisionPolicy):
             voters = voters.clamp(max=window)
         return scores.float() / voters.to(torch.float32)
 
-    def high_share(self, budget: int) -> int:
-        """The most tokens a layer (KV head) of ``budget`` kept tokens holds at ``high`` bits: the ``salient``
-        share, rounded up."""
-        return math.ceil(self.salient * int(budget) - 1e-9)  # 1e-9: 0.4 * 5 must stay 2
+    def high_share(self, n):
+        """The most of ``n`` tokens a layer (KV head) holds at ``high`` bits: the ``salient`` share, rounded
+        up; ``n`` an int, or a numpy array of counts (each its own)."""
+        share = -((1e-9 - self.salient * n) // 1)  # ceil(salient * n - 1e-9); 1e-9: 0.4 * 5 must stay 2
+        return int(share) if isinstance(share, float) else share.astype("int64")
 
     def assign(self, kept: torch.Tensor, scores: torch.Tensor | None,
                voters: torch.Tensor | None = None) -> torch.Tensor:
